@@ -1,0 +1,9 @@
+"""transformer_jax: the Transformer of "Attention Is All You Need" and the seq2seq models before it."""
+from transformer_jax.attention import (
+    attend,
+    attention_weights,
+    combine_masks,
+    dot_product_attention,
+    make_causal_mask,
+    make_padding_mask,
+)

@@ -1,0 +1,172 @@
+"""The one attention core of the project, plus masks.
+
+Every model here (Transformer, Transformer-XL, the RNN and ConvS2S baselines) computes its
+attention through `attend` (scores already made) or `dot_product_attention` (scores from q and
+k). There is no second copy of the mask-softmax-dropout-mix code anywhere.
+
+Shape glossary (used in every model file of the project):
+  B: batch          T: query length      S: key/value length     M: memory length
+  H: heads          K: head width        D: model width          V: vocabulary
+
+Masks are boolean with True = attend, broadcastable to [B, H, T, S].
+
+dtype policy: q, k, v may be bf16; scores, softmax and the returned weights are float32; the
+mixed output comes back in v's dtype.
+"""
+from __future__ import annotations
+
+from typing import Literal
+
+import jax
+import jax.numpy as jnp
+
+Array = jax.Array
+
+# A large finite negative instead of -inf: a row with every key masked (a pad query) then gets
+# uniform weights instead of NaN, and NaN never enters the backward pass.
+_MASK_VALUE = -0.7 * float(jnp.finfo(jnp.float32).max)
+
+
+def make_padding_mask(tokens: Array, pad_id: int = 0) -> Array:
+    """[B, S] token ids -> [B, 1, 1, S] bool, True where the key is a real token."""
+    return (tokens != pad_id)[:, None, None, :]
+
+
+def make_causal_mask(length: int) -> Array:
+    """-> [1, 1, T, T] bool, True where key position <= query position."""
+    return jnp.tril(jnp.ones((length, length), dtype=bool))[None, None]
+
+
+def combine_masks(*masks: Array | None) -> Array | None:
+    """Logical AND of the masks that are not None (broadcasting); None if all are None."""
+    out = None
+    for m in masks:
+        if m is None:
+            continue
+        out = m if out is None else jnp.logical_and(out, m)
+    return out
+
+
+def attention_weights(
+    scores: Array,
+    *,
+    mask: Array | None = None,
+    dropout_rate: float = 0.0,
+    dropout_rng: Array | None = None,
+    deterministic: bool = True,
+) -> Array:
+    """Masked softmax over the last axis, in float32, then attention dropout.
+
+    Args:
+      scores: [..., T, S] attention logits (any float dtype; upcast to float32).
+      mask: bool, broadcastable to `scores`, True = attend.
+      dropout_rate: probability of dropping an attention weight (inverted dropout).
+      dropout_rng: PRNG key, required when dropping.
+      deterministic: if True no dropout is applied.
+    Returns:
+      [..., T, S] float32 weights; each row sums to 1 before dropout, masked keys get 0.
+    """
+    scores = scores.astype(jnp.float32)
+    if mask is not None:
+        scores = jnp.where(mask, scores, _MASK_VALUE)
+    weights = jax.nn.softmax(scores, axis=-1)
+    if mask is not None:
+        # A fully masked row gets exactly zero weight rather than a uniform spread.
+        weights = jnp.where(mask, weights, 0.0)
+    if not deterministic and dropout_rate > 0.0:
+        if dropout_rng is None:
+            raise ValueError("attention dropout needs a dropout_rng when deterministic=False")
+        keep = jax.random.bernoulli(dropout_rng, 1.0 - dropout_rate, weights.shape)
+        weights = jnp.where(keep, weights / (1.0 - dropout_rate), 0.0)
+    return weights
+
+
+def attend(
+    scores: Array,
+    value: Array,
+    *,
+    mask: Array | None = None,
+    dropout_rate: float = 0.0,
+    dropout_rng: Array | None = None,
+    deterministic: bool = True,
+) -> tuple[Array, Array]:
+    """Mix values by softmax(scores): the part every attention shares.
+
+    Additive (Bahdanau) and Luong attention compute their own scores and call this.
+
+    Args:
+      scores: [B, H, T, S] logits.
+      value: [B, S, H, K].
+      mask: broadcastable to [B, H, T, S], True = attend.
+    Returns:
+      out [B, T, H, K] in value's dtype, weights [B, H, T, S] float32.
+    """
+    weights = attention_weights(
+        scores, mask=mask, dropout_rate=dropout_rate, dropout_rng=dropout_rng,
+        deterministic=deterministic)
+    out = jnp.einsum("bhts,bshk->bthk", weights.astype(value.dtype), value)
+    return out, weights
+
+
+def _use_fused(query, dropout_rate, deterministic, return_weights, implementation) -> bool:
+    if implementation == "xla" or return_weights:
+        return False
+    if not deterministic and dropout_rate > 0.0:
+        return False
+    if implementation == "cudnn":
+        return True
+    # "auto": the fused cuDNN kernel on a GPU in half precision only.
+    return jax.default_backend() == "gpu" and query.dtype in (jnp.bfloat16, jnp.float16)
+
+
+def dot_product_attention(
+    query: Array,
+    key: Array,
+    value: Array,
+    *,
+    mask: Array | None = None,
+    bias: Array | None = None,
+    scale: float | None = None,
+    dropout_rate: float = 0.0,
+    dropout_rng: Array | None = None,
+    deterministic: bool = True,
+    implementation: Literal["auto", "xla", "cudnn"] = "auto",
+    return_weights: bool = False,
+):
+    """Scaled dot-product attention, softmax(q k^T * scale + bias) v.
+
+    Args:
+      query: [B, T, H, K].
+      key: [B, S, H, K].
+      value: [B, S, H, K].
+      mask: bool broadcastable to [B, H, T, S], True = attend.
+      bias: float broadcastable to [B, H, T, S], added to the scaled scores (Transformer-XL
+        passes its position term here).
+      scale: defaults to K ** -0.5.
+      dropout_rate, dropout_rng, deterministic: attention dropout (on the weights).
+      implementation: "xla" computes here; "cudnn" forces `jax.nn.dot_product_attention`'s
+        fused kernel; "auto" takes the fused kernel on a GPU in bf16/fp16 when there is no
+        attention dropout and no weights are asked for.
+      return_weights: also return the [B, H, T, S] float32 weights.
+    Returns:
+      out [B, T, H, K] (and weights if asked).
+    """
+    if scale is None:
+        scale = query.shape[-1] ** -0.5
+    if _use_fused(query, dropout_rate, deterministic, return_weights, implementation):
+        b, t, h, _ = query.shape
+        s = key.shape[1]
+        if mask is not None:
+            mask = jnp.broadcast_to(mask, (b, h, t, s))
+        if bias is not None:
+            bias = jnp.broadcast_to(bias, (b, h, t, s)).astype(query.dtype)
+        return jax.nn.dot_product_attention(
+            query, key, value, bias=bias, mask=mask, scale=scale,
+            implementation=None if implementation == "auto" else implementation)
+    scores = jnp.einsum("bthk,bshk->bhts", query, key,
+                        preferred_element_type=jnp.float32) * scale
+    if bias is not None:
+        scores = scores + bias.astype(jnp.float32)
+    out, weights = attend(scores, value, mask=mask, dropout_rate=dropout_rate,
+                          dropout_rng=dropout_rng, deterministic=deterministic)
+    return (out, weights) if return_weights else out

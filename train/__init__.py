@@ -1,0 +1,1 @@
+"""train: training and evaluation entry points over the datasets shipped in the package."""

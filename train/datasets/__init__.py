@@ -1,0 +1,1 @@
+"""TFDS builders for the datasets shipped with the package (offline first)."""

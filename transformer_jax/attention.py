@@ -10,8 +10,8 @@ Shape glossary (used in every model file of the project):
 
 Masks are boolean with True = attend, broadcastable to [B, H, T, S].
 
-dtype policy: q, k, v may be bf16; scores, softmax and the returned weights are float32; the
-mixed output comes back in v's dtype.
+dtype policy: q, k, v may be bf16; scores, softmax and the returned weights are float32 (float64
+when the inputs are float64); the mixed output comes back in v's dtype.
 """
 from __future__ import annotations
 
@@ -64,9 +64,11 @@ def attention_weights(
       dropout_rng: PRNG key, required when dropping.
       deterministic: if True no dropout is applied.
     Returns:
-      [..., T, S] float32 weights; each row sums to 1 before dropout, masked keys get 0.
+      [..., T, S] float32 weights (float64 for float64 scores); each row sums to 1 before
+      dropout, masked keys get 0.
     """
-    scores = scores.astype(jnp.float32)
+    # At least float32; float64 stays float64 so x64 references can be matched to 1e-9.
+    scores = scores.astype(jnp.promote_types(scores.dtype, jnp.float32))
     if mask is not None:
         scores = jnp.where(mask, scores, _MASK_VALUE)
     weights = jax.nn.softmax(scores, axis=-1)
@@ -164,9 +166,10 @@ def dot_product_attention(
             query, key, value, bias=bias, mask=mask, scale=scale,
             implementation=None if implementation == "auto" else implementation)
     scores = jnp.einsum("bthk,bshk->bhts", query, key,
-                        preferred_element_type=jnp.float32) * scale
+                        preferred_element_type=jnp.promote_types(query.dtype, jnp.float32))
+    scores = scores * scale
     if bias is not None:
-        scores = scores + bias.astype(jnp.float32)
+        scores = scores + bias.astype(scores.dtype)
     out, weights = attend(scores, value, mask=mask, dropout_rate=dropout_rate,
                           dropout_rng=dropout_rng, deterministic=deterministic)
     return (out, weights) if return_weights else out

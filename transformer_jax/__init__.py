@@ -7,3 +7,10 @@ from transformer_jax.attention import (
     make_causal_mask,
     make_padding_mask,
 )
+from transformer_jax.decode import (
+    beam_search,
+    greedy_decode,
+    model_step_fn,
+    search_beam,
+    search_greedy,
+)

@@ -1,0 +1,236 @@
+"""Greedy and beam-search decoding, written once for every translation model.
+
+Models reach this file only through the translation-model protocol:
+
+    init_decode_cache(src, *, max_len) -> cache      every leaf has leading axis B
+    decode_step(tokens [B], cache, *, index) -> (logits [B, V], cache)
+
+Underneath, `search_greedy` and `search_beam` take a plain step function
+`step_fn(tokens [N], cache, index) -> (logits [N, V], cache)` and know nothing of models, so
+they can be tested on hand-written logits.
+
+Shapes: B batch, W beams, L = max_len output positions, V vocabulary, N = B * W rows fed to the
+step function.
+
+Conventions shared by both searches:
+  * Decoding starts from BOS at position 0; the token decoded at step i is fed back at step i+1.
+  * pad_id and bos_id are never emitted: their logits are set to -inf before the softmax, so
+    log-probabilities are renormalised over the tokens that may be emitted.
+  * After EOS a row emits only pad_id; once every row has ended the `lax.while_loop` stops.
+  * Everything traces under `jit` with fixed shapes (nothing grows, nothing recompiles).
+"""
+from __future__ import annotations
+
+import functools
+from typing import Any, Callable
+
+import jax
+import jax.numpy as jnp
+from jax import lax
+
+Array = jax.Array
+Cache = Any
+# step_fn(tokens [N] int32, cache, index int32 scalar) -> (logits [N, V], cache)
+StepFn = Callable[[Array, Cache, Array], tuple[Array, Cache]]
+
+
+def _allowed_log_probs(logits: Array, *, pad_id: int, bos_id: int) -> Array:
+    """[N, V] logits -> [N, V] float32 log-probs with pad and bos impossible (-inf)."""
+    logits = logits.astype(jnp.float32)
+    vocab = jnp.arange(logits.shape[-1])
+    logits = jnp.where((vocab == pad_id) | (vocab == bos_id), -jnp.inf, logits)
+    return jax.nn.log_softmax(logits, axis=-1)
+
+
+def gnmt_length_penalty(length: Array, alpha: float) -> Array:
+    """GNMT length penalty ((5 + length) / 6) ** alpha (Wu et al. 2016, eq. 14), float32."""
+    return ((5.0 + length.astype(jnp.float32)) / 6.0) ** alpha
+
+
+def search_greedy(
+    step_fn: StepFn,
+    cache: Cache,
+    *,
+    batch_size: int,
+    max_len: int,
+    bos_id: int,
+    eos_id: int,
+    pad_id: int,
+) -> Array:
+    """Greedy decoding with any step function.
+
+    Args:
+      step_fn: (tokens [B], cache, index) -> (logits [B, V], cache).
+      cache: the step function's initial state (for a model: `init_decode_cache(src, ...)`).
+      batch_size: B.
+      max_len: L, the number of output positions.
+    Returns:
+      [B, L] int32 tokens after BOS: the argmax at each step, pad_id after EOS.
+    """
+
+    def cond(state):
+        i, _, _, finished, _ = state
+        return (i < max_len) & ~jnp.all(finished)
+
+    def body(state):
+        i, tokens, last, finished, cache = state
+        logits, cache = step_fn(last, cache, i)
+        # argmax of the log-probs (not of the raw logits) so that beam_size=1 ranks the very
+        # same float32 numbers and returns exactly this output.
+        nxt = jnp.argmax(_allowed_log_probs(logits, pad_id=pad_id, bos_id=bos_id), axis=-1)
+        nxt = jnp.where(finished, pad_id, nxt).astype(jnp.int32)
+        tokens = lax.dynamic_update_slice(tokens, nxt[:, None], (0, i))
+        return i + 1, tokens, nxt, finished | (nxt == eos_id), cache
+
+    init = (
+        jnp.zeros((), jnp.int32),
+        jnp.full((batch_size, max_len), pad_id, jnp.int32),
+        jnp.full((batch_size,), bos_id, jnp.int32),
+        jnp.zeros((batch_size,), bool),
+        cache,
+    )
+    return lax.while_loop(cond, body, init)[1]
+
+
+def search_beam(
+    step_fn: StepFn,
+    cache: Cache,
+    *,
+    batch_size: int,
+    beam_size: int,
+    max_len: int,
+    bos_id: int,
+    eos_id: int,
+    pad_id: int,
+    length_penalty_alpha: float = 0.6,
+) -> tuple[Array, Array]:
+    """Beam search with any step function.
+
+    Each of the W beam slots holds one hypothesis, alive or finished. At every step the
+    candidates are each alive hypothesis extended by every allowed token, plus each finished
+    hypothesis unchanged (extended by pad at no cost); the W with the best length-normalised
+    score log P / lp(len) survive. All alive candidates share one length, so among them this is
+    plain log-prob ranking; the normalisation only decides between finished and alive ones. A
+    finished hypothesis keeps its slot, which is what makes beam_size=1 exactly greedy.
+
+    Slots that never receive a possible candidate (W larger than the number of distinct
+    hypotheses) hold pad tokens and score -inf.
+
+    Args:
+      step_fn: (tokens [B*W], cache, index) -> (logits [B*W, V], cache); batch-major rows,
+        beam w of example b at row b * W + w.
+      cache: initial state with leading axis B (NOT repeated per beam; this repeats it).
+      batch_size: B.  beam_size: W.  max_len: L.
+      length_penalty_alpha: alpha of the GNMT length penalty; 0 ranks by total log-prob.
+    Returns:
+      tokens [B, W, L] int32 (pad after EOS) and scores [B, W] float32, best first; a score is
+      the total log-prob (EOS included) divided by ((5 + len) / 6) ** alpha, len counting EOS.
+    """
+    b_, w_ = batch_size, beam_size
+    cache = jax.tree_util.tree_map(lambda x: jnp.repeat(x, w_, axis=0), cache)
+    batch_offsets = (jnp.arange(b_) * w_)[:, None]  # [B, 1]: row of beam 0 of each example
+
+    def cond(state):
+        i, *_, finished, _ = state
+        return (i < max_len) & ~jnp.all(finished)
+
+    def body(state):
+        i, tokens, last, log_prob, lengths, finished, cache = state
+        logits, cache = step_fn(last.reshape(b_ * w_), cache, i)
+        v_ = logits.shape[-1]
+        step_lp = _allowed_log_probs(logits, pad_id=pad_id, bos_id=bos_id).reshape(b_, w_, v_)
+        # A finished hypothesis offers one candidate: itself, followed by pad.
+        stay = jnp.where(jnp.arange(v_) == pad_id, log_prob[..., None], -jnp.inf)
+        cand_lp = jnp.where(finished[..., None], stay, log_prob[..., None] + step_lp)  # [B,W,V]
+        cand_len = jnp.where(finished, lengths, i + 1)  # [B, W]
+        key = cand_lp / gnmt_length_penalty(cand_len, length_penalty_alpha)[..., None]
+        _, flat = lax.top_k(key.reshape(b_, w_ * v_), w_)  # [B, W], best first
+        parent, token = flat // v_, (flat % v_).astype(jnp.int32)
+
+        log_prob = jnp.take_along_axis(cand_lp.reshape(b_, w_ * v_), flat, axis=1)
+        lengths = jnp.take_along_axis(cand_len, parent, axis=1)
+        parent_finished = jnp.take_along_axis(finished, parent, axis=1)
+        # An impossible candidate (-inf) only fills a slot nothing else could: it is dead.
+        dead = log_prob == -jnp.inf
+        token = jnp.where(parent_finished | dead, pad_id, token)
+        tokens = jnp.take_along_axis(tokens, parent[..., None], axis=1)
+        tokens = lax.dynamic_update_slice(tokens, token[..., None], (0, 0, i))
+        finished = parent_finished | dead | (token == eos_id)
+        rows = (batch_offsets + parent).reshape(b_ * w_)
+        cache = jax.tree_util.tree_map(lambda x: x[rows], cache)
+        return i + 1, tokens, token, log_prob, lengths, finished, cache
+
+    # Every slot starts from the same BOS; only slot 0 may expand at step 0, else the first
+    # step would fill the beam with W copies of the same hypothesis.
+    init_lp = jnp.where(jnp.arange(w_) == 0, 0.0, -jnp.inf)
+    init = (
+        jnp.zeros((), jnp.int32),
+        jnp.full((b_, w_, max_len), pad_id, jnp.int32),
+        jnp.full((b_, w_), bos_id, jnp.int32),
+        jnp.broadcast_to(init_lp, (b_, w_)).astype(jnp.float32),
+        jnp.zeros((b_, w_), jnp.int32),
+        jnp.zeros((b_, w_), bool),
+        cache,
+    )
+    _, tokens, _, log_prob, lengths, _, _ = lax.while_loop(cond, body, init)
+    # The last top_k sorted by exactly these scores, so the slots are already best first.
+    return tokens, log_prob / gnmt_length_penalty(lengths, length_penalty_alpha)
+
+
+def model_step_fn(model, params) -> StepFn:
+    """The protocol's `decode_step` as a plain step function."""
+
+    def step_fn(tokens: Array, cache: Cache, index: Array) -> tuple[Array, Cache]:
+        return model.apply({"params": params}, tokens, cache, index=index, method="decode_step")
+
+    return step_fn
+
+
+def _init_cache(model, params, src: Array, max_len: int) -> Cache:
+    return model.apply({"params": params}, src, max_len=max_len, method="init_decode_cache")
+
+
+@functools.partial(jax.jit, static_argnames=("model", "max_len"))
+def greedy_decode(model, params, src: Array, *, max_len: int) -> Array:
+    """Greedy decoding of any protocol model (jitted; `model` is a static argument).
+
+    Args:
+      model: a translation model (Transformer or baseline) following the protocol.
+      params: its 'params' collection.
+      src: [B, S] int32 source, padded with pad_id.
+      max_len: L, output positions.
+    Returns:
+      [B, L] int32 tokens after BOS, pad_id after EOS.
+    """
+    c = model.config
+    return search_greedy(
+        model_step_fn(model, params), _init_cache(model, params, src, max_len),
+        batch_size=src.shape[0], max_len=max_len,
+        bos_id=c.bos_id, eos_id=c.eos_id, pad_id=c.pad_id)
+
+
+@functools.partial(jax.jit, static_argnames=("model", "beam_size", "max_len", "length_penalty"))
+def beam_search(
+    model,
+    params,
+    src: Array,
+    *,
+    beam_size: int,
+    max_len: int,
+    length_penalty: float = 0.6,
+) -> tuple[Array, Array]:
+    """Beam search over any protocol model (jitted; `model` is a static argument).
+
+    Args:
+      model, params, src, max_len: as in `greedy_decode`.
+      beam_size: W.
+      length_penalty: alpha of the GNMT penalty ((5 + len) / 6) ** alpha.
+    Returns:
+      tokens [B, W, L] int32 (pad after EOS) and scores [B, W] float32, best first.
+    """
+    c = model.config
+    return search_beam(
+        model_step_fn(model, params), _init_cache(model, params, src, max_len),
+        batch_size=src.shape[0], beam_size=beam_size, max_len=max_len,
+        bos_id=c.bos_id, eos_id=c.eos_id, pad_id=c.pad_id,
+        length_penalty_alpha=length_penalty)

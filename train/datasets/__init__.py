@@ -1,1 +1,58 @@
-"""TFDS builders for the datasets shipped with the package (offline first)."""
+"""TFDS builders for the datasets shipped with the package (offline first), and loaders.
+
+Importing this package registers the builders `multi30k` and `ptb` (configs `ptb/word`,
+`ptb/char`) with TFDS, so `tfds.data_source('multi30k', split='train', data_dir=...)` works
+once a dataset is prepared. The loaders below prepare on first use (a few seconds, from the
+shipped files, no network) and return plain Python lists.
+
+`data_dir=None` means what it means to TFDS: $TFDS_DATA_DIR, else ~/tensorflow_datasets.
+"""
+
+from __future__ import annotations
+
+import os
+
+import tensorflow_datasets as tfds
+
+from train.datasets.multi30k import Multi30k
+from train.datasets.ptb import Ptb
+from train.datasets.sources import DatasetSourceError
+
+__all__ = ['DatasetSourceError', 'Multi30k', 'Ptb', 'load_multi30k', 'load_ptb']
+
+# Accepted spellings of the PTB validation split: the upstream files say 'valid'.
+_PTB_SPLIT_ALIASES = {'valid': 'validation'}
+
+
+def _read_split(builder: tfds.core.DatasetBuilder, split: str) -> list[dict]:
+    """Prepares `builder` if needed and returns every example of `split`, in key order."""
+    builder.download_and_prepare()  # a no-op once the dataset is on disk
+    if split not in builder.info.splits:
+        raise ValueError(f'{builder.name} has no split {split!r}; '
+                         f'splits: {sorted(builder.info.splits)}')
+    source = builder.as_data_source(split=split)
+    return source.__getitems__(list(range(len(source))))
+
+
+def load_multi30k(split: str, *, data_dir: str | os.PathLike | None = None
+                  ) -> list[tuple[str, str]]:
+    """Multi30k de-en pairs of `split` in file order, as [(de, en), ...].
+
+    Splits: train, validation, test_2016_flickr, test_2017_flickr, test_2017_mscoco,
+    test_2018_flickr.
+    """
+    examples = _read_split(Multi30k(data_dir=data_dir), split)
+    return [(ex['de'].decode('utf-8'), ex['en'].decode('utf-8')) for ex in examples]
+
+
+def load_ptb(level: str, split: str, *, data_dir: str | os.PathLike | None = None) -> list[str]:
+    """PTB lines of `level` ('word'|'char') and `split` ('train'|'valid'|'test'), in file order.
+
+    Each line's tokens are its whitespace-separated symbols; append `<eos>` after each line to
+    get the standard LM stream (`train.tokenizers.WordVocab.encode_lines` does).
+    """
+    if level not in ('word', 'char'):
+        raise ValueError(f"level must be 'word' or 'char', got {level!r}")
+    split = _PTB_SPLIT_ALIASES.get(split, split)
+    examples = _read_split(Ptb(config=level, data_dir=data_dir), split)
+    return [ex['text'].decode('utf-8') for ex in examples]

@@ -14,3 +14,12 @@ from transformer_jax.decode import (
     search_beam,
     search_greedy,
 )
+from transformer_jax.seq2seq import (
+    BahdanauSeq2Seq,
+    GRUSeq2Seq,
+    LuongLocalSeq2Seq,
+    LuongSeq2Seq,
+    RNNSeq2SeqConfig,
+)
+from transformer_jax.convs2s import ConvS2S, ConvS2SConfig
+from transformer_jax.baselines import BASELINES, make_baseline

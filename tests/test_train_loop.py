@@ -1,0 +1,183 @@
+"""The shared training loop and checkpoints, on a toy regression whose loss uses the step rng.
+
+Resume must be exact, SIGTERM must save, a NaN must stop without saving, a corrupt checkpoint
+must be an error that changes nothing on disk, and the kept checkpoints must be the last N plus
+the best by validation loss.
+"""
+from __future__ import annotations
+
+import hashlib
+import os
+import signal
+
+import chex
+import jax
+import jax.numpy as jnp
+import numpy as np
+import optax
+import pytest
+
+from train.checkpoint import CheckpointError, Checkpoints
+from train.loop import LoopConfig, StopFlag, TrainingDiverged, stop_on_sigterm, train_loop
+from train.metrics import MetricsWriter, read_metrics
+from train.parallel import DataParallel
+from train.state import TrainState
+
+D = 4
+ROWS = 8  # divisible by the 8 test devices
+
+
+def toy_loss(params, batch, *, rng, extra, deterministic):
+    """Squared error with a random per-row keep mask from the step rng (like dropout)."""
+    err = (batch["x"] @ params["w"] + params["b"] - batch["y"]) ** 2  # [B]
+    if not deterministic:
+        err = err * jax.random.bernoulli(rng, 0.75, err.shape)
+    return err.sum(), {"n_tokens": jnp.float32(err.shape[0])}, extra
+
+
+def toy_batch(step: int, nan_at: int | None = None) -> dict[str, np.ndarray]:
+    rs = np.random.RandomState(step)
+    x = rs.randn(ROWS, D).astype(np.float32)
+    y = (x @ np.arange(1, D + 1, dtype=np.float32) + 0.5).astype(np.float32)
+    if step == nan_at:
+        y[0] = np.nan
+    return {"x": x, "y": y}
+
+
+def batches_from(start: int, nan_at: int | None = None):
+    step = start
+    while True:
+        yield toy_batch(step, nan_at)
+        step += 1
+
+
+def toy_eval(state: TrainState) -> dict[str, float]:
+    batch = toy_batch(10_000)
+    loss_sum, sums, _ = toy_loss(jax.device_get(state.params), batch, rng=None, extra=None,
+                                 deterministic=True)
+    return {"loss": float(loss_sum / sums["n_tokens"])}
+
+
+def run(workdir, *, steps, nan_at=None, eval_every=0, checkpoint_every=0, keep=3,
+        stop=None, on_log=None):
+    """Init or resume from `workdir`, train to `steps`; returns (LoopResult, Checkpoints)."""
+    dp = DataParallel("jit")
+    tx = optax.sgd(0.1)
+    init = TrainState.create(params={"w": jnp.zeros(D), "b": jnp.zeros(())}, tx=tx,
+                             rng=jax.random.PRNGKey(0))
+    init = dp.put_state(init)
+    ckpt = Checkpoints(str(workdir), keep=keep)
+    state, elapsed = init, 0.0
+    if ckpt.latest_step() is not None:
+        state, meta = ckpt.restore(init)
+        elapsed = meta["elapsed"]
+    step_fn = dp.compile_train_step(toy_loss, state, lr_schedule=lambda s: 0.1)
+    start = int(state.step)
+    result = train_loop(
+        state, dp=dp, train_step=step_fn, batches=batches_from(start, nan_at),
+        config=LoopConfig(steps=steps, log_every=1, eval_every=eval_every,
+                          checkpoint_every=checkpoint_every, progress=False),
+        writer=MetricsWriter(str(workdir)), checkpoints=ckpt, evaluate=toy_eval,
+        elapsed=elapsed, stop=stop, on_log=on_log)
+    return result, ckpt
+
+
+def train_losses(workdir):
+    return [(r["step"], r["loss"]) for r in read_metrics(str(workdir)) if r["split"] == "train"]
+
+
+def tree_of_files(directory):
+    """{relative path: sha256} of every file below `directory`."""
+    out = {}
+    for root, _, files in os.walk(directory):
+        for name in files:
+            path = os.path.join(root, name)
+            with open(path, "rb") as f:
+                out[os.path.relpath(path, directory)] = hashlib.sha256(f.read()).hexdigest()
+    return out
+
+
+def test_a_few_steps_lower_the_loss(tmp_path):
+    result, _ = run(tmp_path, steps=8)
+    losses = [loss for _, loss in train_losses(tmp_path)]
+    assert len(losses) == 8 and result.reason == "steps"
+    assert losses[-1] < 0.5 * losses[0]
+
+
+def test_resume_reproduces_an_uninterrupted_run_exactly(tmp_path):
+    straight, _ = run(tmp_path / "straight", steps=6)
+    first, ckpt = run(tmp_path / "resumed", steps=3)
+    assert ckpt.latest_step() == 3
+    second, _ = run(tmp_path / "resumed", steps=6)
+    a, b = train_losses(tmp_path / "straight"), train_losses(tmp_path / "resumed")
+    assert [s for s, _ in a] == [1, 2, 3, 4, 5, 6]
+    assert a == b  # exact, not approximately equal
+    chex.assert_trees_all_equal(jax.device_get(straight.state.params),
+                                jax.device_get(second.state.params))
+    assert second.elapsed >= first.elapsed
+
+
+def test_sigterm_saves_and_returns(tmp_path):
+    def send_sigterm(record):
+        if record["split"] == "train" and record["step"] == 2:
+            os.kill(os.getpid(), signal.SIGTERM)
+
+    with stop_on_sigterm() as flag:
+        result, ckpt = run(tmp_path, steps=10, stop=flag, on_log=send_sigterm)
+    assert flag.signum == signal.SIGTERM
+    assert result.reason == "sigterm"
+    # The signal arrived after step 2's log line; step 3 was in flight and finished.
+    assert ckpt.latest_step() == int(result.state.step) == 3
+    assert signal.getsignal(signal.SIGTERM) is not flag  # handler restored
+    resumed, _ = run(tmp_path, steps=5)
+    assert [s for s, _ in train_losses(tmp_path)] == [1, 2, 3, 4, 5]
+
+
+def test_nan_stops_with_a_message_and_keeps_the_last_good_checkpoint(tmp_path):
+    with pytest.raises(TrainingDiverged, match="last good checkpoint is step 4"):
+        run(tmp_path, steps=10, nan_at=4, checkpoint_every=2)  # batch 4 is used by step 5
+    ckpt = Checkpoints(str(tmp_path))
+    assert ckpt.latest_step() == 4
+    restored, _ = ckpt.restore(
+        DataParallel("jit").put_state(TrainState.create(
+            params={"w": jnp.zeros(D), "b": jnp.zeros(())}, tx=optax.sgd(0.1),
+            rng=jax.random.PRNGKey(0))))
+    assert all(np.isfinite(x).all() for x in jax.tree.leaves(jax.device_get(restored.params)))
+
+
+def test_keeps_the_last_n_and_the_best_by_validation_loss(tmp_path):
+    dp = DataParallel("jit")
+    state = dp.put_state(TrainState.create(params={"w": jnp.zeros(D)}, tx=optax.sgd(1.0),
+                                           rng=jax.random.PRNGKey(0)))
+    ckpt = Checkpoints(str(tmp_path), keep=2)
+    val = {1: 5.0, 2: 1.0, 3: 4.0, 4: None, 5: 3.0, 6: 2.5}
+    for step, loss in val.items():
+        ckpt.save(state.replace(step=jnp.int32(step)), meta={"elapsed": 0.0},
+                  metrics=None if loss is None else {"val_loss": loss})
+    assert ckpt.all_steps() == [2, 5, 6]
+    assert ckpt.best_step() == 2
+
+
+def test_corrupt_checkpoint_is_a_clear_error_and_changes_nothing(tmp_path):
+    run(tmp_path, steps=4, checkpoint_every=2)
+    ckpt = Checkpoints(str(tmp_path))
+    assert ckpt.all_steps() == [2, 4]
+    # Truncate every array data file of the latest checkpoint.
+    data_files = [os.path.join(root, name)
+                  for root, _, files in os.walk(os.path.join(ckpt.path(4), "state"))
+                  for name in files if os.path.basename(root) == "d"]
+    assert data_files
+    for path in data_files:
+        with open(path, "r+b") as f:
+            f.truncate(3)
+    before = tree_of_files(tmp_path)
+    with pytest.raises(CheckpointError, match=str(ckpt.path(4))):
+        run(tmp_path, steps=6)
+    assert tree_of_files(tmp_path) == before
+
+
+def test_stop_flag_by_hand_before_any_step_still_runs_one_step(tmp_path):
+    flag = StopFlag()
+    flag()
+    result, ckpt = run(tmp_path, steps=5, stop=flag)
+    assert result.reason == "sigterm" and ckpt.latest_step() == 1

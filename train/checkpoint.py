@@ -1,0 +1,164 @@
+"""What a work directory holds between runs: orbax checkpoints and the run config.
+
+  W/config.json        the run config, so `--workdir W` alone resumes the same run
+  W/checkpoints/<step> orbax checkpoints: item 'state' (the TrainState pytree, global layout)
+                       and item 'meta' (JSON: elapsed training seconds, ...), plus the
+                       validation metrics orbax ranks by
+
+The last `keep` checkpoints are kept, and the best one by validation loss on top of those.
+A checkpoint that cannot be read is an error naming its path; nothing is ever deleted or
+overwritten to get past it.
+"""
+from __future__ import annotations
+
+import dataclasses
+import json
+import os
+from typing import Any, Mapping
+
+import jax
+import orbax.checkpoint as ocp
+from orbax.checkpoint.checkpoint_managers import preservation_policy as ocp_keep
+
+from train.state import TrainState
+
+CONFIG_FILE = "config.json"
+CHECKPOINT_DIR = "checkpoints"
+BEST_METRIC = "val_loss"
+
+
+class CheckpointError(RuntimeError):
+    """A checkpoint or saved run config exists but cannot be used."""
+
+
+class Checkpoints:
+    """orbax CheckpointManager over W/checkpoints: keep the last `keep` and the best by
+    `val_loss` (lowest). Saves are synchronous: the train step donates the state's buffers right
+    after a save, and a SIGTERM save must be on disk before the process exits."""
+
+    def __init__(self, workdir: str, *, keep: int = 3):
+        if keep < 1:
+            raise ValueError(f"keep_checkpoints: must be >= 1, got {keep}")
+        self.directory = os.path.abspath(os.path.join(workdir, CHECKPOINT_DIR))
+        policy = ocp_keep.AnyPreservationPolicy([
+            ocp_keep.LatestN(n=keep),
+            ocp_keep.BestN(get_metric_fn=_best_key, reverse=True, n=1,
+                           keep_checkpoints_without_metrics=False),
+        ])
+        options = ocp.CheckpointManagerOptions(
+            best_fn=_best_key, best_mode="min", preservation_policy=policy,
+            enable_async_checkpointing=False, create=True)
+        self.manager = ocp.CheckpointManager(self.directory, options=options,
+                                             item_names=("state", "meta"))
+
+    def latest_step(self) -> int | None:
+        return self.manager.latest_step()
+
+    def best_step(self) -> int | None:
+        return self.manager.best_step()
+
+    def all_steps(self) -> list[int]:
+        return list(self.manager.all_steps())
+
+    def path(self, step: int) -> str:
+        return os.path.join(self.directory, str(step))
+
+    def save(self, state: TrainState, *, meta: Mapping[str, Any],
+             metrics: Mapping[str, float] | None = None) -> bool:
+        """Saves `state` (global layout) at its step; `metrics` must hold 'val_loss' to compete
+        for best. Returns False (and writes nothing) if that step is already saved."""
+        step = int(jax.device_get(state.step))
+        if step in self.manager.all_steps():
+            return False
+        if metrics is not None and BEST_METRIC not in metrics:
+            raise ValueError(f"checkpoint metrics need {BEST_METRIC!r}, got {sorted(metrics)}")
+        self.manager.save(step, args=ocp.args.Composite(
+            state=ocp.args.StandardSave(state), meta=ocp.args.JsonSave(dict(meta))),
+            metrics=None if metrics is None else {k: float(v) for k, v in metrics.items()})
+        self.manager.wait_until_finished()
+        return True
+
+    def restore(self, template: TrainState, step: int | None = None
+                ) -> tuple[TrainState, dict[str, Any]]:
+        """Reads checkpoint `step` (default: the latest) into the structure, shapes and
+        shardings of `template` (a global-layout state, arrays or ShapeDtypeStructs).
+        Raises CheckpointError naming the path if it is missing or unreadable."""
+        step = self.latest_step() if step is None else step
+        if step is None:
+            raise CheckpointError(f"no checkpoint in {self.directory}")
+        path = self.path(step)
+        abstract = jax.tree.map(ocp.utils.to_shape_dtype_struct, template)
+        try:
+            restored = self.manager.restore(step, args=ocp.args.Composite(
+                state=ocp.args.StandardRestore(abstract), meta=ocp.args.JsonRestore()))
+        except Exception as e:  # orbax raises many types; all mean "unusable" here
+            others = [s for s in self.all_steps() if s != step]
+            raise CheckpointError(
+                f"checkpoint {path} could not be restored ({type(e).__name__}: {e}). "
+                f"Nothing was changed in {self.directory}; move that step directory away to "
+                f"resume from an earlier one ({others or 'none left'}), or use a new workdir."
+            ) from e
+        state = restored["state"]
+        if not isinstance(state, TrainState):  # keep the static tx of the template
+            state = jax.tree.unflatten(jax.tree.structure(template), jax.tree.leaves(state))
+        return state, dict(restored["meta"] or {})
+
+    def close(self) -> None:
+        self.manager.close()
+
+
+def _best_key(metrics: Mapping[str, float]) -> float:
+    return float(metrics[BEST_METRIC])
+
+
+# ------------------------------------------------------------------------- run config
+def config_to_dict(config: Any) -> dict[str, Any]:
+    """A (nested) config dataclass -> JSON-able dict (dtypes and tuples made plain)."""
+    return json.loads(json.dumps(dataclasses.asdict(config), default=_json_default))
+
+
+def _json_default(x: Any):
+    if hasattr(x, "dtype") and hasattr(x, "name"):  # a numpy/jax dtype or scalar type
+        return str(x.name)
+    if isinstance(x, type):
+        return x.__name__
+    return str(x)
+
+
+def save_run_config(workdir: str, config: Mapping[str, Any]) -> None:
+    if jax.process_index() != 0:
+        return
+    os.makedirs(workdir, exist_ok=True)
+    tmp = os.path.join(workdir, CONFIG_FILE + ".tmp")
+    with open(tmp, "w") as f:
+        json.dump(config, f, indent=2, sort_keys=True)
+    os.replace(tmp, os.path.join(workdir, CONFIG_FILE))
+
+
+def load_run_config(workdir: str) -> dict[str, Any] | None:
+    """The saved run config of `workdir`, or None if there is none."""
+    path = os.path.join(workdir, CONFIG_FILE)
+    if not os.path.exists(path):
+        return None
+    try:
+        with open(path) as f:
+            return json.load(f)
+    except (OSError, json.JSONDecodeError) as e:
+        raise CheckpointError(f"run config {path} is unreadable: {e}") from e
+
+
+def config_mismatches(saved: Mapping[str, Any], given: Mapping[str, Any], *,
+                      may_change: tuple[str, ...] = (), prefix: str = "") -> list[str]:
+    """Fields (dotted paths) whose values differ, as 'field: saved X, given Y' lines, ignoring
+    the top-level fields in `may_change` (e.g. the step or time budget of a resumed run)."""
+    out = []
+    for key in sorted(set(saved) | set(given)):
+        name = prefix + key
+        if not prefix and key in may_change:
+            continue
+        a, b = saved.get(key, "<absent>"), given.get(key, "<absent>")
+        if isinstance(a, Mapping) and isinstance(b, Mapping):
+            out += config_mismatches(a, b, prefix=name + ".")
+        elif a != b:
+            out.append(f"{name}: saved {a!r}, given {b!r}")
+    return out

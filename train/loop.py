@@ -1,0 +1,193 @@
+"""The training loop every entry point shares: steps, logging, evaluation, checkpoints, stops.
+
+The loop dispatches compiled steps and keeps their metrics on device; it fetches them in one
+transfer per logging interval (that is also where a NaN is noticed). It stops at `steps`, at a
+wall-clock deadline, or on SIGTERM (after saving); a non-finite loss raises
+`TrainingDiverged` and saves nothing, so the last checkpoint on disk is the last good one.
+
+A resumed run reproduces an uninterrupted one exactly when the batches depend only on the step
+(the batchers guarantee it) and the step rng is fold_in(rng, step) (TrainState guarantees it).
+Logged training lines average over `log_every` steps counted from step 0, so they line up too
+when the stop step is a multiple of log_every.
+"""
+from __future__ import annotations
+
+import contextlib
+import dataclasses
+import math
+import signal
+import threading
+import time
+from typing import Any, Callable, Iterator, Mapping
+
+import jax
+from tqdm.auto import tqdm
+
+from train.checkpoint import BEST_METRIC, Checkpoints
+from train.metrics import MetricsWriter, summarize_interval
+from train.parallel import DataParallel
+from train.state import TrainState
+
+
+class TrainingDiverged(RuntimeError):
+    """The training loss became NaN or infinite."""
+
+
+@dataclasses.dataclass(frozen=True)
+class LoopConfig:
+    """steps: train until state.step == steps. deadline: time.monotonic() value after which no
+    new step starts (None: no time limit). eval_every / checkpoint_every: 0 = only at the end.
+    """
+
+    steps: int
+    deadline: float | None = None
+    log_every: int = 50
+    eval_every: int = 0
+    checkpoint_every: int = 0
+    progress: bool = True
+
+    def __post_init__(self):
+        if self.steps < 0:
+            raise ValueError(f"steps: must be >= 0, got {self.steps}")
+        if self.log_every < 1:
+            raise ValueError(f"log_every: must be >= 1, got {self.log_every}")
+        for name in ("eval_every", "checkpoint_every"):
+            if getattr(self, name) < 0:
+                raise ValueError(f"{name}: must be >= 0, got {getattr(self, name)}")
+
+
+@dataclasses.dataclass
+class LoopResult:
+    state: TrainState  # in the train step's layout
+    reason: str  # 'steps' | 'time' | 'sigterm'
+    elapsed: float  # training seconds, summed over resumed runs
+    last_eval: dict[str, float] | None
+
+
+class StopFlag:
+    """Set by SIGTERM (or by hand, e.g. from a test); the loop saves and returns when set."""
+
+    def __init__(self):
+        self.requested = False
+        self.signum: int | None = None
+
+    def __call__(self, signum=None, frame=None):
+        self.requested = True
+        self.signum = signum
+
+
+@contextlib.contextmanager
+def stop_on_sigterm():
+    """Installs a SIGTERM handler for the duration that only sets a flag: the step in flight
+    finishes, the loop saves a checkpoint and returns. Outside the main thread signal handlers
+    cannot be installed; the flag then only works when set by hand."""
+    flag = StopFlag()
+    if threading.current_thread() is not threading.main_thread():
+        yield flag
+        return
+    previous = signal.signal(signal.SIGTERM, flag)
+    try:
+        yield flag
+    finally:
+        signal.signal(signal.SIGTERM, previous)
+
+
+def train_loop(
+    state: TrainState,
+    *,
+    dp: DataParallel,
+    train_step: Callable,
+    batches: Iterator[Mapping[str, Any]],
+    config: LoopConfig,
+    writer: MetricsWriter,
+    checkpoints: Checkpoints | None = None,
+    evaluate: Callable[[TrainState], dict[str, float]] | None = None,
+    elapsed: float = 0.0,
+    stop: StopFlag | None = None,
+    on_log: Callable[[dict[str, Any]], None] | None = None,
+) -> LoopResult:
+    """Runs `train_step` from state.step to config.steps.
+
+    state: in `dp`'s step layout. batches: yields the global batch of step state.step, then
+      the next, ... (host arrays). evaluate: global-layout state -> {'loss', 'ppl', ...} on the
+      validation set, run every eval_every steps and at the end, logged as split 'validation';
+      its 'loss' ranks the checkpoints for the best one. elapsed: training seconds of earlier runs (from the checkpoint meta).
+    """
+    stop = stop or StopFlag()
+    step = int(jax.device_get(state.step).reshape(-1)[0])  # pmap: one copy per device
+    start_step, pending, reason, last_eval = step, [], "steps", None
+    bar = tqdm(total=config.steps, initial=step, disable=not config.progress or
+               jax.process_index() != 0, dynamic_ncols=True, desc="train")
+    t_log = time.monotonic()
+    t_run = t_log
+
+    def flush():
+        """Fetch the pending metrics (one transfer), check them, write one log line."""
+        nonlocal pending, t_log
+        if not pending:
+            return
+        host = dp.fetch(pending)
+        now = time.monotonic()
+        line = summarize_interval(host)
+        if not math.isfinite(line["loss"]):
+            last = checkpoints.latest_step() if checkpoints else None
+            where = (f"the last good checkpoint is step {last} in {checkpoints.directory}"
+                     if last is not None else "no checkpoint was saved")
+            raise TrainingDiverged(
+                f"training loss became {line['loss']} in steps {step - len(pending) + 1}.."
+                f"{step}; stopped without saving ({where}). Lower the learning rate or check "
+                f"the data.")
+        line["tokens_per_sec"] = sum(m["n_tokens"] for m in host) / max(now - t_log, 1e-9)
+        line["elapsed"] = elapsed + (now - t_run)
+        record = writer.write(step, "train", line)
+        bar.set_postfix(loss=f"{line['loss']:.3f}", lr=f"{line.get('lr', 0):.2e}",
+                        tok_s=f"{line['tokens_per_sec']:.0f}", refresh=False)
+        if on_log:
+            on_log(record)
+        pending, t_log = [], now
+
+    def save(val=None):
+        if checkpoints is not None:
+            meta = {"elapsed": elapsed + (time.monotonic() - t_run)}
+            checkpoints.save(dp.get_state(state), meta=meta,
+                             metrics=None if val is None else {BEST_METRIC: val["loss"]})
+
+    def run_eval():
+        nonlocal last_eval
+        last_eval = evaluate(dp.get_state(state))
+        writer.write(step, "validation", last_eval)
+        if on_log:
+            on_log({"step": step, "split": "validation", **last_eval})
+        return last_eval
+
+    try:
+        while step < config.steps:
+            if config.deadline is not None and time.monotonic() >= config.deadline:
+                reason = "time"
+                break
+            state, metrics = train_step(state, dp.put_batch(next(batches)))
+            step += 1
+            pending.append(metrics)
+            bar.update(1)
+            if stop.requested:
+                reason = "sigterm"
+                break
+            if step % config.log_every == 0:
+                flush()
+            if config.eval_every and step % config.eval_every == 0 and evaluate:
+                flush()
+                save(run_eval())
+            elif config.checkpoint_every and step % config.checkpoint_every == 0:
+                flush()
+                save()
+        flush()
+        if reason != "sigterm" and evaluate and step > start_step and (
+                last_eval is None or not config.eval_every or step % config.eval_every):
+            run_eval()
+        if step > start_step or (checkpoints and checkpoints.latest_step() is None):
+            # A final val eval at this step ranks it; a SIGTERM save carries no metrics.
+            save(last_eval if reason != "sigterm" else None)
+    finally:
+        bar.close()
+    return LoopResult(state=state, reason=reason,
+                      elapsed=elapsed + (time.monotonic() - t_run), last_eval=last_eval)

@@ -1,0 +1,205 @@
+"""Data parallelism over every device: `jit` over a Mesh (the default) or `pmap`.
+
+The same code runs on one GPU, eight CPU devices or a TPU slice, and on several hosts after
+`jax.distributed.initialize()`:
+
+  jit:  a 1-D `Mesh` with axis 'data'. The batch is a global array split along its leading axis
+        (`NamedSharding(mesh, P('data'))`), params and optimizer state are replicated
+        (`P()`), the carried `extra` state (XL memory, leading axis B) is split like the batch.
+        XLA inserts the gradient all-reduce itself.
+  pmap: the classic per-device program with an explicit `lax.psum` over axis 'data'. Kept for
+        the design's sake and for comparison; it computes the same update (see train.step), but
+        its dropout masks are drawn per device, so with dropout on the two paths differ in the
+        random draws (not in the maths). Single-process only.
+
+Every host computes the same global batch (the batchers are deterministic given seed and step)
+and feeds the rows of its own devices: `jax.make_array_from_process_local_data`.
+"""
+from __future__ import annotations
+
+import os
+from typing import Any, Literal, Sequence
+
+import jax
+import numpy as np
+from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
+
+from train.state import TrainState
+from train.step import LossFn, make_eval_step, make_train_step
+
+PyTree = Any
+DATA_AXIS = "data"
+ParallelMode = Literal["jit", "pmap"]
+
+# Setting this in the environment (e.g. by a cluster launcher script) asks for multi-host set-up
+# exactly like the --distributed flag.
+DISTRIBUTED_ENV = "TRAIN_DISTRIBUTED"
+
+
+def maybe_initialize_distributed(enabled: bool = False) -> bool:
+    """Calls `jax.distributed.initialize()` (arguments from the cluster environment: SLURM,
+    Cloud TPU, or JAX_COORDINATOR_ADDRESS / JAX_NUM_PROCESSES / JAX_PROCESS_ID) when `enabled`
+    or $TRAIN_DISTRIBUTED is 1/true. Must run before the first JAX computation.
+    Returns whether JAX runs distributed."""
+    enabled = enabled or os.environ.get(DISTRIBUTED_ENV, "").lower() in ("1", "true", "yes")
+    if enabled and not jax.distributed.is_initialized():
+        jax.distributed.initialize()
+    return jax.distributed.is_initialized()
+
+
+def make_mesh(devices: Sequence[jax.Device] | None = None) -> Mesh:
+    """A 1-D mesh over `devices` (default: every device of every process) with axis 'data'."""
+    devices = jax.devices() if devices is None else list(devices)
+    return Mesh(np.asarray(devices), (DATA_AXIS,))
+
+
+class DataParallel:
+    """Places state and batches and compiles the steps for one parallel mode.
+
+    "Global layout" below means the jit layout: jax.Arrays over the mesh, params replicated,
+    `extra` split on axis 0. Checkpoints, evaluation helpers and decoding use the global layout;
+    `put_state` / `get_state` convert to and from the layout the train step wants.
+    """
+
+    def __init__(self, mode: ParallelMode = "jit", devices: Sequence[jax.Device] | None = None):
+        if mode not in ("jit", "pmap"):
+            raise ValueError(f"parallel: expected 'jit' or 'pmap', got {mode!r}")
+        if mode == "pmap" and jax.process_count() > 1:
+            raise ValueError("parallel: the pmap path is single-process; use 'jit' on several "
+                             "hosts")
+        self.mode = mode
+        self.mesh = make_mesh(devices)
+        self.n_devices = self.mesh.size
+        self.replicated = NamedSharding(self.mesh, P())
+        self.batch_sharding = NamedSharding(self.mesh, P(DATA_AXIS))
+        # This process's devices, in mesh order: it feeds their rows of every global batch.
+        mesh_devices = list(self.mesh.devices.flat)
+        self.local_devices = [d for d in mesh_devices if d.process_index == jax.process_index()]
+        # They come in one contiguous run of the mesh (jax.devices() is ordered by process), so
+        # this process's rows of a global batch do too; this is the run's first position.
+        self._first_local = mesh_devices.index(self.local_devices[0])
+
+    # ----------------------------------------------------------------- layouts
+    def state_shardings(self, state: TrainState) -> TrainState:
+        """The global-layout sharding of every leaf of `state` (a TrainState of shardings)."""
+        rep = lambda _: self.replicated  # noqa: E731
+        return state.replace(
+            step=self.replicated, rng=self.replicated,
+            params=jax.tree.map(rep, state.params), opt_state=jax.tree.map(rep, state.opt_state),
+            extra=jax.tree.map(lambda _: self.batch_sharding, state.extra))
+
+    def to_global(self, tree: PyTree, shardings: PyTree) -> PyTree:
+        """Host (or any) values, the same on every process -> global arrays with `shardings`."""
+
+        def put(x, sharding):
+            if isinstance(x, jax.Array) and x.sharding == sharding:
+                return x
+            x = np.asarray(jax.device_get(x))
+            return jax.make_array_from_callback(x.shape, sharding, lambda idx: x[idx])
+
+        return jax.tree.map(put, tree, shardings)
+
+    def put_state(self, state: TrainState) -> TrainState:
+        """Global-layout (or host) state -> the layout this mode's train step takes."""
+        self._check_rows(state.extra, "the carried state (extra)")
+        if self.mode == "jit":
+            return self.to_global(state, self.state_shardings(state))
+        host = jax.device_get(state)
+        n = self.n_devices
+        stacked = host.replace(
+            step=_stack(host.step, n), rng=_stack(host.rng, n),
+            params=jax.tree.map(lambda x: _stack(x, n), host.params),
+            opt_state=jax.tree.map(lambda x: _stack(x, n), host.opt_state),
+            extra=jax.tree.map(lambda x: _split(x, n), host.extra))
+        return jax.pmap(lambda s: s, devices=self.local_devices)(stacked)
+
+    def get_state(self, state: TrainState) -> TrainState:
+        """The train step's layout -> global layout (identity for jit)."""
+        if self.mode == "jit":
+            return state
+        host = jax.device_get(state)
+        first = lambda x: x[0]  # noqa: E731 - replicas are identical; take device 0's.
+        host = host.replace(
+            step=first(host.step), rng=first(host.rng),
+            params=jax.tree.map(first, host.params),
+            opt_state=jax.tree.map(first, host.opt_state),
+            extra=jax.tree.map(lambda x: x.reshape((-1,) + x.shape[2:]), host.extra))
+        return self.to_global(host, self.state_shardings(host))
+
+    def put_batch(self, batch: PyTree) -> PyTree:
+        """A global batch (host arrays, leading axis B, identical on every process) -> the
+        train step's layout: a global array split on B (jit) or [devices, B/devices, ...]."""
+        self._check_rows(batch, "the batch")
+        if self.mode == "pmap":
+            return jax.tree.map(lambda x: _split(np.asarray(x), self.n_devices), batch)
+        return jax.tree.map(self._put_rows, batch)
+
+    def put_extra(self, extra: PyTree) -> PyTree:
+        """Host carried state (e.g. a fresh evaluation memory) -> this mode's layout."""
+        self._check_rows(extra, "the carried state (extra)")
+        if self.mode == "pmap":
+            return jax.tree.map(lambda x: _split(np.asarray(x), self.n_devices), extra)
+        return jax.tree.map(self._put_rows, extra)
+
+    def get_extra(self, extra: PyTree) -> PyTree:
+        """This mode's layout -> host arrays with leading axis B."""
+        extra = jax.device_get(extra)
+        if self.mode == "pmap":
+            return jax.tree.map(lambda x: x.reshape((-1,) + x.shape[2:]), extra)
+        return extra
+
+    def _put_rows(self, x) -> jax.Array:
+        x = np.asarray(x)
+        rows = x.shape[0] // self.n_devices
+        start = self._first_local * rows
+        local = x[start:start + rows * len(self.local_devices)]
+        return jax.make_array_from_process_local_data(self.batch_sharding, local, x.shape)
+
+    def _check_rows(self, tree: PyTree, what: str) -> None:
+        for x in jax.tree.leaves(tree):
+            if np.ndim(x) == 0 or np.shape(x)[0] % self.n_devices:
+                raise ValueError(
+                    f"{what}: leading (batch) axis of shape {np.shape(x)} must be divisible by "
+                    f"the device count {self.n_devices}")
+
+    # ----------------------------------------------------------------- steps
+    def compile_train_step(self, loss_fn: LossFn, state: TrainState, *,
+                           lr_schedule=None):
+        """-> step(state, batch) -> (state, metrics), in this mode's layouts, compiled once per
+        batch shape, with the state's buffers donated (updated in place)."""
+        if self.mode == "pmap":
+            step = make_train_step(loss_fn, lr_schedule=lr_schedule, axis_name=DATA_AXIS)
+            return jax.pmap(step, axis_name=DATA_AXIS, donate_argnums=(0,),
+                            devices=self.local_devices)
+        step = make_train_step(loss_fn, lr_schedule=lr_schedule)
+        state_sh = self.state_shardings(state)
+        return jax.jit(step, in_shardings=(state_sh, self.batch_sharding),
+                       out_shardings=(state_sh, self.replicated), donate_argnums=(0,))
+
+    def compile_eval_step(self, loss_fn: LossFn, state: TrainState):
+        """-> eval(params, batch, extra) -> (sums, extra); `params` taken from a state in this
+        mode's layout, `extra` placed by `put_extra`."""
+        if self.mode == "pmap":
+            return jax.pmap(make_eval_step(loss_fn, axis_name=DATA_AXIS), axis_name=DATA_AXIS,
+                            devices=self.local_devices)
+        state_sh = self.state_shardings(state)
+        return jax.jit(make_eval_step(loss_fn),
+                       in_shardings=(state_sh.params, self.batch_sharding, self.batch_sharding),
+                       out_shardings=(self.replicated, self.batch_sharding))
+
+    def fetch(self, metrics: Sequence[PyTree]) -> list[dict[str, float]]:
+        """Device metrics (a list of per-step dicts) -> host floats, in ONE transfer."""
+        host = jax.device_get(list(metrics))
+        if self.mode == "pmap":  # psummed, so every device holds the same value
+            host = [jax.tree.map(lambda x: x[0], m) for m in host]
+        return [{k: float(v) for k, v in m.items()} for m in host]
+
+
+def _stack(x, n: int) -> np.ndarray:
+    x = np.asarray(x)
+    return np.broadcast_to(x[None], (n,) + x.shape).copy()
+
+
+def _split(x, n: int) -> np.ndarray:
+    x = np.asarray(x)
+    return x.reshape((n, x.shape[0] // n) + x.shape[1:])

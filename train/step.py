@@ -1,0 +1,83 @@
+"""The pure train and eval steps, shared by every model.
+
+A model plugs in through one loss function,
+
+    loss_fn(params, batch, *, rng, extra, deterministic) -> (loss_sum, sums, new_extra)
+
+  loss_sum: float32 scalar SUMMED over the target tokens of this batch (the part on this device
+    under pmap): the quantity differentiated.
+  sums: dict of float32 scalars also summed over tokens; it must hold 'n_tokens' (the number of
+    non-pad targets) and may hold more (e.g. 'nll_sum', the unsmoothed negative log-likelihood).
+  new_extra: the state carried to the next step (XL memory), or None.
+
+The step normalises by the GLOBAL token count after summing over devices, so one step on eight
+devices computes the same update as one step on one device, whatever the padding per shard.
+`jit` / `pmap` and shardings are applied by `train.parallel`, not here.
+"""
+from __future__ import annotations
+
+from typing import Any, Callable
+
+import jax
+import jax.numpy as jnp
+import optax
+from jax import lax
+
+from train.state import TrainState
+
+PyTree = Any
+Array = jax.Array
+LossFn = Callable[..., tuple[Array, dict[str, Array], PyTree]]
+
+
+def make_train_step(loss_fn: LossFn, *, lr_schedule: optax.Schedule | None = None,
+                    axis_name: str | None = None):
+    """-> train_step(state, batch) -> (state, metrics).
+
+    metrics: the summed `sums` plus 'loss_sum', 'grad_norm' (of the normalised gradient, before
+    clipping) and 'lr' (the rate this step used); all scalars, left on device.
+    axis_name: set under `pmap`: gradients and sums are psummed over that axis.
+    """
+
+    def train_step(state: TrainState, batch: dict[str, Array]):
+        rng = state.step_rng()
+        if axis_name is not None:
+            # pmap: each device draws its own dropout masks (the same key everywhere would drop
+            # the same positions on every shard). The jit path needs nothing: one global draw.
+            rng = jax.random.fold_in(rng, lax.axis_index(axis_name))
+
+        def objective(params):
+            loss_sum, sums, extra = loss_fn(params, batch, rng=rng, extra=state.extra,
+                                            deterministic=False)
+            return loss_sum, (sums, extra)
+
+        (loss_sum, (sums, extra)), grads = jax.value_and_grad(objective, has_aux=True)(
+            state.params)
+        sums = dict(sums, loss_sum=loss_sum)
+        if axis_name is not None:
+            grads, sums = lax.psum((grads, sums), axis_name)
+        # The mean over the global batch: the gradient of the summed loss divided by the token
+        # count of every device together, identical to a single-device step.
+        n_tokens = jnp.maximum(sums["n_tokens"], 1.0)
+        grads = jax.tree.map(lambda g: g / n_tokens, grads)
+        new_state = state.apply_gradients(grads, extra=extra)
+        metrics = dict(sums, grad_norm=optax.tree.norm(grads))
+        if lr_schedule is not None:
+            metrics["lr"] = jnp.asarray(lr_schedule(state.step), jnp.float32)
+        return new_state, metrics
+
+    return train_step
+
+
+def make_eval_step(loss_fn: LossFn, *, axis_name: str | None = None):
+    """-> eval_step(params, batch, extra) -> (sums, new_extra), deterministic, summed over the
+    batch (and over devices under pmap) so a caller adds them up over an evaluation set."""
+
+    def eval_step(params: PyTree, batch: dict[str, Array], extra: PyTree):
+        loss_sum, sums, extra = loss_fn(params, batch, rng=None, extra=extra, deterministic=True)
+        sums = dict(sums, loss_sum=loss_sum)
+        if axis_name is not None:
+            sums = lax.psum(sums, axis_name)
+        return sums, extra
+
+    return eval_step

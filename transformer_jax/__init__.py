@@ -7,6 +7,17 @@ from transformer_jax.attention import (
     make_causal_mask,
     make_padding_mask,
 )
+from transformer_jax.config import TransformerConfig
+from transformer_jax.layers import (
+    DecoderLayer,
+    EncoderLayer,
+    FeedForward,
+    MultiHeadAttention,
+)
+from transformer_jax.losses import label_smoothed_cross_entropy
+from transformer_jax.model import Transformer
+from transformer_jax.optim import make_optimizer, noam_schedule
+from transformer_jax.positional import PositionalEncoding, sinusoidal_positions, sinusoids_at
 from transformer_jax.decode import (
     beam_search,
     greedy_decode,

@@ -1,0 +1,119 @@
+"""TransformerConfig: every hyper-parameter of the encoder-decoder Transformer, validated once."""
+from __future__ import annotations
+
+import dataclasses
+from typing import Any
+
+import jax.numpy as jnp
+import numpy as np
+
+POSITIONAL = ("sinusoidal", "sinusoidal_concat", "learned")
+_DTYPES = (np.dtype(jnp.float32), np.dtype(jnp.bfloat16), np.dtype(jnp.float16))
+
+
+@dataclasses.dataclass(frozen=True)
+class TransformerConfig:
+    """Hyper-parameters of `Transformer`; the defaults are the paper's base model (Table 3).
+
+    Attributes:
+      src_vocab_size, tgt_vocab_size: V of each side. The default 37000 is the paper's shared
+        WMT14 En-De BPE vocabulary.
+      d_model: D.  n_heads: H (K = D / H).  d_ff: inner width of the position-wise FFN.
+      n_encoder_layers, n_decoder_layers: stack depths (N in the paper).
+      dropout: residual dropout on every sublayer output and on the embedding + position sums.
+      attention_dropout: dropout on the attention weights (the paper uses none; the Annotated
+        Transformer and tensor2tensor do).
+      norm_first: False is the paper's post-LN, LayerNorm(x + Sublayer(x)); True is pre-LN,
+        x + Sublayer(LayerNorm(x)) with a final LayerNorm on each stack.
+      positional: "sinusoidal" (sin/cos interleaved, the paper's formula), "sinusoidal_concat"
+        (all sines then all cosines, tensor2tensor's layout) or "learned" (max_len rows).
+      max_len: rows of the learned table, the longest sequence "learned" accepts; sinusoidal
+        positions work at any length.
+      share_embeddings: one table for source and target tokens (needs equal vocab sizes).
+      tie_output: the pre-softmax projection is the transposed target embedding.
+      pad_id, bos_id, eos_id: special token ids, distinct and inside both vocabularies.
+      dtype: compute dtype (float32, bfloat16 or float16). Parameters are always float32;
+        attention logits, softmax, output logits and the loss are float32.
+    """
+
+    src_vocab_size: int = 37000
+    tgt_vocab_size: int = 37000
+    d_model: int = 512
+    n_heads: int = 8
+    d_ff: int = 2048
+    n_encoder_layers: int = 6
+    n_decoder_layers: int = 6
+    dropout: float = 0.1
+    attention_dropout: float = 0.0
+    norm_first: bool = False
+    positional: str = "sinusoidal"
+    max_len: int = 512
+    share_embeddings: bool = True
+    tie_output: bool = True
+    pad_id: int = 0
+    bos_id: int = 1
+    eos_id: int = 2
+    dtype: Any = jnp.float32
+
+    def __post_init__(self):
+        for name in ("src_vocab_size", "tgt_vocab_size", "d_model", "n_heads", "d_ff",
+                     "n_encoder_layers", "n_decoder_layers", "max_len"):
+            value = getattr(self, name)
+            if not isinstance(value, (int, np.integer)) or isinstance(value, bool) or value <= 0:
+                raise ValueError(f"{name} must be a positive integer, got {value!r}")
+        if self.d_model % self.n_heads:
+            raise ValueError(
+                f"d_model ({self.d_model}) must be divisible by n_heads ({self.n_heads})")
+        for name in ("dropout", "attention_dropout"):
+            value = getattr(self, name)
+            if not 0.0 <= value < 1.0:
+                raise ValueError(f"{name} must be in [0, 1), got {value!r}")
+        if self.positional not in POSITIONAL:
+            raise ValueError(f"positional must be one of {POSITIONAL}, got {self.positional!r}")
+        if self.positional.startswith("sinusoidal") and self.d_model % 2:
+            raise ValueError(f"d_model must be even for sinusoidal positions, got {self.d_model}")
+        if self.share_embeddings and self.src_vocab_size != self.tgt_vocab_size:
+            raise ValueError(
+                f"share_embeddings needs src_vocab_size == tgt_vocab_size, got "
+                f"{self.src_vocab_size} and {self.tgt_vocab_size}")
+        specials = {"pad_id": self.pad_id, "bos_id": self.bos_id, "eos_id": self.eos_id}
+        for name, value in specials.items():
+            if not 0 <= value < min(self.src_vocab_size, self.tgt_vocab_size):
+                raise ValueError(f"{name} ({value}) must be a token id in both vocabularies")
+        if len(set(specials.values())) != 3:
+            raise ValueError(f"pad_id, bos_id and eos_id must be distinct, got {specials}")
+        try:
+            dtype = np.dtype(self.dtype)
+        except TypeError:
+            dtype = None
+        if dtype not in _DTYPES:
+            raise ValueError(f"dtype must be float32, bfloat16 or float16, got {self.dtype!r}")
+        # Normalise ("bfloat16", jnp.bfloat16, ...) to one hashable value.
+        object.__setattr__(self, "dtype", dtype)
+
+    @property
+    def head_dim(self) -> int:
+        """K, the width of one head."""
+        return self.d_model // self.n_heads
+
+    def replace(self, **overrides) -> TransformerConfig:
+        """A copy with some fields changed (validated again)."""
+        return dataclasses.replace(self, **overrides)
+
+    @classmethod
+    def tiny(cls, **overrides) -> TransformerConfig:
+        """A model for tests and toy tasks: 2+2 layers of width 64."""
+        fields = dict(src_vocab_size=32, tgt_vocab_size=32, d_model=64, n_heads=4, d_ff=128,
+                      n_encoder_layers=2, n_decoder_layers=2, max_len=64)
+        return cls(**{**fields, **overrides})
+
+    @classmethod
+    def base(cls, **overrides) -> TransformerConfig:
+        """The paper's base model: 512 / 8 heads / 2048 / 6+6 layers / dropout 0.1."""
+        return cls(**overrides)
+
+    @classmethod
+    def big(cls, **overrides) -> TransformerConfig:
+        """The paper's big model: 1024 / 16 heads / 4096 / 6+6 layers / dropout 0.3 (En-De)."""
+        fields = dict(d_model=1024, n_heads=16, d_ff=4096, dropout=0.3)
+        return cls(**{**fields, **overrides})

@@ -1,0 +1,255 @@
+"""Transformer layers: multi-head attention, position-wise FFN, encoder and decoder layers.
+
+Shape glossary:
+  B: batch          T: target (query) length     S: source (key/value) length
+  H: heads          K: head width (D / H)        D: model width      L: decode cache length
+
+Every attention here goes through `transformer_jax.attention.dot_product_attention`.
+Dtype policy: parameters float32; activations in `config.dtype`; attention logits and
+softmax float32 (inside the attention core).
+"""
+from __future__ import annotations
+
+from typing import Callable
+
+import flax.linen as nn
+import jax
+import jax.numpy as jnp
+from jax import lax
+
+from transformer_jax.attention import dot_product_attention
+from transformer_jax.config import TransformerConfig
+
+Array = jax.Array
+DecoderLayerCache = dict[str, Array]
+
+
+def dense(features: int, *, dtype, **kwargs) -> nn.Dense:
+    """A Dense layer computing in `dtype`, with float32 parameters, the paper code's
+    Xavier-uniform kernel and a zero bias."""
+    return nn.Dense(features, dtype=dtype, param_dtype=jnp.float32,
+                    kernel_init=nn.initializers.xavier_uniform(),
+                    bias_init=nn.initializers.zeros, **kwargs)
+
+
+def layer_norm(config: TransformerConfig, **kwargs) -> nn.LayerNorm:
+    # tensor2tensor's epsilon; flax upcasts the statistics to float32 for half dtypes.
+    return nn.LayerNorm(epsilon=1e-6, dtype=config.dtype, param_dtype=jnp.float32, **kwargs)
+
+
+class MultiHeadAttention(nn.Module):
+    """Multi-head attention, split into its two halves so a decoder can cache keys/values.
+
+    `project_kv` maps the attended sequence to per-head keys and values; `attend_to` projects
+    the queries, calls the attention core and mixes heads back to D. `__call__` does both.
+    Parameters: query, key, value, out, each a [D, D] Dense (heads are reshaped out of D).
+    """
+
+    config: TransformerConfig
+
+    def setup(self):
+        d, dtype = self.config.d_model, self.config.dtype
+        self.query = dense(d, dtype=dtype)
+        self.key = dense(d, dtype=dtype)
+        self.value = dense(d, dtype=dtype)
+        self.out = dense(d, dtype=dtype)
+
+    def _split_heads(self, x: Array) -> Array:
+        """[B, T, D] -> [B, T, H, K]."""
+        return x.reshape(*x.shape[:-1], self.config.n_heads, self.config.head_dim)
+
+    def project_kv(self, inputs_kv: Array) -> tuple[Array, Array]:
+        """[B, S, D] -> key [B, S, H, K], value [B, S, H, K]."""
+        return self._split_heads(self.key(inputs_kv)), self._split_heads(self.value(inputs_kv))
+
+    def attend_to(
+        self,
+        inputs_q: Array,
+        key: Array,
+        value: Array,
+        *,
+        mask: Array | None,
+        deterministic: bool,
+    ) -> Array:
+        """inputs_q [B, T, D], key/value [B, S, H, K], mask -> [B, T, H, K] -> [B, T, D]."""
+        cfg = self.config
+        query = self._split_heads(self.query(inputs_q))
+        rate = cfg.attention_dropout
+        dropping = not deterministic and rate > 0.0
+        out = dot_product_attention(
+            query, key, value, mask=mask, dropout_rate=rate,
+            dropout_rng=self.make_rng("dropout") if dropping else None,
+            deterministic=deterministic)
+        return self.out(out.reshape(*out.shape[:-2], cfg.d_model))
+
+    def __call__(
+        self,
+        inputs_q: Array,
+        inputs_kv: Array,
+        *,
+        mask: Array | None = None,
+        deterministic: bool = True,
+    ) -> Array:
+        """inputs_q [B, T, D] attends to inputs_kv [B, S, D] -> [B, T, D]."""
+        key, value = self.project_kv(inputs_kv)
+        return self.attend_to(inputs_q, key, value, mask=mask, deterministic=deterministic)
+
+
+class FeedForward(nn.Module):
+    """Position-wise FFN: Dense(d_ff), ReLU, Dense(D) (section 3.3)."""
+
+    config: TransformerConfig
+
+    @nn.compact
+    def __call__(self, x: Array) -> Array:
+        """[B, T, D] -> [B, T, D]."""
+        cfg = self.config
+        h = nn.relu(dense(cfg.d_ff, dtype=cfg.dtype, name="inner")(x))
+        return dense(cfg.d_model, dtype=cfg.dtype, name="outer")(h)
+
+
+class Residual(nn.Module):
+    """Residual connection, dropout and LayerNorm around one sublayer, placed by norm_first.
+
+    post-LN (paper): out = LayerNorm(x + Dropout(sublayer(x)));
+    pre-LN:          out = x + Dropout(sublayer(LayerNorm(x))).
+    `r(x, sublayer)` is the whole thing; `h = r.pre(x); out = r.post(x, sublayer(h))` lets a
+    caller keep what the sublayer computes from `h` (a decoding step's keys and values).
+    """
+
+    config: TransformerConfig
+
+    def setup(self):
+        self.norm = layer_norm(self.config)
+        self.dropout = nn.Dropout(self.config.dropout)
+
+    def pre(self, x: Array) -> Array:
+        """The sublayer's input: [B, T, D] -> [B, T, D]."""
+        return self.norm(x) if self.config.norm_first else x
+
+    def post(self, x: Array, sublayer_out: Array, *, deterministic: bool) -> Array:
+        """x [B, T, D], the sublayer's output [B, T, D] -> [B, T, D]."""
+        y = x + self.dropout(sublayer_out, deterministic=deterministic)
+        return y if self.config.norm_first else self.norm(y)
+
+    def __call__(self, x: Array, sublayer: Callable[[Array], Array], *,
+                 deterministic: bool) -> Array:
+        """x [B, T, D] -> [B, T, D], the whole wrapper around `sublayer` ([B, T, D] -> same)."""
+        return self.post(x, sublayer(self.pre(x)), deterministic=deterministic)
+
+
+class EncoderLayer(nn.Module):
+    """Self-attention then FFN, each wrapped in a `Residual`."""
+
+    config: TransformerConfig
+
+    def setup(self):
+        self.self_attn = MultiHeadAttention(self.config)
+        self.self_attn_residual = Residual(self.config)
+        self.ffn = FeedForward(self.config)
+        self.ffn_residual = Residual(self.config)
+
+    def __call__(self, x: Array, *, mask: Array, deterministic: bool = True) -> Array:
+        """x [B, S, D], mask [B, 1, 1, S] (source padding) -> [B, S, D]."""
+        x = self.self_attn_residual(
+            x, lambda h: self.self_attn(h, h, mask=mask, deterministic=deterministic),
+            deterministic=deterministic)
+        return self.ffn_residual(x, self.ffn, deterministic=deterministic)
+
+
+class DecoderLayer(nn.Module):
+    """Masked self-attention, cross-attention to the encoder output, FFN; each in a `Residual`.
+
+    `__call__` runs a whole target sequence; `init_cache` + `step` run one position at a time
+    with a cache holding this layer's self-attention keys/values [B, L, H, K] (written at
+    `index`) and the cross-attention keys/values [B, S, H, K] (computed once from the encoder
+    output, so a step does not project it again).
+    """
+
+    config: TransformerConfig
+
+    def setup(self):
+        self.self_attn = MultiHeadAttention(self.config)
+        self.self_attn_residual = Residual(self.config)
+        self.cross_attn = MultiHeadAttention(self.config)
+        self.cross_attn_residual = Residual(self.config)
+        self.ffn = FeedForward(self.config)
+        self.ffn_residual = Residual(self.config)
+
+    def _cross_attention_and_ffn(
+        self,
+        y: Array,
+        cross_key: Array,
+        cross_value: Array,
+        *,
+        src_mask: Array,
+        deterministic: bool,
+    ) -> Array:
+        """y [B, T, D], cross key/value [B, S, H, K], src_mask [B, 1, 1, S] -> [B, T, D]."""
+        y = self.cross_attn_residual(
+            y, lambda h: self.cross_attn.attend_to(h, cross_key, cross_value, mask=src_mask,
+                                                   deterministic=deterministic),
+            deterministic=deterministic)
+        return self.ffn_residual(y, self.ffn, deterministic=deterministic)
+
+    def __call__(
+        self,
+        y: Array,
+        encoded: Array,
+        *,
+        self_mask: Array,
+        src_mask: Array,
+        deterministic: bool = True,
+    ) -> Array:
+        """y [B, T, D], encoded [B, S, D], self_mask [B, 1, T, T], src_mask [B, 1, 1, S]
+        -> [B, T, D]."""
+        y = self.self_attn_residual(
+            y, lambda h: self.self_attn(h, h, mask=self_mask, deterministic=deterministic),
+            deterministic=deterministic)
+        cross_key, cross_value = self.cross_attn.project_kv(encoded)
+        return self._cross_attention_and_ffn(y, cross_key, cross_value, src_mask=src_mask,
+                                             deterministic=deterministic)
+
+    def init_cache(self, encoded: Array, *, max_len: int) -> DecoderLayerCache:
+        """encoded [B, S, D] -> {self_key, self_value: [B, L, H, K] zeros,
+        cross_key, cross_value: [B, S, H, K]}."""
+        cfg = self.config
+        cross_key, cross_value = self.cross_attn.project_kv(encoded)
+        shape = (encoded.shape[0], max_len, cfg.n_heads, cfg.head_dim)
+        return {"self_key": jnp.zeros(shape, cross_key.dtype),
+                "self_value": jnp.zeros(shape, cross_value.dtype),
+                "cross_key": cross_key, "cross_value": cross_value}
+
+    def step(
+        self,
+        y: Array,
+        cache: DecoderLayerCache,
+        *,
+        index: Array,
+        self_mask: Array,
+        src_mask: Array,
+    ) -> tuple[Array, DecoderLayerCache]:
+        """One target position (no dropout).
+
+        Args:
+          y: [B, 1, D] the layer input at position `index`.
+          cache: from `init_cache` or the previous step.
+          index: int32 scalar, the position being decoded.
+          self_mask: [B, 1, 1, L], True for cached positions to attend (<= index, not pad).
+          src_mask: [B, 1, 1, S].
+        Returns:
+          [B, 1, D] and the cache with this position's key/value written at `index`.
+        """
+        h = self.self_attn_residual.pre(y)
+        key, value = self.self_attn.project_kv(h)  # [B, 1, H, K]
+        cache = dict(cache)
+        cache["self_key"] = lax.dynamic_update_slice(cache["self_key"], key, (0, index, 0, 0))
+        cache["self_value"] = lax.dynamic_update_slice(cache["self_value"], value,
+                                                       (0, index, 0, 0))
+        y = self.self_attn_residual.post(
+            y, self.self_attn.attend_to(h, cache["self_key"], cache["self_value"],
+                                        mask=self_mask, deterministic=True),
+            deterministic=True)
+        y = self._cross_attention_and_ffn(y, cache["cross_key"], cache["cross_value"],
+                                          src_mask=src_mask, deterministic=True)
+        return y, cache

@@ -1,0 +1,213 @@
+"""The encoder-decoder Transformer of "Attention Is All You Need" (Vaswani et al., 2017).
+
+Shape glossary:
+  B: batch     S: source length     T: target length     L: decode cache length
+  H: heads     K: head width        D: model width       V: target vocabulary
+
+Follows the translation-model protocol (see `transformer_jax.decode`): `__call__(src, tgt)`,
+`init_decode_cache(src, *, max_len)`, `decode_step(tokens, cache, *, index)`.
+
+Dtype policy: parameters float32; activations in `config.dtype`; attention logits/softmax,
+the output projection and the logits in float32.
+"""
+from __future__ import annotations
+
+import math
+from typing import Any
+
+import flax.linen as nn
+import jax
+import jax.numpy as jnp
+from jax import lax
+
+from transformer_jax.attention import combine_masks, make_causal_mask, make_padding_mask
+from transformer_jax.config import TransformerConfig
+from transformer_jax.layers import DecoderLayer, EncoderLayer, dense, layer_norm
+from transformer_jax.positional import PositionalEncoding
+
+Array = jax.Array
+DecodeCache = dict[str, Any]
+
+
+class Encoder(nn.Module):
+    """A stack of `EncoderLayer`s (plus a final LayerNorm when pre-LN)."""
+
+    config: TransformerConfig
+
+    def setup(self):
+        cfg = self.config
+        # In setup a list of submodules is named layers_0, layers_1, ... (stable paths).
+        self.layers = [EncoderLayer(cfg) for _ in range(cfg.n_encoder_layers)]
+        self.final_norm = layer_norm(cfg) if cfg.norm_first else None
+
+    def __call__(self, x: Array, *, mask: Array, deterministic: bool = True) -> Array:
+        """x [B, S, D] embedded source, mask [B, 1, 1, S] -> [B, S, D]."""
+        for layer in self.layers:
+            x = layer(x, mask=mask, deterministic=deterministic)
+        return self.final_norm(x) if self.final_norm is not None else x
+
+
+class Decoder(nn.Module):
+    """A stack of `DecoderLayer`s (plus a final LayerNorm when pre-LN), whole or step by step."""
+
+    config: TransformerConfig
+
+    def setup(self):
+        cfg = self.config
+        self.layers = [DecoderLayer(cfg) for _ in range(cfg.n_decoder_layers)]  # layers_i
+        self.final_norm = layer_norm(cfg) if cfg.norm_first else None
+
+    def _finish(self, y: Array) -> Array:
+        return self.final_norm(y) if self.final_norm is not None else y
+
+    def __call__(
+        self,
+        y: Array,
+        encoded: Array,
+        *,
+        self_mask: Array,
+        src_mask: Array,
+        deterministic: bool = True,
+    ) -> Array:
+        """y [B, T, D] embedded target, encoded [B, S, D], self_mask [B, 1, T, T],
+        src_mask [B, 1, 1, S] -> [B, T, D]."""
+        for layer in self.layers:
+            y = layer(y, encoded, self_mask=self_mask, src_mask=src_mask,
+                      deterministic=deterministic)
+        return self._finish(y)
+
+    def init_cache(self, encoded: Array, *, max_len: int) -> tuple[dict[str, Array], ...]:
+        """One cache per layer (see `DecoderLayer.init_cache`)."""
+        return tuple(layer.init_cache(encoded, max_len=max_len) for layer in self.layers)
+
+    def step(
+        self,
+        y: Array,
+        cache: tuple[dict[str, Array], ...],
+        *,
+        index: Array,
+        self_mask: Array,
+        src_mask: Array,
+    ) -> tuple[Array, tuple[dict[str, Array], ...]]:
+        """y [B, 1, D] at position `index` -> [B, 1, D] and the updated per-layer caches."""
+        new_cache = []
+        for layer, layer_cache in zip(self.layers, cache):
+            y, layer_cache = layer.step(y, layer_cache, index=index, self_mask=self_mask,
+                                        src_mask=src_mask)
+            new_cache.append(layer_cache)
+        return self._finish(y), tuple(new_cache)
+
+
+class Transformer(nn.Module):
+    """Encoder-decoder Transformer.
+
+    Usage:
+      model = Transformer(TransformerConfig.tiny(src_vocab_size=V, tgt_vocab_size=V))
+      params = model.init(rng, src, tgt)["params"]
+      logits = model.apply({"params": params}, src, tgt)                   # [B, T, V]
+      logits = model.apply({"params": params}, src, tgt, deterministic=False,
+                           rngs={"dropout": key})                           # training
+
+    Token embeddings are scaled by sqrt(D) (section 3.4) and summed with the positions, then
+    dropped out. With `tie_output` the logits are y @ E^T with the target embedding E.
+    """
+
+    config: TransformerConfig
+
+    def setup(self):
+        cfg = self.config
+        d = cfg.d_model
+
+        def embed(vocab_size):
+            # Normal(0, D**-0.5) as tensor2tensor: after the sqrt(D) scaling the embeddings
+            # enter at unit scale. Kept in float32 because the tied output projection uses it.
+            return nn.Embed(vocab_size, d, dtype=jnp.float32, param_dtype=jnp.float32,
+                            embedding_init=nn.initializers.normal(stddev=d ** -0.5))
+
+        self.tgt_embed = embed(cfg.tgt_vocab_size)
+        self.src_embed = self.tgt_embed if cfg.share_embeddings else embed(cfg.src_vocab_size)
+        self.positions = PositionalEncoding(cfg)
+        self.embed_dropout = nn.Dropout(cfg.dropout)
+        self.encoder = Encoder(cfg)
+        self.decoder = Decoder(cfg)
+        if not cfg.tie_output:
+            self.output = dense(cfg.tgt_vocab_size, dtype=jnp.float32)
+
+    def _check_length(self, length: int, what: str) -> None:
+        cfg = self.config
+        if cfg.positional == "learned" and length > cfg.max_len:
+            raise ValueError(f"{what} ({length}) exceeds config.max_len ({cfg.max_len}), the "
+                             "rows of the learned position table")
+
+    def _embed(self, table: nn.Embed, tokens: Array, positions: Array, *,
+               deterministic: bool) -> Array:
+        """tokens [B, T], positions [T] -> [B, T, D] in config.dtype."""
+        cfg = self.config
+        x = table(tokens) * math.sqrt(cfg.d_model) + self.positions(positions)
+        return self.embed_dropout(x.astype(cfg.dtype), deterministic=deterministic)
+
+    def _logits(self, y: Array) -> Array:
+        """[..., D] -> [..., V] float32."""
+        y = y.astype(jnp.float32)
+        return self.tgt_embed.attend(y) if self.config.tie_output else self.output(y)
+
+    def encode(self, src: Array, *, deterministic: bool = True) -> Array:
+        """src [B, S] int32 (pad_id padded) -> encoded [B, S, D]."""
+        self._check_length(src.shape[1], "source length")
+        x = self._embed(self.src_embed, src, jnp.arange(src.shape[1]),
+                        deterministic=deterministic)
+        return self.encoder(x, mask=make_padding_mask(src, self.config.pad_id),
+                            deterministic=deterministic)
+
+    def decode(self, encoded: Array, src: Array, tgt: Array, *,
+               deterministic: bool = True) -> Array:
+        """encoded [B, S, D], src [B, S] (for its padding), tgt [B, T] decoder input starting
+        with BOS -> logits [B, T, V] float32; logits[:, t] predict the token after tgt[:, t]."""
+        cfg = self.config
+        self._check_length(tgt.shape[1], "target length")
+        y = self._embed(self.tgt_embed, tgt, jnp.arange(tgt.shape[1]),
+                        deterministic=deterministic)
+        # The decoder's self-attention sees neither future positions nor pad.
+        self_mask = combine_masks(make_causal_mask(tgt.shape[1]),
+                                  make_padding_mask(tgt, cfg.pad_id))
+        y = self.decoder(y, encoded, self_mask=self_mask,
+                         src_mask=make_padding_mask(src, cfg.pad_id),
+                         deterministic=deterministic)
+        return self._logits(y)
+
+    def __call__(self, src: Array, tgt: Array, *, deterministic: bool = True) -> Array:
+        """src [B, S], tgt [B, T] int32 -> logits [B, T, V] float32."""
+        return self.decode(self.encode(src, deterministic=deterministic), src, tgt,
+                           deterministic=deterministic)
+
+    def init_decode_cache(self, src: Array, *, max_len: int) -> DecodeCache:
+        """Encodes src [B, S] once -> the cache for `decode_step` (every leaf leads with B).
+
+        Holds src_valid [B, S] bool, tgt_valid [B, L] bool (which target positions written so
+        far are not pad) and, per decoder layer, self-attention keys/values [B, L, H, K] and
+        cross-attention keys/values [B, S, H, K].
+        """
+        self._check_length(max_len, "max_len")
+        encoded = self.encode(src)
+        return {
+            "src_valid": src != self.config.pad_id,
+            "tgt_valid": jnp.zeros((src.shape[0], max_len), bool),
+            "layers": self.decoder.init_cache(encoded, max_len=max_len),
+        }
+
+    def decode_step(self, tokens: Array, cache: DecodeCache, *,
+                    index: Array) -> tuple[Array, DecodeCache]:
+        """tokens [B] int32 at target position `index` (int32 scalar, BOS at 0)
+        -> next-token logits [B, V] float32 and the updated cache. Cost O(L), not O(L^2)."""
+        max_len = cache["tgt_valid"].shape[1]
+        tgt_valid = lax.dynamic_update_slice(
+            cache["tgt_valid"], (tokens != self.config.pad_id)[:, None], (0, index))
+        # Same keys as the full pass's causal & padding mask, restricted to row `index`.
+        self_mask = (tgt_valid & (jnp.arange(max_len) <= index))[:, None, None, :]
+        y = self._embed(self.tgt_embed, tokens[:, None], jnp.reshape(index, (1,)),
+                        deterministic=True)
+        y, layers = self.decoder.step(y, cache["layers"], index=index, self_mask=self_mask,
+                                      src_mask=cache["src_valid"][:, None, None, :])
+        logits = self._logits(y[:, 0])
+        return logits, {"src_valid": cache["src_valid"], "tgt_valid": tgt_valid,
+                        "layers": layers}

@@ -1,0 +1,151 @@
+"""Translation batching: token budget, fixed shapes, content, determinism, resume, eval order.
+
+Pairs are synthetic and self-identifying: pair i's source starts with token 10 + i, so every
+row of a batch can be traced back to its pair and compared with padding done by hand.
+"""
+
+from __future__ import annotations
+
+import itertools
+
+import numpy as np
+import pytest
+
+from train.batching import TokenBatcher, eval_batches, pair_length
+
+BUCKETS = (8, 12, 16, 24)
+PAD, BOS, EOS = 0, 1, 2
+
+
+def make_pairs(n: int, *, seed: int = 0, max_len: int = 30) -> list[tuple[list[int], list[int]]]:
+    rng = np.random.default_rng(seed)
+    pairs = []
+    for i in range(n):
+        src_len, tgt_len = rng.integers(1, max_len, size=2)
+        src = [10 + i] + rng.integers(4, 50, size=src_len - 1).tolist()
+        tgt = rng.integers(4, 50, size=tgt_len).tolist()
+        pairs.append((src, tgt))
+    return pairs
+
+
+def expected_rows(src: list[int], tgt: list[int], length: int) -> dict[str, list[int]]:
+    """Padding by hand."""
+    pad = lambda ids: ids + [PAD] * (length - len(ids))  # noqa: E731
+    return {'src': pad(src), 'tgt_in': pad([BOS] + tgt), 'tgt_out': pad(tgt + [EOS])}
+
+
+def smallest_bucket(src, tgt) -> int | None:
+    need = max(len(src), len(tgt) + 1)
+    fitting = [b for b in BUCKETS if b >= need]
+    return fitting[0] if fitting else None
+
+
+@pytest.fixture(scope='module')
+def pairs():
+    return make_pairs(700)
+
+
+@pytest.fixture(scope='module')
+def batcher(pairs):
+    return TokenBatcher(pairs, tokens_per_batch=200, buckets=BUCKETS, num_devices=4, seed=3)
+
+
+def test_shapes_budget_and_shape_set(batcher, pairs):
+    # Rows per bucket: 200 // L rounded down to a multiple of 4 devices.
+    used = sorted({smallest_bucket(*p) for p in pairs} - {None})
+    assert batcher.shape_set() == [((200 // L) // 4 * 4, L) for L in used]
+    assert len(batcher.shape_set()) <= len(BUCKETS)
+    for epoch in (0, 1):
+        batches = list(batcher.batches_for_epoch(epoch))
+        assert len(batches) == batcher.num_batches
+        for batch in batches:
+            assert set(batch) == {'src', 'tgt_in', 'tgt_out'}
+            shape = batch['src'].shape
+            assert shape in batcher.shape_set()
+            assert shape[0] * shape[1] <= 200 and shape[0] % 4 == 0
+            for v in batch.values():
+                assert v.dtype == np.int32 and v.shape == shape
+
+
+def test_each_epoch_holds_every_fitting_pair_once_padded_by_hand(batcher, pairs):
+    too_long = [i for i, p in enumerate(pairs) if smallest_bucket(*p) is None]
+    assert batcher.num_dropped == len(too_long) > 0
+    assert batcher.num_examples == len(pairs) - len(too_long)
+    for epoch in (0, 5):
+        seen = []
+        for batch in batcher.batches_for_epoch(epoch):
+            length = batch['src'].shape[1]
+            for r in range(batch['src'].shape[0]):
+                if batch['src'][r, 0] == PAD:  # a fill row: nothing but padding
+                    assert not any(batch[k][r].any() for k in batch)
+                    continue
+                i = int(batch['src'][r, 0]) - 10
+                seen.append(i)
+                assert smallest_bucket(*pairs[i]) == length  # the smallest bucket that fits
+                for key, row in expected_rows(*pairs[i], length).items():
+                    np.testing.assert_array_equal(batch[key][r], row)
+        assert sorted(seen) == sorted(set(range(len(pairs))) - set(too_long))
+
+
+def test_same_seed_and_epoch_give_the_same_batches(pairs, batcher):
+    twin = TokenBatcher(pairs, tokens_per_batch=200, buckets=BUCKETS, num_devices=4, seed=3)
+    for a, b in zip(batcher.batches_for_epoch(2), twin.batches_for_epoch(2), strict=True):
+        for key in a:
+            np.testing.assert_array_equal(a[key], b[key])
+
+    def first_tokens(b: TokenBatcher, epoch: int) -> list[list[int]]:
+        return [batch['src'][:, 0].tolist() for batch in b.batches_for_epoch(epoch)]
+
+    assert first_tokens(batcher, 0) != first_tokens(batcher, 1)  # reshuffled per epoch
+    other_seed = TokenBatcher(pairs, tokens_per_batch=200, buckets=BUCKETS, num_devices=4, seed=4)
+    assert first_tokens(batcher, 0) != first_tokens(other_seed, 0)
+
+
+def test_iterate_resumes_exactly_where_an_uninterrupted_run_is(batcher):
+    n = batcher.num_batches
+    uninterrupted = list(itertools.islice(batcher.iterate(), 2 * n + 5))
+    epochs = list(batcher.batches_for_epoch(0)) + list(batcher.batches_for_epoch(1))
+    for a, b in zip(uninterrupted, epochs):
+        np.testing.assert_array_equal(a['src'], b['src'])
+    for start in (1, n - 2, n, n + 7, 2 * n):
+        resumed = list(itertools.islice(batcher.iterate(start), 5))
+        for a, b in zip(resumed, uninterrupted[start:start + 5], strict=True):
+            for key in a:
+                np.testing.assert_array_equal(a[key], b[key])
+
+
+def test_eval_batches_keep_every_pair_in_order():
+    pairs = make_pairs(53, seed=1, max_len=30)
+    pairs.append(([10 + 53] + [5] * 40, [6] * 3))  # longer than the largest bucket: kept
+    batches = eval_batches(pairs, batch_size=8, buckets=BUCKETS, num_devices=4)
+    assert len(batches) == 7
+    order = []
+    for batch in batches:
+        rows, length = batch['src'].shape
+        assert rows == 8
+        real = batch['index'] >= 0
+        chunk = [pairs[i] for i in batch['index'][real]]
+        need = max(pair_length(s, t) for s, t in chunk)
+        assert length == (min(b for b in BUCKETS if b >= need) if need <= 24 else 48)
+        for r, i in enumerate(batch['index']):
+            if i < 0:
+                assert not batch['src'][r].any() and not batch['tgt_out'][r].any()
+                continue
+            order.append(int(i))
+            for key, row in expected_rows(*pairs[i], length).items():
+                np.testing.assert_array_equal(batch[key][r], row)
+    assert order == list(range(len(pairs)))
+    assert batches[-1]['index'].tolist() == [48, 49, 50, 51, 52, 53, -1, -1]
+
+
+def test_bad_batching_options(pairs):
+    with pytest.raises(ValueError, match='tokens_per_batch=40 is too small for bucket length 12'):
+        TokenBatcher(pairs, tokens_per_batch=40, buckets=BUCKETS, num_devices=4)
+    with pytest.raises(ValueError, match='buckets must be strictly increasing'):
+        TokenBatcher(pairs, buckets=(16, 8))
+    with pytest.raises(ValueError, match='no pair fits'):
+        TokenBatcher([([5] * 30, [6])], buckets=BUCKETS)
+    with pytest.raises(ValueError, match='multiple of num_devices'):
+        eval_batches(pairs, batch_size=6, num_devices=4)
+    with pytest.raises(ValueError, match='start_step'):
+        next(TokenBatcher(pairs, buckets=BUCKETS).iterate(-1))

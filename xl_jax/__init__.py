@@ -1,1 +1,6 @@
 """xl_jax: Transformer-XL with relative positional attention and memory carried as explicit state."""
+from xl_jax.adaptive import AdaptiveEmbedding, ProjectedAdaptiveLogSoftmax
+from xl_jax.attention import RelativeMultiHeadAttention, rel_shift, sinusoid_embedding
+from xl_jax.config import TransformerXLConfig
+from xl_jax.memory import Memory, attention_mask, init_memory, update_memory
+from xl_jax.model import TransformerXL

@@ -1,0 +1,146 @@
+"""xl_jax.attention: rel_shift against an explicit gather, relative attention against NumPy."""
+from __future__ import annotations
+
+import chex
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+from xl_jax import (RelativeMultiHeadAttention, TransformerXLConfig, attention_mask,
+                    rel_shift, sinusoid_embedding)
+
+
+@pytest.mark.parametrize("t,s", [(5, 5), (3, 7), (1, 4), (4, 12)])
+def test_rel_shift_equals_gather(t, s):
+    x = np.random.default_rng(0).normal(size=(2, 3, t, s)).astype(np.float32)
+    got = np.asarray(rel_shift(jnp.asarray(x)))
+    m = s - t
+    for i in range(t):
+        for j in range(s):
+            dist = m + i - j
+            if dist < 0:
+                continue            # future keys: unspecified, masked by the model
+            # R runs S-1 ... 0, so distance `dist` is column S - 1 - dist.
+            np.testing.assert_array_equal(got[..., i, j], x[..., i, s - 1 - dist])
+
+
+def test_rel_shift_rejects_fewer_keys_than_queries():
+    with pytest.raises(ValueError, match="S >= T"):
+        rel_shift(jnp.zeros((3, 2)))
+
+
+def test_sinusoid_embedding_formula():
+    d = 6
+    dist = np.array([4.0, 2.0, 0.0])
+    got = np.asarray(sinusoid_embedding(jnp.asarray(dist), d))
+    for r, p in enumerate(dist):
+        for k in range(d // 2):
+            freq = 10000.0 ** (-2 * k / d)
+            np.testing.assert_allclose(got[r, k], np.sin(p * freq), rtol=1e-6, atol=1e-6)
+            np.testing.assert_allclose(got[r, d // 2 + k], np.cos(p * freq), rtol=1e-6,
+                                       atol=1e-6)
+
+
+def _layer_norm(x, scale, bias, eps):
+    mu = x.mean(-1, keepdims=True)
+    var = ((x - mu) ** 2).mean(-1, keepdims=True)
+    return (x - mu) / np.sqrt(var + eps) * scale + bias
+
+
+def _slow_relative_attention(p, h, mem, valid, u, v, cfg, clamp_len):
+    """Loops over batch, head, query, key: (a) + (b) + (c) + (d), softmax, mix, o, LN."""
+    B, T, D = h.shape
+    M = mem.shape[1]
+    H, K = cfg.n_heads, cfg.d_head
+    ln = p["layer_norm"]
+    cat = np.concatenate([mem, h], axis=1)
+    if cfg.norm_first:
+        cat = _layer_norm(cat, ln["scale"], ln["bias"], cfg.layer_norm_eps)
+    w = p["qkv"]["kernel"]                                          # [D, 3, H, K]
+    q = np.einsum("bsd,dhk->bshk", cat, w[:, 0])[:, M:]
+    k = np.einsum("bsd,dhk->bshk", cat, w[:, 1])
+    val = np.einsum("bsd,dhk->bshk", cat, w[:, 2])
+    w_r = p["r_net"]["kernel"]                                      # [D, H, K]
+    out = np.zeros((B, T, H, K))
+    for b in range(B):
+        for n in range(H):
+            for i in range(T):
+                scores, keys = [], []
+                for j in range(M + T):
+                    dist = M + i - j
+                    if dist < 0 or j < M - valid[b]:
+                        continue
+                    pd = min(dist, clamp_len) if clamp_len > 0 else dist
+                    freqs = 10000.0 ** (-np.arange(0, D, 2) / D)
+                    r = np.concatenate([np.sin(pd * freqs), np.cos(pd * freqs)])
+                    wr = r @ w_r[:, n]                               # W_kR R_{i-j}
+                    a = q[b, i, n] @ k[b, j, n]
+                    bb = q[b, i, n] @ wr
+                    c = u[n] @ k[b, j, n]
+                    d = v[n] @ wr
+                    scores.append((a + bb + c + d) / np.sqrt(K))
+                    keys.append(j)
+                e = np.exp(np.array(scores) - max(scores))
+                prob = e / e.sum()
+                out[b, i, n] = sum(pr * val[b, j, n] for pr, j in zip(prob, keys))
+    o = np.einsum("bthk,hkd->btd", out, p["o_net"]["kernel"])
+    if cfg.norm_first:
+        return h + o
+    return _layer_norm(h + o, ln["scale"], ln["bias"], cfg.layer_norm_eps)
+
+
+@pytest.mark.parametrize("norm_first", [False, True])
+@pytest.mark.parametrize("clamp_len", [-1, 3])
+def test_relative_attention_matches_slow_numpy(norm_first, clamp_len):
+    cfg = TransformerXLConfig.tiny(d_model=16, n_heads=2, d_head=5, norm_first=norm_first,
+                                   clamp_len=clamp_len)
+    B, T, M = 2, 3, 4
+    rng = np.random.default_rng(1)
+    h = rng.normal(size=(B, T, cfg.d_model)).astype(np.float32)
+    mem = rng.normal(size=(B, M, cfg.d_model)).astype(np.float32)
+    u = rng.normal(size=(cfg.n_heads, cfg.d_head)).astype(np.float32)
+    v = rng.normal(size=(cfg.n_heads, cfg.d_head)).astype(np.float32)
+    valid = np.array([4, 2], np.int32)        # row 1: two memory slots not yet filled
+
+    from xl_jax.attention import relative_positions
+    pos = sinusoid_embedding(relative_positions(cfg, q_len=T, mem_len=M), cfg.d_model)
+    mask = attention_mask(jnp.asarray(valid), q_len=T, mem_len=M, same_length=False)
+    module = RelativeMultiHeadAttention(cfg)
+    params = module.init(jax.random.key(0), h, mem, pos, mask, u, v)["params"]
+    # Non-trivial LayerNorm parameters, so a missing or misplaced LN cannot pass.
+    params["layer_norm"] = {"scale": jnp.asarray(rng.normal(size=cfg.d_model) + 1.0,
+                                                 jnp.float32),
+                            "bias": jnp.asarray(rng.normal(size=cfg.d_model), jnp.float32)}
+    got = module.apply({"params": params}, h, mem, pos, mask, u, v)
+    np_params = jax.tree.map(lambda x: np.asarray(x, np.float64), params)
+    want = _slow_relative_attention(np_params, h.astype(np.float64), mem.astype(np.float64),
+                                    valid, u.astype(np.float64), v.astype(np.float64), cfg,
+                                    clamp_len)
+    chex.assert_shape(got, (B, T, cfg.d_model))
+    chex.assert_trees_all_close(np.asarray(got, np.float64), want, rtol=2e-5, atol=2e-5)
+
+
+def _reference_style_mask(*, qlen, mlen, mem_len, same_length):
+    """The reference's mask, in its own coordinates (keys = the mlen real memory + segment):
+    True = masked, from triu(ones, 1 + mlen) (+ tril(ones, -shift) with same_length)."""
+    klen = mlen + qlen
+    ones = np.ones((qlen, klen), bool)
+    masked = np.triu(ones, 1 + mlen)
+    if same_length:
+        shift = qlen - (klen - mem_len) if klen - mem_len > 0 else qlen
+        masked = masked | np.tril(ones, -shift)
+    return masked
+
+
+@pytest.mark.parametrize("same_length", [False, True])
+@pytest.mark.parametrize("qlen,mem_len", [(3, 5), (5, 3), (4, 4), (1, 6)])
+def test_mask_matches_reference_for_every_fill_level(same_length, qlen, mem_len):
+    for mlen in range(mem_len + 1):
+        got = np.asarray(attention_mask(jnp.array([mlen]), q_len=qlen, mem_len=mem_len,
+                                        same_length=same_length))[0, 0]
+        ref_masked = _reference_style_mask(qlen=qlen, mlen=mlen, mem_len=mem_len,
+                                           same_length=same_length)
+        # Our keys: M - mlen unfilled slots, then the reference's keys.
+        np.testing.assert_array_equal(got[:, :mem_len - mlen], False)
+        np.testing.assert_array_equal(got[:, mem_len - mlen:], ~ref_masked)

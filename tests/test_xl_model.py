@@ -1,0 +1,228 @@
+"""TransformerXL: memory semantics, causality, masks, recompilation, config validation."""
+from __future__ import annotations
+
+import chex
+import flax
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+from xl_jax import TransformerXL, TransformerXLConfig, init_memory, update_memory
+
+
+def _setup(cfg, batch=2, length=12, seed=0):
+    model = TransformerXL(cfg)
+    tokens = jax.random.randint(jax.random.key(seed + 1), (batch, length), 0, cfg.vocab_size)
+    params = model.init(jax.random.key(seed), tokens[:, :4], init_memory(cfg, batch))["params"]
+    return model, params, tokens
+
+
+def _run_segments(model, params, tokens, memory, seg_len, targets=None):
+    outs = []
+    for s in range(0, tokens.shape[1], seg_len):
+        tgt = None if targets is None else targets[:, s:s + seg_len]
+        out, memory = model.apply({"params": params}, tokens[:, s:s + seg_len], memory,
+                                  targets=tgt)
+        outs.append(out)
+    return jnp.concatenate(outs, axis=1), memory
+
+
+@pytest.mark.parametrize("overrides", [
+    dict(),
+    dict(norm_first=True),
+    dict(cutoffs=(20, 40), div_val=2, d_embed=32),
+    dict(untie_r=True, tie_weights=False, d_embed=24),
+])
+def test_segments_with_memory_equal_one_pass(overrides):
+    # M = 10 >= the 8 tokens before the last segment, so every key of every position fits in
+    # the memory; segment 2 also sees 6 unfilled slots (valid = 4 of 10), which must be masked.
+    cfg = TransformerXLConfig.tiny(mem_len=10, **overrides)
+    model, params, tokens = _setup(cfg)
+    targets = jnp.roll(tokens, -1, axis=1)
+    seg, _ = _run_segments(model, params, tokens, init_memory(cfg, 2), 4)
+    full, _ = model.apply({"params": params}, tokens, init_memory(cfg, 2, mem_len=0))
+    chex.assert_shape(seg, (2, 12, cfg.vocab_size))
+    chex.assert_trees_all_close(seg, full, rtol=1e-5, atol=1e-5)
+    seg_nll, _ = _run_segments(model, params, tokens, init_memory(cfg, 2), 4, targets)
+    want_nll = -jnp.take_along_axis(full, targets[..., None], axis=-1)[..., 0]
+    chex.assert_trees_all_close(seg_nll, want_nll, rtol=1e-5, atol=1e-5)
+
+
+def test_evaluation_memory_and_segment_length_differ_from_training():
+    cfg = TransformerXLConfig.tiny(tgt_len=4, mem_len=4)
+    model, params, tokens = _setup(cfg)
+    seg, mem = _run_segments(model, params, tokens, init_memory(cfg, 2, mem_len=9), 3)
+    full, _ = model.apply({"params": params}, tokens, init_memory(cfg, 2, mem_len=0))
+    chex.assert_trees_all_close(seg, full, rtol=1e-5, atol=1e-5)
+    chex.assert_shape(mem.hidden, [(2, 9, cfg.d_model)] * cfg.n_layers)
+    np.testing.assert_array_equal(mem.valid, [9, 9])
+
+
+def test_memory_keeps_exactly_the_last_mem_len_positions():
+    # One layer: the memory is the embedded tokens, so segment 2 (queries T..2T-1 with keys
+    # from T-M on) must equal a fresh pass over the window [T-M, 2T) at its last T positions.
+    cfg = TransformerXLConfig.tiny(n_layers=1, mem_len=3)
+    model, params, tokens = _setup(cfg, length=12)
+    T, M = 6, 3
+    _, mem = model.apply({"params": params}, tokens[:, :T], init_memory(cfg, 2))
+    seg2, _ = model.apply({"params": params}, tokens[:, T:], mem)
+    window, _ = model.apply({"params": params}, tokens[:, T - M:], init_memory(cfg, 2, 0))
+    chex.assert_trees_all_close(seg2, window[:, M:], rtol=1e-5, atol=1e-5)
+
+
+def test_update_memory_slides_and_counts():
+    cfg = TransformerXLConfig.tiny(n_layers=1, d_model=2, mem_len=3)
+    mem = init_memory(cfg, 1)
+    seen = []
+    for step in range(3):
+        h = jnp.arange(2 * step, 2 * step + 2, dtype=jnp.float32)[None, :, None] * jnp.ones(2)
+        seen.extend(range(2 * step, 2 * step + 2))
+        mem = update_memory(mem, [h])
+        n = min(len(seen), 3)
+        np.testing.assert_array_equal(mem.valid, [n])
+        np.testing.assert_array_equal(mem.hidden[0][0, 3 - n:, 0], seen[-n:])
+
+
+def test_no_gradient_through_memory_into_previous_segment():
+    cfg = TransformerXLConfig.tiny()
+    model, params, tokens = _setup(cfg, length=8)
+    targets = jnp.roll(tokens, -1, axis=1)
+
+    def two_segment_loss(p):
+        _, mem = model.apply({"params": p}, tokens[:, :4], init_memory(cfg, 2))
+        nll, _ = model.apply({"params": p}, tokens[:, 4:], mem, targets=targets[:, 4:])
+        return nll.sum()
+
+    _, fixed_mem = model.apply({"params": params}, tokens[:, :4], init_memory(cfg, 2))
+
+    def second_segment_loss(p):
+        nll, _ = model.apply({"params": p}, tokens[:, 4:], fixed_mem, targets=targets[:, 4:])
+        return nll.sum()
+
+    g_through = jax.grad(two_segment_loss)(params)
+    g_const = jax.grad(second_segment_loss)(params)
+    chex.assert_trees_all_close(g_through, g_const, rtol=1e-6, atol=1e-7)
+    # And the memory does carry information: the loss depends on it.
+    other_mem = jax.tree.map(lambda x: x, fixed_mem).replace(
+        hidden=tuple(h + 1.0 for h in fixed_mem.hidden))
+    nll_a, _ = model.apply({"params": params}, tokens[:, 4:], fixed_mem, targets=targets[:, 4:])
+    nll_b, _ = model.apply({"params": params}, tokens[:, 4:], other_mem, targets=targets[:, 4:])
+    assert np.abs(np.asarray(nll_a - nll_b)).max() > 1e-4
+
+
+@pytest.mark.parametrize("p", [1, 5, 6])
+def test_causal_across_segments(p):
+    cfg = TransformerXLConfig.tiny(mem_len=4)
+    model, params, tokens = _setup(cfg, length=8)
+    changed = tokens.at[:, p].set((tokens[:, p] + 1) % cfg.vocab_size)
+    a, _ = _run_segments(model, params, tokens, init_memory(cfg, 2), 4)
+    b, _ = _run_segments(model, params, changed, init_memory(cfg, 2), 4)
+    chex.assert_trees_all_close(a[:, :p], b[:, :p], rtol=0, atol=0)
+    assert np.abs(np.asarray(a[:, p] - b[:, p])).max() > 1e-4
+
+
+def test_same_length_changes_only_queries_with_more_than_mem_len_keys():
+    # Empty memory of M = 4 slots: query i has i + 1 causal keys, all at distance < M for
+    # i < M, so same_length must leave exactly those positions unchanged (in every layer).
+    cfg = TransformerXLConfig.tiny(mem_len=4)
+    model, params, tokens = _setup(cfg, length=8)
+    a, _ = model.apply({"params": params}, tokens, init_memory(cfg, 2))
+    b, _ = TransformerXL(cfg.replace(same_length=True)).apply(
+        {"params": params}, tokens, init_memory(cfg, 2))
+    chex.assert_trees_all_close(a[:, :4], b[:, :4], rtol=1e-6, atol=1e-6)
+    assert np.abs(np.asarray(a[:, 4:] - b[:, 4:])).max(axis=(0, 2)).min() > 1e-4
+
+
+def test_clamp_len_changes_only_positions_that_see_longer_distances():
+    cfg = TransformerXLConfig.tiny()
+    model, params, tokens = _setup(cfg, length=8)
+    # At init (std 0.02) the position terms are tiny; make them matter.
+    params = flax.traverse_util.path_aware_map(
+        lambda path, x: x * 50 if "r_net" in path or "r_r_bias" in path else x, params)
+    empty = init_memory(cfg, 2, mem_len=0)
+    a, _ = model.apply({"params": params}, tokens, empty)
+    b, _ = TransformerXL(cfg.replace(clamp_len=2)).apply({"params": params}, tokens, empty)
+    chex.assert_trees_all_close(a[:, :3], b[:, :3], rtol=1e-6, atol=1e-6)
+    assert np.abs(np.asarray(a[:, 3:] - b[:, 3:])).max(axis=(0, 2)).min() > 1e-4
+    # clamp_len <= 0 means "no clamping", as in the reference.
+    c, _ = TransformerXL(cfg.replace(clamp_len=0)).apply({"params": params}, tokens, empty)
+    chex.assert_trees_all_close(a, c, rtol=0, atol=0)
+
+
+def test_jitted_step_traces_once_across_segments():
+    cfg = TransformerXLConfig.tiny()
+    model, params, tokens = _setup(cfg, length=16)
+    traces = []
+
+    @jax.jit
+    def step(params, tokens, memory):
+        traces.append(1)
+        return model.apply({"params": params}, tokens, memory)
+
+    mem = init_memory(cfg, 2)
+    for s in range(0, 16, 4):
+        _, mem = step(params, tokens[:, s:s + 4], mem)
+    assert len(traces) == 1
+    # A longer evaluation memory is one more compilation, then reused.
+    mem = init_memory(cfg, 2, mem_len=12)
+    for s in range(0, 16, 4):
+        _, mem = step(params, tokens[:, s:s + 4], mem)
+    assert len(traces) == 2
+
+
+def test_dropout_needs_rng_and_is_reproducible():
+    cfg = TransformerXLConfig.tiny(dropout=0.3, dropatt=0.3)
+    model, params, tokens = _setup(cfg, length=4)
+    mem = init_memory(cfg, 2)
+    run = lambda k: model.apply({"params": params}, tokens, mem, deterministic=False,
+                                rngs={"dropout": jax.random.key(k)})[0]
+    chex.assert_trees_all_close(run(3), run(3))
+    assert np.abs(np.asarray(run(3) - run(4))).max() > 1e-4
+    det, _ = model.apply({"params": params}, tokens, mem)
+    det2, _ = model.apply({"params": params}, tokens, mem)
+    chex.assert_trees_all_close(det, det2)
+
+
+def test_float64_under_x64():
+    cfg32 = TransformerXLConfig.tiny()
+    model32, params, tokens = _setup(cfg32, length=8)
+    out32, _ = _run_segments(model32, params, tokens, init_memory(cfg32, 2), 4)
+    with jax.enable_x64(True):
+        cfg64 = cfg32.replace(dtype=jnp.float64)
+        p64 = jax.tree.map(lambda x: jnp.asarray(x, jnp.float64), params)
+        model64 = TransformerXL(cfg64)
+        out64, mem = _run_segments(model64, p64, tokens, init_memory(cfg64, 2), 4)
+        assert out64.dtype == jnp.float64 and mem.hidden[0].dtype == jnp.float64
+        chex.assert_trees_all_close(np.asarray(out64), np.asarray(out32, np.float64),
+                                    rtol=1e-4, atol=1e-4)
+        # The float64 probabilities are normalised to float64 precision.
+        np.testing.assert_allclose(np.exp(np.asarray(out64)).sum(-1), 1.0, atol=1e-12)
+
+
+@pytest.mark.parametrize("field,value", [
+    ("d_model", 0), ("n_layers", 0), ("mem_len", -1), ("dropout", 1.0), ("d_model", 31),
+    ("cutoffs", (40, 20)), ("cutoffs", (10, 64)), ("tie_projs", (True,)),
+    ("same_length", True),
+])
+def test_config_validation_names_the_field(field, value):
+    kw = {field: value}
+    if field == "tie_projs":
+        kw["cutoffs"] = (10, 20)
+    if field == "same_length":
+        kw["mem_len"] = 0
+    with pytest.raises(ValueError, match=field):
+        TransformerXLConfig.tiny(**kw)
+
+
+def test_presets_build():
+    small = TransformerXLConfig.seed_small()
+    assert (small.n_layers, small.n_heads, small.d_model, small.d_head, small.d_inner,
+            small.tgt_len, small.mem_len) == (4, 3, 32, 17, 71, 33, 41)
+    wt = TransformerXLConfig.wt103_base()
+    assert wt.cutoffs and wt.d_embed == 410
+    e8 = TransformerXLConfig.enwik8_base()
+    assert (e8.n_layers, e8.d_model, e8.n_heads, e8.d_head, e8.d_inner) == (12, 512, 8, 64,
+                                                                            2048)
+    TransformerXLConfig.ptb()
+    hash(wt)   # static jit argument

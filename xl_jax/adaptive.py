@@ -1,0 +1,183 @@
+"""Adaptive input embedding and projected adaptive log-softmax (Baevski & Auli; Grave et al.).
+
+Shape glossary: B batch, T length, D model width, V vocabulary; cluster c holds the ids
+[bounds[c], bounds[c + 1]) with bounds = (0, *cutoffs, V), and has width E_c = d_embed // div_val**c.
+
+With `div_val == 1` there is a single table [V, d_embed] (clusters then only split the softmax);
+otherwise one table [V_c, E_c] per cluster. A projection [E_c, D] maps cluster c's width to D:
+always when `div_val > 1`, only when d_embed != D otherwise. The reference stores projections
+as [D, E_c] (`emb_projs`, `out_projs`); ours are their transposes.
+
+Softmax with clusters (the reference's `ProjectedAdaptiveLogSoftmax`): a head over the
+`cutoffs[0]` shortlist ids plus one logit per tail cluster (`cluster_weight`, `cluster_bias`
+appended after the shortlist); log p(id in tail cluster c) = head[-c] + tail_c[id - bounds[c]].
+Note the order: tail cluster c uses head column -c, so the last `cluster_weight` row belongs to
+the first tail cluster. Computation is dense (every tail for every token): static shapes.
+"""
+from __future__ import annotations
+
+from typing import Sequence
+
+import flax.linen as nn
+import jax
+import jax.numpy as jnp
+
+from xl_jax.config import TransformerXLConfig
+
+Array = jax.Array
+
+
+def _n_tables(cfg: TransformerXLConfig) -> int:
+    return 1 if cfg.div_val == 1 else len(cfg.cutoffs) + 1
+
+
+def _needs_proj(cfg: TransformerXLConfig) -> bool:
+    return cfg.div_val > 1 or cfg.d_embed != cfg.d_model
+
+
+def _table_shape(cfg: TransformerXLConfig, c: int) -> tuple[int, int]:
+    if cfg.div_val == 1:
+        return cfg.vocab_size, cfg.d_embed
+    lo, hi = cfg.cluster_bounds[c], cfg.cluster_bounds[c + 1]
+    return hi - lo, cfg.cluster_width(c)
+
+
+class AdaptiveEmbedding(nn.Module):
+    """tokens [B, T] -> [B, T, D] embeddings scaled by sqrt(D).
+
+    Parameters: `emb_{c}` [V_c, E_c] (reference `emb_layers.{c}.weight`) and, where a
+    projection is needed, `proj_{c}` [E_c, D] (`emb_projs.{c}`, transposed).
+    `tied_parameters()` hands tables and projections to the softmax for weight tying.
+    """
+
+    config: TransformerXLConfig
+
+    def setup(self):
+        cfg = self.config
+        n = _n_tables(cfg)
+        self.tables = [self.param(f"emb_{c}", nn.initializers.normal(0.02),
+                                  _table_shape(cfg, c), cfg.param_dtype) for c in range(n)]
+        if _needs_proj(cfg):
+            self.projs = [self.param(f"proj_{c}", nn.initializers.normal(0.01),
+                                     (_table_shape(cfg, c)[1], cfg.d_model), cfg.param_dtype)
+                          for c in range(n)]
+        else:
+            self.projs = [None] * n
+
+    def __call__(self, tokens: Array) -> Array:
+        cfg = self.config
+        scale = cfg.d_model ** 0.5
+        bounds = cfg.cluster_bounds if cfg.div_val > 1 else (0, cfg.vocab_size)
+        out = jnp.zeros(tokens.shape + (cfg.d_model,), cfg.dtype)
+        for c, (table, proj) in enumerate(zip(self.tables, self.projs)):
+            lo, hi = bounds[c], bounds[c + 1]
+            inside = (tokens >= lo) & (tokens < hi)
+            emb = jnp.take(table.astype(cfg.dtype), jnp.clip(tokens - lo, 0, hi - lo - 1),
+                           axis=0)                                             # [B, T, E_c]
+            if proj is not None:
+                emb = emb @ proj.astype(cfg.dtype)                             # [B, T, D]
+            out = out + jnp.where(inside[..., None], emb, 0)
+        return out * scale
+
+    def tied_parameters(self) -> tuple[list[Array], list[Array | None]]:
+        """(tables, projections) per table, for the softmax's weight tying."""
+        return list(self.tables), list(self.projs)
+
+
+class ProjectedAdaptiveLogSoftmax(nn.Module):
+    """hidden [B, T, D] -> log-probabilities [B, T, V], or with targets the NLL [B, T].
+
+    Parameters (reference names `crit.*` in brackets): `out_{c}` [V_c, E_c]
+    (`out_layers.{c}.weight`; absent with `tie_weights`), `bias_{c}` [V_c]
+    (`out_layers.{c}.bias`), `proj_{k}` [E_k, D] for each of the len(cutoffs) + 1 clusters k
+    where needed and not tied (`out_projs.{k}`, transposed), `cluster_weight`
+    [len(cutoffs), d_embed] and `cluster_bias` [len(cutoffs)].
+    Logits and log-softmax are computed in (at least) float32.
+    """
+
+    config: TransformerXLConfig
+
+    @nn.compact
+    def __call__(
+        self,
+        hidden: Array,                                   # [B, T, D]
+        targets: Array | None = None,                    # [B, T] int
+        *,
+        tied_tables: Sequence[Array] | None = None,      # the embedding's tables
+        tied_projs: Sequence[Array | None] | None = None,  # the embedding's projections
+    ) -> Array:
+        cfg = self.config
+        n_tables, n_clusters = _n_tables(cfg), len(cfg.cutoffs)
+        f = jnp.promote_types(cfg.dtype, jnp.float32)
+        init = nn.initializers.normal(0.02)
+
+        tables, biases = [], []
+        for c in range(n_tables):
+            shape = _table_shape(cfg, c)
+            if cfg.tie_weights:
+                tables.append(tied_tables[c])
+            else:
+                tables.append(self.param(f"out_{c}", init, shape, cfg.param_dtype))
+            biases.append(self.param(f"bias_{c}", nn.initializers.zeros, shape[:1],
+                                     cfg.param_dtype))
+
+        def proj(k: int) -> Array | None:
+            if not _needs_proj(cfg):
+                return None
+            if cfg.tie_projs and cfg.tie_projs[k]:
+                # div_val == 1 has one embedding projection; it serves every cluster.
+                return tied_projs[0 if cfg.div_val == 1 else k]
+            width = cfg.d_embed if cfg.div_val == 1 else cfg.cluster_width(k)
+            return self.param(f"proj_{k}", nn.initializers.normal(0.01), (width, cfg.d_model),
+                              cfg.param_dtype)
+
+        def cluster(k: int) -> tuple[Array, Array]:
+            """Output rows and biases of cluster k."""
+            if cfg.div_val > 1:
+                return tables[k], biases[k]
+            lo, hi = cfg.cluster_bounds[k], cfg.cluster_bounds[k + 1]
+            return tables[0][lo:hi], biases[0][lo:hi]
+
+        def log_softmax(weight, bias, p) -> Array:                      # [B, T, rows]
+            h = hidden if p is None else jnp.einsum("btd,ed->bte", hidden, p.astype(cfg.dtype))
+            logits = jnp.einsum("bte,ve->btv", h, weight.astype(h.dtype),
+                                preferred_element_type=f)
+            return jax.nn.log_softmax(logits + bias.astype(f), axis=-1)
+
+        if n_clusters == 0:
+            weight, bias = cluster(0)
+            logprobs = log_softmax(weight, bias, proj(0))
+            if targets is None:
+                return logprobs
+            return -jnp.take_along_axis(logprobs, targets[..., None], axis=-1)[..., 0]
+
+        cluster_weight = self.param("cluster_weight", init, (n_clusters, cfg.d_embed),
+                                    cfg.param_dtype)
+        cluster_bias = self.param("cluster_bias", nn.initializers.zeros, (n_clusters,),
+                                  cfg.param_dtype)
+        weight, bias = cluster(0)
+        shortlist = cfg.cutoffs[0]
+        head = log_softmax(jnp.concatenate([weight, cluster_weight.astype(weight.dtype)]),
+                           jnp.concatenate([bias, cluster_bias.astype(bias.dtype)]),
+                           proj(0))                            # [B, T, shortlist + clusters]
+        head_size = shortlist + n_clusters
+
+        if targets is None:
+            parts = [head[..., :shortlist]]
+            for k in range(1, n_clusters + 1):
+                weight, bias = cluster(k)
+                parts.append(head[..., head_size - k, None] + log_softmax(weight, bias, proj(k)))
+            return jnp.concatenate(parts, axis=-1)
+
+        # Per-token NLL without concatenating the whole vocabulary: pick each token's cluster.
+        logprob = jnp.take_along_axis(
+            head, jnp.clip(targets, 0, shortlist - 1)[..., None], axis=-1)[..., 0]
+        for k in range(1, n_clusters + 1):
+            lo, hi = cfg.cluster_bounds[k], cfg.cluster_bounds[k + 1]
+            weight, bias = cluster(k)
+            tail = log_softmax(weight, bias, proj(k))
+            tail_lp = jnp.take_along_axis(
+                tail, jnp.clip(targets - lo, 0, hi - lo - 1)[..., None], axis=-1)[..., 0]
+            inside = (targets >= lo) & (targets < hi)
+            logprob = jnp.where(inside, head[..., head_size - k] + tail_lp, logprob)
+        return -logprob

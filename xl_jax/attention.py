@@ -1,0 +1,133 @@
+"""Relative multi-head attention of Transformer-XL (the reference's attn_type 0).
+
+Shape glossary: B batch, T query (segment) length, M memory length, S = M + T key length,
+H heads, K head width, D model width.
+
+Paper to code (Dai et al. 2019, section 3.3; reference `RelPartialLearnableMultiHeadAttn`):
+  score(i, j) = (a) q_i . k_j  +  (b) q_i . W_kR R_{i-j}  +  (c) u . k_j  +  (d) v . W_kR R_{i-j}
+              = (q_i + u) . k_j  +  rel_shift[(q_i + v) . r]_{ij}
+with u = `r_w_bias`, v = `r_r_bias`, W_kR = `r_net`, R = sinusoid embeddings of the distances
+S-1 ... 0. (a)+(c) is an ordinary dot product of (q + u) with k, so it goes through the
+project's attention core together with (b)+(d) as an additive bias; there is no second softmax.
+The reference is time-major ([T, B, H, K]); everything here is batch-major.
+"""
+from __future__ import annotations
+
+import flax.linen as nn
+import jax
+import jax.numpy as jnp
+
+from transformer_jax.attention import dot_product_attention
+from xl_jax.config import TransformerXLConfig
+
+Array = jax.Array
+
+
+def rel_shift(x: Array) -> Array:
+    """Realign position scores from "per distance" to "per key".
+
+    Args:
+      x: [..., T, S] with S >= T, where x[..., i, s] is the score of query i with the
+        position embedding at index s, which encodes distance S - 1 - s (R runs S-1 ... 0).
+    Returns:
+      [..., T, S]: out[..., i, j] = x[..., i, j + T - 1 - i], the score for the distance
+      (S - T + i) - j between query i (key position S - T + i) and key j, for every
+      j <= i + S - T. Entries with larger j (keys in the query's future) hold unrelated
+      values and must be masked.
+
+    Why the pad-and-reshape: gathering a different diagonal per row is a gather; padding one
+    zero column and reading the [T, S + 1] buffer as [S + 1, T] (dropping the first row)
+    shifts row i left by T - 1 - i with only a reshape and a slice.
+    """
+    *lead, t, s = x.shape
+    if s < t:
+        raise ValueError(f"rel_shift needs S >= T (keys include the queries), got T={t} S={s}")
+    padded = jnp.pad(x, [(0, 0)] * len(lead) + [(0, 0), (1, 0)])     # [..., T, S + 1]
+    flat = padded.reshape(*lead, t * (s + 1))
+    # Dropping the first T entries of the flat buffer is dropping the first row of the
+    # [S + 1, T] view; the next T * S entries, read as [T, S], are the shifted rows.
+    return flat[..., t:].reshape(*lead, t, s)
+
+
+def sinusoid_embedding(distances: Array, d_model: int, dtype=jnp.float32) -> Array:
+    """R: [S] distances -> [S, D], sin half then cos half (as the reference).
+
+    inv_freq_k = 1 / 10000^(2k / D) for k < D / 2.
+    """
+    inv_freq = 1.0 / (10000.0 ** (jnp.arange(0, d_model, 2, dtype=dtype) / d_model))
+    angles = distances.astype(dtype)[:, None] * inv_freq[None, :]
+    return jnp.concatenate([jnp.sin(angles), jnp.cos(angles)], axis=-1)
+
+
+def relative_positions(config: TransformerXLConfig, *, q_len: int, mem_len: int) -> Array:
+    """[S] float distances S-1 ... 0 for the S = M + T keys, clamped at `clamp_len` if > 0."""
+    dist = jnp.arange(mem_len + q_len - 1, -1, -1)
+    if config.clamp_len > 0:
+        dist = jnp.minimum(dist, config.clamp_len)
+    return dist
+
+
+class RelativeMultiHeadAttention(nn.Module):
+    """The attention sublayer: relative attention, output projection, residual, LayerNorm.
+
+    Post-LN (default): out = LN(h + drop(o(attn))). Pre-LN (`norm_first`): LN is applied to
+    concat(memory, h) before the q/k/v projections and out = h + drop(o(attn)).
+
+    Parameters (reference names in brackets): `qkv` [D, 3, H, K] (`qkv_net`), `r_net`
+    [D, H, K], `o_net` [H, K, D], `layer_norm`; with `untie_r` also `r_w_bias`, `r_r_bias`
+    [H, K].
+    """
+
+    config: TransformerXLConfig
+
+    @nn.compact
+    def __call__(
+        self,
+        h: Array,               # [B, T, D] layer input over the segment
+        memory: Array,          # [B, M, D] this layer's input over the previous M positions
+        pos_emb: Array,         # [S, D] R for distances S-1 ... 0
+        mask: Array,            # [B, 1, T, S] bool, True = attend
+        r_w_bias: Array | None = None,   # [H, K] u, shared across layers; None with untie_r
+        r_r_bias: Array | None = None,   # [H, K] v
+        *,
+        deterministic: bool = True,
+    ) -> Array:                 # [B, T, D]
+        cfg = self.config
+        H, K = cfg.n_heads, cfg.d_head
+        init = nn.initializers.normal(0.02)
+        dense = dict(use_bias=False, dtype=cfg.dtype, param_dtype=cfg.param_dtype,
+                     kernel_init=init)
+        if cfg.untie_r:
+            r_w_bias = self.param("r_w_bias", init, (H, K), cfg.param_dtype)
+            r_r_bias = self.param("r_r_bias", init, (H, K), cfg.param_dtype)
+        t = h.shape[1]
+        layer_norm = nn.LayerNorm(epsilon=cfg.layer_norm_eps, dtype=cfg.dtype,
+                                  param_dtype=cfg.param_dtype, name="layer_norm")
+
+        cat = jnp.concatenate([memory.astype(h.dtype), h], axis=1)        # [B, S, D]
+        if cfg.norm_first:
+            cat = layer_norm(cat)
+        qkv = nn.DenseGeneral((3, H, K), name="qkv", **dense)(cat)        # [B, S, 3, H, K]
+        q = qkv[:, -t:, 0]                                                 # [B, T, H, K]
+        k, v = qkv[:, :, 1], qkv[:, :, 2]                                  # [B, S, H, K]
+        r = nn.DenseGeneral((H, K), name="r_net", **dense)(pos_emb)       # [S, H, K]
+
+        score_dtype = jnp.promote_types(q.dtype, jnp.float32)
+        scale = K ** -0.5
+        # (b) + (d), once per distance, then aligned to keys.
+        pos_scores = jnp.einsum("bthk,shk->bhts", q + r_r_bias.astype(q.dtype), r,
+                                preferred_element_type=score_dtype)
+        pos_bias = rel_shift(pos_scores) * scale                            # [B, H, T, S]
+        dropout_rng = None
+        if not deterministic and cfg.dropatt > 0.0:
+            dropout_rng = self.make_rng("dropout")
+        # (a) + (c) and the softmax/dropatt/mix in the shared core.
+        attn = dot_product_attention(
+            q + r_w_bias.astype(q.dtype), k, v, mask=mask, bias=pos_bias, scale=scale,
+            dropout_rate=cfg.dropatt, dropout_rng=dropout_rng,
+            deterministic=deterministic)                                  # [B, T, H, K]
+        out = nn.DenseGeneral(cfg.d_model, axis=(-2, -1), name="o_net", **dense)(attn)
+        out = nn.Dropout(cfg.dropout)(out, deterministic=deterministic)
+        if cfg.norm_first:
+            return h + out
+        return layer_norm(h + out)

@@ -23,7 +23,7 @@ from train.datasets import sources
 _UPSTREAM = ('https://raw.githubusercontent.com/multi30k/dataset/'
              'a3d2e0d26b56f3846f66a952536ffed4e401d05a/data/task1/raw/')
 
-# TFDS split name -> file stem, and the line count of each (from data/multi30k/README.md).
+# TFDS split name -> file stem (line counts: data/multi30k/README.md).
 SPLITS = {
     'train': 'train',
     'validation': 'val',
@@ -31,14 +31,6 @@ SPLITS = {
     'test_2017_flickr': 'test_2017_flickr',
     'test_2017_mscoco': 'test_2017_mscoco',
     'test_2018_flickr': 'test_2018_flickr',
-}
-NUM_EXAMPLES = {
-    'train': 29_000,
-    'validation': 1_014,
-    'test_2016_flickr': 1_000,
-    'test_2017_flickr': 1_000,
-    'test_2017_mscoco': 461,
-    'test_2018_flickr': 1_071,
 }
 LANGUAGES = ('de', 'en')
 

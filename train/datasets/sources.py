@@ -24,7 +24,7 @@ from typing import Any, Mapping, Sequence
 import tensorflow_datasets as tfds
 from etils import epath
 
-# The three places a builder can read its files from (or a directory path, see `resolve`).
+# Where a builder reads its files from; any other value is a directory (see `read_sources`).
 SHIPPED = 'shipped'
 DOWNLOAD = 'download'
 

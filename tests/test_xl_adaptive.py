@@ -1,0 +1,134 @@
+"""Adaptive input embedding and projected adaptive log-softmax against slow NumPy."""
+from __future__ import annotations
+
+import chex
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+from xl_jax import AdaptiveEmbedding, ProjectedAdaptiveLogSoftmax, TransformerXLConfig
+
+CASES = [
+    dict(),                                                     # full softmax, no projection
+    dict(d_embed=24),                                           # full softmax, projected
+    dict(cutoffs=(10, 30), div_val=1),                          # clusters, one table
+    dict(cutoffs=(10, 30), div_val=1, d_embed=24, tie_projs=(False, True, True)),
+    dict(cutoffs=(10, 30), div_val=2, d_embed=32),
+    dict(cutoffs=(10, 30), div_val=2, d_embed=32, tie_projs=(True, False, True)),
+    dict(cutoffs=(10, 30), div_val=2, d_embed=32, tie_weights=False),
+]
+
+
+def _bounds(cfg):
+    return (0, *cfg.cutoffs, cfg.vocab_size)
+
+
+def _np(tree):
+    return jax.tree.map(lambda x: np.asarray(x, np.float64), tree)
+
+
+def _slow_embedding(p, cfg, tokens):
+    out = np.zeros(tokens.shape + (cfg.d_model,))
+    for idx in np.ndindex(tokens.shape):
+        w = tokens[idx]
+        if cfg.div_val == 1:
+            c, lo = 0, 0
+        else:
+            c = sum(w >= x for x in cfg.cutoffs)
+            lo = _bounds(cfg)[c]
+        e = p[f"emb_{c}"][w - lo]
+        if f"proj_{c}" in p:
+            e = e @ p[f"proj_{c}"]
+        out[idx] = e * np.sqrt(cfg.d_model)
+    return out
+
+
+def _log_softmax(x):
+    x = x - x.max()
+    return x - np.log(np.exp(x).sum())
+
+
+def _slow_log_probs(crit, emb, cfg, h):
+    """Row by row: the head over shortlist + cluster logits, tail c read at head column -c."""
+    n = len(cfg.cutoffs)
+    bounds = _bounds(cfg)
+
+    def table(c):
+        src = emb if cfg.tie_weights else crit
+        key = "emb_" if cfg.tie_weights else "out_"
+        if cfg.div_val == 1:
+            lo, hi = bounds[c], bounds[c + 1]
+            return src[key + "0"][lo:hi], crit["bias_0"][lo:hi]
+        return src[key + str(c)], crit[f"bias_{c}"]
+
+    def proj(c):
+        if cfg.tie_projs and cfg.tie_projs[c] and (cfg.div_val > 1 or cfg.d_embed != cfg.d_model):
+            return emb["proj_0" if cfg.div_val == 1 else f"proj_{c}"]
+        return crit.get(f"proj_{c}")
+
+    def logits(x, w, b, pr):
+        return (x if pr is None else x @ pr.T) @ w.T + b
+
+    out = np.zeros(h.shape[:-1] + (cfg.vocab_size,))
+    for idx in np.ndindex(h.shape[:-1]):
+        x = h[idx]
+        w0, b0 = table(0)
+        if n == 0:
+            out[idx] = _log_softmax(logits(x, w0, b0, proj(0)))
+            continue
+        head = _log_softmax(logits(x, np.concatenate([w0, crit["cluster_weight"]]),
+                                   np.concatenate([b0, crit["cluster_bias"]]), proj(0)))
+        out[idx][:bounds[1]] = head[:bounds[1]]
+        for c in range(1, n + 1):
+            w, b = table(c)
+            tail = _log_softmax(logits(x, w, b, proj(c)))
+            out[idx][bounds[c]:bounds[c + 1]] = head[len(head) - c] + tail
+    return out
+
+
+@pytest.mark.parametrize("overrides", CASES)
+def test_adaptive_embedding_and_softmax_match_numpy(overrides):
+    cfg = TransformerXLConfig.tiny(**overrides)
+    tokens = jnp.asarray(np.random.default_rng(0).integers(0, cfg.vocab_size, (2, 20)))
+    emb_mod = AdaptiveEmbedding(cfg)
+    emb_params = emb_mod.init(jax.random.key(0), tokens)["params"]
+    # Random biases and cluster logits so the test sees them.
+    rng = np.random.default_rng(1)
+    h = jnp.asarray(rng.normal(size=(2, 20, cfg.d_model)), jnp.float32)
+    crit = ProjectedAdaptiveLogSoftmax(cfg)
+    tied = emb_mod.apply({"params": emb_params}, method=AdaptiveEmbedding.tied_parameters)
+    kw = dict(tied_tables=tied[0], tied_projs=tied[1])
+    crit_params = crit.init(jax.random.key(2), h, **kw)["params"]
+    crit_params = jax.tree.map(
+        lambda x: jnp.asarray(rng.normal(size=x.shape) * 0.5, jnp.float32), crit_params)
+
+    got_emb = emb_mod.apply({"params": emb_params}, tokens)
+    chex.assert_trees_all_close(np.asarray(got_emb, np.float64),
+                                _slow_embedding(_np(emb_params), cfg, np.asarray(tokens)),
+                                rtol=1e-5, atol=1e-6)
+
+    logp = crit.apply({"params": crit_params}, h, **kw)
+    want = _slow_log_probs(_np(crit_params), _np(emb_params), cfg, np.asarray(h, np.float64))
+    chex.assert_shape(logp, (2, 20, cfg.vocab_size))
+    chex.assert_trees_all_close(np.asarray(logp, np.float64), want, rtol=1e-4, atol=1e-5)
+    np.testing.assert_allclose(np.exp(np.asarray(logp, np.float64)).sum(-1), 1.0, atol=1e-5)
+
+    nll = crit.apply({"params": crit_params}, h, tokens, **kw)
+    want_nll = -np.take_along_axis(want, np.asarray(tokens)[..., None], axis=-1)[..., 0]
+    chex.assert_trees_all_close(np.asarray(nll, np.float64), want_nll, rtol=1e-4, atol=1e-5)
+
+
+def test_tied_softmax_has_no_own_tables():
+    cfg = TransformerXLConfig.tiny(cutoffs=(10, 30), div_val=2, d_embed=32,
+                                   tie_projs=(False, True, True))
+    emb_mod = AdaptiveEmbedding(cfg)
+    tokens = jnp.zeros((1, 3), jnp.int32)
+    emb_params = emb_mod.init(jax.random.key(0), tokens)["params"]
+    tied = emb_mod.apply({"params": emb_params}, method=AdaptiveEmbedding.tied_parameters)
+    params = ProjectedAdaptiveLogSoftmax(cfg).init(
+        jax.random.key(1), jnp.zeros((1, 3, cfg.d_model)), tied_tables=tied[0],
+        tied_projs=tied[1])["params"]
+    assert sorted(params) == ["bias_0", "bias_1", "bias_2", "cluster_bias", "cluster_weight",
+                              "proj_0"]
+    chex.assert_shape(params["cluster_weight"], (2, 32))

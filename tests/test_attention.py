@@ -1,0 +1,135 @@
+"""The attention core and the Transformer's multi-head attention against slow NumPy references."""
+from __future__ import annotations
+
+import chex
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+from transformer_jax import (
+    MultiHeadAttention,
+    TransformerConfig,
+    dot_product_attention,
+    make_causal_mask,
+    make_padding_mask,
+)
+
+
+def _np_attention(q, k, v, mask=None, bias=None, scale=None):
+    """Loops over batch and heads: softmax(q k^T * scale + bias) v, masked keys excluded."""
+    b_, t_, h_, k_ = q.shape
+    s_ = k.shape[1]
+    scale = k_ ** -0.5 if scale is None else scale
+    mask = np.ones((b_, h_, t_, s_), bool) if mask is None else np.broadcast_to(
+        mask, (b_, h_, t_, s_))
+    bias = np.zeros((b_, h_, t_, s_)) if bias is None else np.broadcast_to(bias, mask.shape)
+    out = np.zeros((b_, t_, h_, v.shape[-1]))
+    weights = np.zeros((b_, h_, t_, s_))
+    for b in range(b_):
+        for h in range(h_):
+            for t in range(t_):
+                keep = mask[b, h, t]
+                if not keep.any():
+                    continue  # a fully masked query gets zero weights and a zero output
+                scores = np.array([q[b, t, h] @ k[b, s, h] * scale + bias[b, h, t, s]
+                                   for s in range(s_)], dtype=np.float64)
+                e = np.where(keep, np.exp(scores - scores[keep].max()), 0.0)
+                weights[b, h, t] = e / e.sum()
+                out[b, t, h] = weights[b, h, t] @ v[b, :, h]
+    return out, weights
+
+
+def _qkv(seed=0, b=2, t=3, s=5, h=2, k=4):
+    rng = np.random.default_rng(seed)
+    return tuple(rng.normal(size=shape).astype(np.float32)
+                 for shape in ((b, t, h, k), (b, s, h, k), (b, s, h, k)))
+
+
+def test_dot_product_attention_matches_numpy_with_mask_bias_and_scale():
+    q, k, v = _qkv()
+    rng = np.random.default_rng(1)
+    mask = rng.random((2, 1, 3, 5)) > 0.3
+    mask[0, 0, 1] = False  # one query with every key masked
+    bias = rng.normal(size=(1, 2, 3, 5)).astype(np.float32)
+    out, weights = dot_product_attention(q, k, v, mask=jnp.asarray(mask), bias=bias,
+                                         scale=0.3, return_weights=True)
+    ref_out, ref_w = _np_attention(q, k, v, mask, bias, scale=0.3)
+    chex.assert_shape(out, (2, 3, 2, 4))
+    chex.assert_trees_all_close(np.asarray(out), ref_out.astype(np.float32), atol=1e-5)
+    chex.assert_trees_all_close(np.asarray(weights), ref_w.astype(np.float32), atol=1e-6)
+
+
+def test_masks_have_the_documented_shapes_and_meaning():
+    tokens = jnp.array([[5, 6, 0], [7, 0, 0]])
+    pad = make_padding_mask(tokens, 0)
+    chex.assert_shape(pad, (2, 1, 1, 3))
+    np.testing.assert_array_equal(np.asarray(pad[:, 0, 0]), [[1, 1, 0], [1, 0, 0]])
+    causal = make_causal_mask(4)
+    chex.assert_shape(causal, (1, 1, 4, 4))
+    np.testing.assert_array_equal(np.asarray(causal[0, 0]),
+                                  np.array([[s <= t for s in range(4)] for t in range(4)]))
+
+
+def test_attention_dropout_only_when_not_deterministic():
+    q, k, v = _qkv(seed=2)
+    _, ref_w = _np_attention(q, k, v)
+    kwargs = dict(dropout_rate=0.5, dropout_rng=jax.random.PRNGKey(0), return_weights=True)
+    _, w_det = dot_product_attention(q, k, v, deterministic=True, **kwargs)
+    chex.assert_trees_all_close(np.asarray(w_det), ref_w.astype(np.float32), atol=1e-6)
+    _, w_drop = dot_product_attention(q, k, v, deterministic=False, **kwargs)
+    w_drop = np.asarray(w_drop)
+    # Inverted dropout: each weight is dropped (0) or kept and scaled by 1 / (1 - rate).
+    kept = w_drop != 0
+    assert 0 < kept.mean() < 1
+    np.testing.assert_allclose(w_drop[kept], 2.0 * ref_w[kept], rtol=1e-5)
+
+
+@pytest.mark.skipif(jax.default_backend() != "gpu", reason="the fused cuDNN kernel needs a GPU")
+def test_cudnn_and_xla_paths_agree_in_bf16():
+    q, k, v = (jnp.asarray(x, jnp.bfloat16) for x in _qkv(seed=3, b=2, t=16, s=16, h=2, k=64))
+    mask = make_causal_mask(16)
+    fused = dot_product_attention(q, k, v, mask=mask, implementation="cudnn")
+    xla = dot_product_attention(q, k, v, mask=mask, implementation="xla")
+    chex.assert_trees_all_close(np.asarray(fused, np.float32), np.asarray(xla, np.float32),
+                                atol=2e-2, rtol=2e-2)
+
+
+def _np_dense(x, p):
+    return x @ np.asarray(p["kernel"], np.float64) + np.asarray(p["bias"], np.float64)
+
+
+def np_multi_head_attention(xq, xkv, p, mask, n_heads):
+    """The obvious way: project, then per example and head softmax(q k^T / sqrt(K)) v.
+
+    xq [B, T, D], xkv [B, S, D], mask broadcastable to [B, 1, T, S]; head h is columns
+    h*K .. (h+1)*K of the projections.
+    """
+    q, k, v = (_np_dense(x, p[name]) for x, name in ((xq, "query"), (xkv, "key"),
+                                                      (xkv, "value")))
+    b_, t_, d = q.shape
+    hk = d // n_heads
+    mask = np.broadcast_to(mask, (b_, 1, t_, xkv.shape[1]))
+    out = np.zeros_like(q)
+    for b in range(b_):
+        for h in range(n_heads):
+            cols = slice(h * hk, (h + 1) * hk)
+            scores = q[b, :, cols] @ k[b, :, cols].T / np.sqrt(hk)
+            scores = np.where(mask[b, 0], scores, -np.inf)
+            w = np.exp(scores - scores.max(-1, keepdims=True))
+            out[b, :, cols] = (w / w.sum(-1, keepdims=True)) @ v[b, :, cols]
+    return _np_dense(out, p["out"])
+
+
+def test_multi_head_attention_matches_numpy_einsum_reference():
+    cfg = TransformerConfig.tiny(d_model=32, n_heads=4)
+    mha = MultiHeadAttention(cfg)
+    rng = np.random.default_rng(4)
+    xq = rng.normal(size=(2, 3, 32)).astype(np.float32)
+    xkv = rng.normal(size=(2, 5, 32)).astype(np.float32)
+    mask = make_padding_mask(jnp.array([[1, 1, 1, 0, 0], [1, 1, 1, 1, 1]]), 0)
+    params = mha.init(jax.random.PRNGKey(0), xq, xkv, mask=mask)["params"]
+    out = mha.apply({"params": params}, xq, xkv, mask=mask)
+    ref = np_multi_head_attention(xq, xkv, params, np.asarray(mask), cfg.n_heads)
+    chex.assert_shape(out, (2, 3, 32))
+    chex.assert_trees_all_close(np.asarray(out), ref.astype(np.float32), atol=1e-5)

@@ -1,0 +1,112 @@
+"""Label-smoothed cross-entropy, the Noam schedule and the paper's Adam, against their formulas."""
+from __future__ import annotations
+
+import chex
+import jax.numpy as jnp
+import numpy as np
+import optax
+import pytest
+
+from transformer_jax import label_smoothed_cross_entropy, make_optimizer, noam_schedule
+
+
+def _explicit_smoothed_ce(logits, targets, smoothing, pad_id):
+    """Build the target distribution q token by token, then sum -q log p over real tokens."""
+    logits = np.asarray(logits, np.float64)
+    b_, t_, v_ = logits.shape
+    total, count = 0.0, 0
+    for b in range(b_):
+        for t in range(t_):
+            y = targets[b, t]
+            if y == pad_id:
+                continue
+            q = np.zeros(v_)
+            for v in range(v_):
+                if v == y:
+                    q[v] = 1.0 - smoothing
+                elif v != pad_id:
+                    q[v] = smoothing / (v_ - 2)
+            assert abs(q.sum() - 1.0) < 1e-12
+            log_p = logits[b, t] - np.log(np.sum(np.exp(logits[b, t])))
+            total += -np.sum(q * log_p)
+            count += 1
+    return total, count
+
+
+@pytest.mark.parametrize("smoothing", [0.0, 0.1, 0.4])
+def test_label_smoothing_equals_explicit_distribution(smoothing):
+    rng = np.random.default_rng(0)
+    logits = rng.normal(size=(3, 4, 7)).astype(np.float32) * 3
+    targets = rng.integers(1, 7, size=(3, 4)).astype(np.int32)
+    targets[0, 2:] = 0
+    targets[2, 3] = 0
+    loss_sum, n_tokens = label_smoothed_cross_entropy(jnp.asarray(logits), jnp.asarray(targets),
+                                                      smoothing=smoothing, pad_id=0)
+    ref_sum, ref_count = _explicit_smoothed_ce(logits, targets, smoothing, 0)
+    assert int(n_tokens) == ref_count == 9
+    np.testing.assert_allclose(float(loss_sum), ref_sum, rtol=1e-5)
+
+
+def test_label_smoothing_differs_from_kl_by_the_entropy_of_q():
+    # The Annotated Transformer minimises KL(q || p) = CE(q, p) - H(q); H(q) is a constant.
+    rng = np.random.default_rng(1)
+    logits = rng.normal(size=(1, 5, 6)).astype(np.float32)
+    targets = np.array([[3, 4, 5, 1, 2]], np.int32)
+    s, v = 0.1, 6
+    loss_sum, n = label_smoothed_cross_entropy(logits, targets, smoothing=s, pad_id=0)
+    q_entropy = -(1 - s) * np.log(1 - s) - s * np.log(s / (v - 2))
+    log_p = np.asarray(logits, np.float64) - np.log(np.exp(logits).sum(-1, keepdims=True))
+    kl = 0.0
+    for t, y in enumerate(targets[0]):
+        q = np.full(v, s / (v - 2))
+        q[0], q[y] = 0.0, 1 - s
+        kl += np.sum(np.where(q > 0, q * (np.log(np.where(q > 0, q, 1)) - log_p[0, t]), 0))
+    np.testing.assert_allclose(float(loss_sum) - int(n) * q_entropy, kl, rtol=1e-5)
+
+
+def test_bad_smoothing_raises():
+    with pytest.raises(ValueError, match="smoothing"):
+        label_smoothed_cross_entropy(jnp.zeros((1, 1, 5)), jnp.ones((1, 1), jnp.int32),
+                                     smoothing=1.0, pad_id=0)
+
+
+@pytest.mark.parametrize("d_model,warmup,factor", [(512, 4000, 1.0), (64, 10, 2.0)])
+def test_noam_equals_formula_at_step_one_warmup_and_ten_warmups(d_model, warmup, factor):
+    sched = noam_schedule(d_model, warmup, factor)
+    for step in (1, warmup, 10 * warmup):
+        expected = factor * d_model ** -0.5 * min(step ** -0.5, step * warmup ** -1.5)
+        # optax's count is the number of updates done so far: step - 1.
+        np.testing.assert_allclose(float(sched(step - 1)), expected, rtol=1e-6)
+    # Peak at warm-up, linear before it, 1/sqrt(step) after.
+    np.testing.assert_allclose(float(sched(warmup - 1)), factor / np.sqrt(d_model * warmup),
+                               rtol=1e-6)
+    np.testing.assert_allclose(float(sched(0)) * warmup, float(sched(warmup - 1)), rtol=1e-5)
+    np.testing.assert_allclose(float(sched(4 * warmup - 1)) * 2, float(sched(warmup - 1)),
+                               rtol=1e-5)
+
+
+def _numpy_adam(grads, lrs, b1=0.9, b2=0.98, eps=1e-9):
+    m = v = np.zeros_like(grads[0])
+    updates = []
+    for t, (g, lr) in enumerate(zip(grads, lrs), start=1):
+        m = b1 * m + (1 - b1) * g
+        v = b2 * v + (1 - b2) * g * g
+        m_hat, v_hat = m / (1 - b1 ** t), v / (1 - b2 ** t)
+        updates.append(-lr * m_hat / (np.sqrt(v_hat) + eps))
+    return updates
+
+
+@pytest.mark.parametrize("clip_norm", [None, 1.0])
+def test_optimizer_is_adam_0_9_0_98_on_noam_with_optional_clipping(clip_norm):
+    d_model, warmup = 16, 4
+    tx = make_optimizer(d_model, warmup, clip_norm=clip_norm)
+    grads = [np.array([3.0, -4.0]), np.array([0.1, 0.2]), np.array([-0.3, 0.05])]
+    clipped = [g * min(1.0, clip_norm / np.linalg.norm(g)) if clip_norm else g for g in grads]
+    lrs = [float(noam_schedule(d_model, warmup)(i)) for i in range(3)]
+    expected = _numpy_adam(clipped, lrs)
+    params = jnp.zeros(2)
+    state = tx.init(params)
+    for g, want in zip(grads, expected):
+        upd, state = tx.update(jnp.asarray(g, jnp.float32), state, params)
+        chex.assert_trees_all_close(np.asarray(upd), want.astype(np.float32), rtol=1e-5)
+        params = optax.apply_updates(params, upd)

@@ -1,0 +1,279 @@
+"""The Transformer model: a NumPy re-implementation, invariants, configuration and positions."""
+from __future__ import annotations
+
+import chex
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+from test_attention import _np_dense, np_multi_head_attention
+from transformer_jax import (
+    Transformer,
+    TransformerConfig,
+    sinusoidal_positions,
+)
+
+V = 17
+
+
+def _config(**overrides) -> TransformerConfig:
+    fields = dict(src_vocab_size=V, tgt_vocab_size=V, d_model=32, n_heads=4, d_ff=64,
+                  n_encoder_layers=2, n_decoder_layers=2, max_len=16)
+    return TransformerConfig.tiny(**{**fields, **overrides})
+
+
+def _batch(seed=0):
+    rng = np.random.default_rng(seed)
+    src = rng.integers(3, V, size=(2, 6)).astype(np.int32)
+    src[0, 4:] = 0  # padding
+    tgt = rng.integers(3, V, size=(2, 5)).astype(np.int32)
+    tgt[:, 0] = 1  # BOS
+    tgt[1, 4:] = 0
+    return jnp.asarray(src), jnp.asarray(tgt)
+
+
+def _init(cfg, seed=0):
+    src, tgt = _batch()
+    return Transformer(cfg), Transformer(cfg).init(jax.random.PRNGKey(seed), src, tgt)["params"]
+
+
+# ------------------------------------------------------------------ NumPy reference model
+
+def _np_layer_norm(x, p):
+    mu = x.mean(-1, keepdims=True)
+    var = ((x - mu) ** 2).mean(-1, keepdims=True)
+    return (x - mu) / np.sqrt(var + 1e-6) * np.asarray(p["scale"]) + np.asarray(p["bias"])
+
+
+def _np_sublayer(x, p_norm, fn, norm_first):
+    if norm_first:
+        return x + fn(_np_layer_norm(x, p_norm))
+    return _np_layer_norm(x + fn(x), p_norm)
+
+
+def _np_ffn(x, p):
+    return _np_dense(np.maximum(_np_dense(x, p["inner"]), 0.0), p["outer"])
+
+
+def _np_positions(length, d):
+    pe = np.zeros((length, d))
+    for pos in range(length):
+        for i in range(d // 2):
+            pe[pos, 2 * i] = np.sin(pos / 10000 ** (2 * i / d))
+            pe[pos, 2 * i + 1] = np.cos(pos / 10000 ** (2 * i / d))
+    return pe
+
+
+def np_transformer(params, cfg, src, tgt):
+    """Section 3 of the paper, written directly (sinusoidal positions, tied embeddings)."""
+    src, tgt = np.asarray(src), np.asarray(tgt)
+    emb = np.asarray(params["tgt_embed"]["embedding"], np.float64)
+    d, nf = cfg.d_model, cfg.norm_first
+    src_mask = (src != cfg.pad_id)[:, None, None, :]
+    t_ = tgt.shape[1]
+    tgt_mask = np.tril(np.ones((t_, t_), bool))[None, None] & (tgt != cfg.pad_id)[:, None,
+                                                                                   None, :]
+    x = emb[src] * np.sqrt(d) + _np_positions(src.shape[1], d)
+    for i in range(cfg.n_encoder_layers):
+        p = params["encoder"][f"layers_{i}"]
+        x = _np_sublayer(x, p["self_attn_residual"]["norm"],
+                         lambda h: np_multi_head_attention(h, h, p["self_attn"], src_mask,
+                                                           cfg.n_heads), nf)
+        x = _np_sublayer(x, p["ffn_residual"]["norm"], lambda h: _np_ffn(h, p["ffn"]), nf)
+    if nf:
+        x = _np_layer_norm(x, params["encoder"]["final_norm"])
+    y = emb[tgt] * np.sqrt(d) + _np_positions(t_, d)
+    for i in range(cfg.n_decoder_layers):
+        p = params["decoder"][f"layers_{i}"]
+        y = _np_sublayer(y, p["self_attn_residual"]["norm"],
+                         lambda h: np_multi_head_attention(h, h, p["self_attn"], tgt_mask,
+                                                           cfg.n_heads), nf)
+        y = _np_sublayer(y, p["cross_attn_residual"]["norm"],
+                         lambda h: np_multi_head_attention(h, x, p["cross_attn"], src_mask,
+                                                           cfg.n_heads), nf)
+        y = _np_sublayer(y, p["ffn_residual"]["norm"], lambda h: _np_ffn(h, p["ffn"]), nf)
+    if nf:
+        y = _np_layer_norm(y, params["decoder"]["final_norm"])
+    return y @ emb.T
+
+
+@pytest.mark.parametrize("norm_first", [False, True])
+def test_forward_matches_numpy_reference(norm_first):
+    cfg = _config(norm_first=norm_first)
+    model, params = _init(cfg)
+    src, tgt = _batch(1)
+    logits = model.apply({"params": params}, src, tgt)
+    chex.assert_shape(logits, (2, 5, V))
+    chex.assert_type(logits, jnp.float32)
+    ref = np_transformer(params, cfg, src, tgt)
+    chex.assert_trees_all_close(np.asarray(logits), ref.astype(np.float32), atol=1e-4,
+                                rtol=1e-4)
+
+
+def test_encode_then_decode_equals_call():
+    model, params = _init(_config())
+    src, tgt = _batch(2)
+    encoded = model.apply({"params": params}, src, method="encode")
+    chex.assert_shape(encoded, (2, 6, 32))
+    logits = model.apply({"params": params}, encoded, src, tgt, method="decode")
+    chex.assert_trees_all_close(logits, model.apply({"params": params}, src, tgt), atol=1e-6)
+
+
+# ------------------------------------------------------------------------------ invariants
+
+@pytest.mark.parametrize("norm_first", [False, True])
+def test_causality(norm_first):
+    model, params = _init(_config(norm_first=norm_first))
+    src, tgt = _batch(3)
+    tgt = tgt.at[1, 4].set(9)  # no pad in the target for this test
+    base = model.apply({"params": params}, src, tgt)
+    for t in range(tgt.shape[1] - 1):
+        changed = tgt.at[:, t + 1:].set((tgt[:, t + 1:] + 5) % (V - 3) + 3)
+        out = model.apply({"params": params}, src, changed)
+        chex.assert_trees_all_close(out[:, :t + 1], base[:, :t + 1], atol=1e-5)
+        # ... and the later positions do see the change (the test can fail).
+        assert not np.allclose(out[:, t + 1:], base[:, t + 1:], atol=1e-3)
+
+
+@pytest.mark.parametrize("norm_first", [False, True])
+def test_padding_invariance(norm_first):
+    model, params = _init(_config(norm_first=norm_first))
+    src, tgt = _batch(4)
+    base = model.apply({"params": params}, src, tgt)
+    more_src_pad = jnp.pad(src, ((0, 0), (0, 3)))  # three more pad positions
+    chex.assert_trees_all_close(model.apply({"params": params}, more_src_pad, tgt), base,
+                                atol=1e-5)
+    # Extra target pad leaves the real target positions unchanged too.
+    more_tgt_pad = jnp.pad(tgt, ((0, 0), (0, 2)))
+    out = model.apply({"params": params}, src, more_tgt_pad)
+    chex.assert_trees_all_close(out[:, :5], base, atol=1e-5)
+    # Garbage in pad positions must not matter either (they are masked, not just zero).
+    garbage = src.at[0, 4:].set(7)
+    assert not np.allclose(model.apply({"params": params}, garbage, tgt)[0], base[0],
+                           atol=1e-3), "the source pad mask must be what hides pad positions"
+
+
+def test_dropout_only_when_not_deterministic():
+    model, params = _init(_config(dropout=0.3, attention_dropout=0.2))
+    src, tgt = _batch(5)
+    a = model.apply({"params": params}, src, tgt)
+    b = model.apply({"params": params}, src, tgt, deterministic=True)
+    chex.assert_trees_all_equal(a, b)
+    d1 = model.apply({"params": params}, src, tgt, deterministic=False,
+                     rngs={"dropout": jax.random.PRNGKey(1)})
+    d1_again = model.apply({"params": params}, src, tgt, deterministic=False,
+                           rngs={"dropout": jax.random.PRNGKey(1)})
+    d2 = model.apply({"params": params}, src, tgt, deterministic=False,
+                     rngs={"dropout": jax.random.PRNGKey(2)})
+    chex.assert_trees_all_equal(d1, d1_again)
+    assert not np.allclose(d1, a, atol=1e-3) and not np.allclose(d1, d2, atol=1e-3)
+
+
+# --------------------------------------------------------------- parameters, init, dtypes
+
+def test_shared_and_separate_embeddings_and_output():
+    _, shared = _init(_config())
+    assert "src_embed" not in shared and "output" not in shared
+    chex.assert_shape(shared["tgt_embed"]["embedding"], (V, 32))
+    _, separate = _init(_config(share_embeddings=False, tie_output=False,
+                                src_vocab_size=V + 4))
+    chex.assert_shape(separate["src_embed"]["embedding"], (V + 4, 32))
+    chex.assert_shape(separate["output"]["kernel"], (32, V))
+
+
+def test_xavier_uniform_init_and_float32_params():
+    cfg = _config(d_model=64, d_ff=128)
+    _, params = _init(cfg)
+    kernel = np.asarray(params["encoder"]["layers_0"]["ffn"]["inner"]["kernel"])
+    limit = np.sqrt(6.0 / (64 + 128))  # Glorot & Bengio (2010)
+    assert kernel.min() >= -limit and kernel.max() <= limit and kernel.max() > 0.9 * limit
+    np.testing.assert_allclose(kernel.std(), limit / np.sqrt(3), rtol=0.1)
+    assert np.all(np.asarray(params["encoder"]["layers_0"]["ffn"]["inner"]["bias"]) == 0)
+    chex.assert_trees_all_equal_dtypes(params, jax.tree_util.tree_map(
+        lambda x: np.zeros((), np.float32), params))
+
+
+def test_bfloat16_compute_keeps_float32_params_and_logits():
+    cfg32 = _config()
+    model16 = Transformer(cfg32.replace(dtype="bfloat16"))
+    _, params = _init(cfg32)
+    src, tgt = _batch(6)
+    logits16 = model16.apply({"params": params}, src, tgt)
+    chex.assert_type(logits16, jnp.float32)
+    logits32 = Transformer(cfg32).apply({"params": params}, src, tgt)
+    chex.assert_trees_all_close(logits16, logits32, atol=0.15, rtol=0.05)
+
+
+@pytest.mark.parametrize("positional", ["sinusoidal_concat", "learned"])
+def test_other_positionals_run_and_learned_rejects_long_inputs(positional):
+    cfg = _config(positional=positional, max_len=6)
+    model, params = _init(cfg)
+    src, tgt = _batch(7)
+    chex.assert_shape(model.apply({"params": params}, src, tgt), (2, 5, V))
+    if positional == "learned":
+        chex.assert_shape(params["positions"]["table"], (6, 32))
+        with pytest.raises(ValueError, match="max_len"):
+            model.apply({"params": params}, jnp.pad(src, ((0, 0), (0, 1))), tgt)
+
+
+# --------------------------------------------------------------------------- positions
+
+@pytest.mark.parametrize("length,d", [(7, 8), (50, 16)])
+def test_sinusoids_equal_the_formula_in_both_layouts(length, d):
+    interleaved = np.asarray(sinusoidal_positions(length, d))
+    concat = np.asarray(sinusoidal_positions(length, d, layout="concat"))
+    chex.assert_shape(interleaved, (length, d))
+    for pos in range(length):
+        for i in range(d // 2):
+            angle = pos / 10000 ** (2 * i / d)
+            np.testing.assert_allclose(interleaved[pos, 2 * i], np.sin(angle), atol=2e-5)
+            np.testing.assert_allclose(interleaved[pos, 2 * i + 1], np.cos(angle), atol=2e-5)
+            np.testing.assert_allclose(concat[pos, i], np.sin(angle), atol=2e-5)
+            np.testing.assert_allclose(concat[pos, d // 2 + i], np.cos(angle), atol=2e-5)
+
+
+def test_sinusoids_work_past_max_len():
+    cfg = _config(max_len=4)  # sinusoidal positions ignore max_len
+    model, params = _init(cfg)
+    src, tgt = _batch(8)
+    chex.assert_shape(model.apply({"params": params}, src, tgt), (2, 5, V))
+    big = np.asarray(sinusoidal_positions(5000, 8))
+    np.testing.assert_allclose(big[4999, 0], np.sin(4999.0), atol=1e-3)
+
+
+# ------------------------------------------------------------------------------- config
+
+def test_presets():
+    base = TransformerConfig.base()
+    assert (base.d_model, base.n_heads, base.d_ff, base.n_encoder_layers,
+            base.n_decoder_layers, base.dropout) == (512, 8, 2048, 6, 6, 0.1)
+    big = TransformerConfig.big(src_vocab_size=100, tgt_vocab_size=100)
+    assert (big.d_model, big.n_heads, big.d_ff, big.dropout, big.src_vocab_size) == (
+        1024, 16, 4096, 0.3, 100)
+    tiny = TransformerConfig.tiny(norm_first=True)
+    assert tiny.norm_first and tiny.d_model <= 128 and tiny.head_dim == tiny.d_model // 4
+    assert TransformerConfig.base(dtype="bfloat16").dtype == jnp.bfloat16
+    hash(tiny)  # usable as a static jit argument
+
+
+@pytest.mark.parametrize("overrides,field", [
+    (dict(d_model=30, n_heads=4), "d_model"),
+    (dict(d_model=0), "d_model"),
+    (dict(n_heads=-1), "n_heads"),
+    (dict(d_ff=0), "d_ff"),
+    (dict(n_encoder_layers=0), "n_encoder_layers"),
+    (dict(src_vocab_size=0), "src_vocab_size"),
+    (dict(max_len=0), "max_len"),
+    (dict(dropout=1.0), "dropout"),
+    (dict(attention_dropout=-0.1), "attention_dropout"),
+    (dict(positional="rotary"), "positional"),
+    (dict(d_model=27, n_heads=3, positional="sinusoidal"), "d_model must be even"),
+    (dict(src_vocab_size=10, tgt_vocab_size=12, share_embeddings=True), "share_embeddings"),
+    (dict(bos_id=0), "pad_id, bos_id and eos_id"),
+    (dict(eos_id=32), "eos_id"),
+    (dict(dtype="int32"), "dtype"),
+])
+def test_bad_configs_raise_value_error_naming_the_field(overrides, field):
+    with pytest.raises(ValueError, match=field):
+        TransformerConfig.tiny(**overrides)

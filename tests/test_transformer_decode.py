@@ -1,0 +1,128 @@
+"""Decoding a Transformer: the KV cache against the full forward pass, greedy and beam search."""
+from __future__ import annotations
+
+import chex
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+from transformer_jax import Transformer, TransformerConfig, beam_search, greedy_decode
+
+V = 13
+PAD, BOS, EOS = 0, 1, 2
+
+
+def _model(seed=0, **overrides):
+    cfg = TransformerConfig.tiny(**{**dict(src_vocab_size=V, tgt_vocab_size=V, d_model=32,
+                                           n_heads=4, d_ff=64, max_len=12), **overrides})
+    model = Transformer(cfg)
+    src = jnp.array([[5, 6, 7, 8, 2, 0], [9, 3, 2, 0, 0, 0], [4, 4, 4, 4, 4, 2]], jnp.int32)
+    params = model.init(jax.random.PRNGKey(seed), src, src[:, :4])["params"]
+    return model, params, src
+
+
+@pytest.mark.parametrize("overrides", [
+    dict(norm_first=False),
+    dict(norm_first=True),
+    dict(positional="learned"),
+    dict(positional="sinusoidal_concat", share_embeddings=False, tie_output=False),
+])
+def test_cached_steps_equal_full_forward_at_every_step(overrides):
+    model, params, src = _model(**overrides)
+    tgt = jnp.array([[1, 7, 8, 9, 3, 2, 0, 0], [1, 3, 3, 2, 0, 0, 0, 0],
+                     [1, 10, 11, 12, 3, 4, 5, 6]], jnp.int32)  # pad inside too
+    full = model.apply({"params": params}, src, tgt)  # [B, T, V]
+    step = jax.jit(lambda tok, cache, i: model.apply({"params": params}, tok, cache, index=i,
+                                                     method="decode_step"))
+    cache = model.apply({"params": params}, src, max_len=tgt.shape[1],
+                        method="init_decode_cache")
+    for leaf in jax.tree_util.tree_leaves(cache):
+        assert leaf.shape[0] == src.shape[0], "every cache leaf must lead with the batch axis"
+    for t in range(tgt.shape[1]):
+        logits, cache = step(tgt[:, t], cache, jnp.int32(t))
+        chex.assert_shape(logits, (3, V))
+        chex.assert_trees_all_close(logits, full[:, t], atol=1e-4, rtol=1e-4)
+
+
+def _np_greedy_by_full_forward(model, params, src, max_len):
+    """The slow reference: rerun the whole model on the growing prefix at every step."""
+    b_ = src.shape[0]
+    prefix = np.full((b_, 1), BOS, np.int32)
+    done = np.zeros(b_, bool)
+    for _ in range(max_len):
+        logits = np.array(model.apply({"params": params}, src, jnp.asarray(prefix))[:, -1])
+        logits[:, [PAD, BOS]] = -np.inf
+        tok = np.where(done, PAD, np.argmax(logits, axis=-1))
+        prefix = np.concatenate([prefix, tok[:, None].astype(np.int32)], axis=1)
+        done |= tok == EOS
+    return prefix[:, 1:]
+
+
+@pytest.mark.parametrize("seed", [0, 1])
+def test_greedy_decode_equals_greedy_by_full_forward(seed):
+    model, params, src = _model(seed)
+    got = np.asarray(greedy_decode(model, params, src, max_len=7))
+    chex.assert_shape(got, (3, 7))
+    np.testing.assert_array_equal(got, _np_greedy_by_full_forward(model, params, src, 7))
+
+
+def _assert_well_formed(rows):
+    rows = np.asarray(rows).reshape(-1, rows.shape[-1])
+    assert not np.any(rows == BOS)
+    for row in rows:
+        if EOS in row:
+            e = list(row).index(EOS)
+            assert np.all(row[e + 1:] == PAD), row
+            assert not np.any(row[:e] == PAD), row
+        else:
+            assert not np.any(row == PAD), row
+
+
+def test_eos_is_followed_only_by_pad():
+    # A model whose output bias makes EOS likely, so sequences end at different steps.
+    model, params, src = _model(2, share_embeddings=False, tie_output=False)
+    params = jax.tree_util.tree_map(lambda x: x, params)
+    params["output"]["bias"] = params["output"]["bias"].at[EOS].set(1.5)
+    greedy = greedy_decode(model, params, src, max_len=8)
+    tokens, _ = beam_search(model, params, src, beam_size=4, max_len=8)
+    assert np.any(np.asarray(greedy) == EOS) and np.any(np.asarray(tokens) == EOS)
+    _assert_well_formed(greedy)
+    _assert_well_formed(tokens)
+
+
+@pytest.mark.parametrize("seed", [0, 3])
+def test_beam_size_one_equals_greedy(seed):
+    model, params, src = _model(seed)
+    greedy = greedy_decode(model, params, src, max_len=8)
+    tokens, scores = beam_search(model, params, src, beam_size=1, max_len=8)
+    chex.assert_shape(tokens, (3, 1, 8))
+    np.testing.assert_array_equal(np.asarray(tokens[:, 0]), np.asarray(greedy))
+
+
+def test_beam_scores_are_normalised_log_probs_of_the_returned_sequences():
+    model, params, src = _model(4)
+    alpha = 0.6
+    tokens, scores = beam_search(model, params, src, beam_size=3, max_len=6,
+                                 length_penalty=alpha)
+    chex.assert_shape(scores, (3, 3))
+    assert np.all(np.diff(np.asarray(scores), axis=1) <= 1e-6), "best first"
+    _assert_well_formed(tokens)
+    for b in range(3):
+        for w in range(3):
+            seq = [int(t) for t in np.asarray(tokens[b, w]) if t != PAD]
+            tgt = jnp.array([[BOS] + seq[:-1]], jnp.int32)
+            logits = np.asarray(model.apply({"params": params}, src[b:b + 1], tgt),
+                                np.float64)[0]
+            logits[:, [PAD, BOS]] = -np.inf  # decoding renormalises over emittable tokens
+            m = logits.max(-1, keepdims=True)
+            log_p = logits - m - np.log(np.exp(logits - m).sum(-1, keepdims=True))
+            total = sum(log_p[t, tok] for t, tok in enumerate(seq))
+            expected = total / ((5 + len(seq)) / 6) ** alpha
+            np.testing.assert_allclose(float(scores[b, w]), expected, rtol=1e-4, atol=1e-4)
+    # The best beam is at least as good as the greedy sequence under the same score.
+    greedy = np.asarray(greedy_decode(model, params, src, max_len=6))
+    greedy_beam, greedy_scores = beam_search(model, params, src, beam_size=1, max_len=6,
+                                             length_penalty=alpha)
+    np.testing.assert_array_equal(np.asarray(greedy_beam[:, 0]), greedy)
+    assert np.all(np.asarray(scores[:, 0]) >= np.asarray(greedy_scores[:, 0]) - 1e-5)

@@ -4,3 +4,4 @@ from xl_jax.attention import RelativeMultiHeadAttention, rel_shift, sinusoid_emb
 from xl_jax.config import TransformerXLConfig
 from xl_jax.memory import Memory, attention_mask, init_memory, update_memory
 from xl_jax.model import TransformerXL
+from xl_jax.pytorch import load_pytorch_state_dict

@@ -16,6 +16,7 @@ from __future__ import annotations
 import flax.linen as nn
 import jax
 import jax.numpy as jnp
+import numpy as np
 
 from transformer_jax.attention import dot_product_attention
 from xl_jax.config import TransformerXLConfig
@@ -52,9 +53,14 @@ def rel_shift(x: Array) -> Array:
 def sinusoid_embedding(distances: Array, d_model: int, dtype=jnp.float32) -> Array:
     """R: [S] distances -> [S, D], sin half then cos half (as the reference).
 
-    inv_freq_k = 1 / 10000^(2k / D) for k < D / 2.
+    inv_freq_k = 1 / 10000^(2k / D) for k < D / 2, a NumPy float32 constant even for a float64
+    model: the reference's `inv_freq` is a float32 buffer that `.double()` only casts, and
+    float64 results must match it to 1e-9. (Computed by XLA instead, the float32 pow is
+    constant-folded differently under jit and eagerly, by an ulp: 1e-8 in R.)
     """
-    inv_freq = 1.0 / (10000.0 ** (jnp.arange(0, d_model, 2, dtype=dtype) / d_model))
+    f32 = np.float32
+    inv_freq = f32(1) / f32(10000) ** (np.arange(0, d_model, 2, dtype=f32) / f32(d_model))
+    inv_freq = jnp.asarray(inv_freq).astype(dtype)
     angles = distances.astype(dtype)[:, None] * inv_freq[None, :]
     return jnp.concatenate([jnp.sin(angles), jnp.cos(angles)], axis=-1)
 

@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import dataclasses
 import json
+import logging
 import os
 from typing import Any, Mapping
 
@@ -25,6 +26,17 @@ from train.state import TrainState
 CONFIG_FILE = "config.json"
 CHECKPOINT_DIR = "checkpoints"
 BEST_METRIC = "val_loss"
+
+
+class _QuietUnrankedSaves(logging.Filter):
+    """orbax warns on every save without metrics when a best_fn is set; ours are deliberate
+    (SIGTERM and periodic saves between evaluations)."""
+
+    def filter(self, record: logging.LogRecord) -> bool:
+        return "did not provide metrics" not in record.getMessage()
+
+
+logging.getLogger("absl").addFilter(_QuietUnrankedSaves())
 
 
 class CheckpointError(RuntimeError):

@@ -134,19 +134,11 @@ class DataParallel:
             return jax.tree.map(lambda x: _split(np.asarray(x), self.n_devices), batch)
         return jax.tree.map(self._put_rows, batch)
 
-    def put_extra(self, extra: PyTree) -> PyTree:
-        """Host carried state (e.g. a fresh evaluation memory) -> this mode's layout."""
-        self._check_rows(extra, "the carried state (extra)")
-        if self.mode == "pmap":
-            return jax.tree.map(lambda x: _split(np.asarray(x), self.n_devices), extra)
-        return jax.tree.map(self._put_rows, extra)
-
-    def get_extra(self, extra: PyTree) -> PyTree:
-        """This mode's layout -> host arrays with leading axis B."""
-        extra = jax.device_get(extra)
-        if self.mode == "pmap":
-            return jax.tree.map(lambda x: x.reshape((-1,) + x.shape[2:]), extra)
-        return extra
+    def put_global(self, tree: PyTree) -> PyTree:
+        """Host arrays with leading axis B (identical on every process) -> global arrays split
+        on B over the mesh: the layout of evaluation and decoding in both modes."""
+        self._check_rows(tree, "the batch")
+        return jax.tree.map(self._put_rows, tree)
 
     def _put_rows(self, x) -> jax.Array:
         x = np.asarray(x)
@@ -177,11 +169,9 @@ class DataParallel:
                        out_shardings=(state_sh, self.replicated), donate_argnums=(0,))
 
     def compile_eval_step(self, loss_fn: LossFn, state: TrainState):
-        """-> eval(params, batch, extra) -> (sums, extra); `params` taken from a state in this
-        mode's layout, `extra` placed by `put_extra`."""
-        if self.mode == "pmap":
-            return jax.pmap(make_eval_step(loss_fn, axis_name=DATA_AXIS), axis_name=DATA_AXIS,
-                            devices=self.local_devices)
+        """-> eval(params, batch, extra) -> (sums, extra), always in the global layout (params
+        of a global-layout state, batch and extra placed by `put_global`): evaluation is not
+        where the pmap comparison matters, and one layout keeps it one code path."""
         state_sh = self.state_shardings(state)
         return jax.jit(make_eval_step(loss_fn),
                        in_shardings=(state_sh.params, self.batch_sharding, self.batch_sharding),

@@ -1,0 +1,139 @@
+"""Command-line flags generated from config dataclasses, shared by train.translate and train.lm.
+
+Every field of a run config becomes `--field VALUE`; every field of the model config becomes
+`--model.field VALUE`; `--set field=VALUE` (or `--set model.field=VALUE`) reaches either one.
+Values are parsed by the field's type hint (int, float, bool, str, Optional, tuple, Literal);
+other types take a Python literal or fall back to the string. Flags default to "not given", so
+the entry points know exactly which fields the user set: a resumed run compares only those
+with the saved config.
+"""
+from __future__ import annotations
+
+import argparse
+import ast
+import dataclasses
+import types
+import typing
+from typing import Any, Callable, Iterable, Literal, Mapping
+
+MODEL_PREFIX = "model."
+
+
+def parse_bool(text: str) -> bool:
+    low = text.strip().lower()
+    if low in ("1", "true", "yes", "on"):
+        return True
+    if low in ("0", "false", "no", "off"):
+        return False
+    raise argparse.ArgumentTypeError(f"expected a boolean (true/false), got {text!r}")
+
+
+def _literal_or_text(text: str) -> Any:
+    try:
+        return ast.literal_eval(text)
+    except (ValueError, SyntaxError):
+        return text
+
+
+def converter(hint: Any) -> Callable[[str], Any]:
+    """str -> value for a type hint."""
+    origin, args = typing.get_origin(hint), typing.get_args(hint)
+    if hint is bool:
+        return parse_bool
+    if hint in (int, float, str):
+        return hint
+    if origin in (typing.Union, types.UnionType):
+        inner = [a for a in args if a is not type(None)]
+        convert = converter(inner[0]) if len(inner) == 1 else _literal_or_text
+
+        def optional(text: str):
+            return None if text.strip().lower() in ("none", "null") else convert(text)
+        return optional
+    if origin is tuple:
+        convert = converter(args[0]) if args else _literal_or_text
+
+        def as_tuple(text: str):
+            text = text.strip().strip("()[]")
+            return tuple(convert(p.strip()) for p in text.split(",") if p.strip())
+        return as_tuple
+    if origin is Literal:
+        def choice(text: str):
+            for a in args:
+                if str(a) == text:
+                    return a
+            raise argparse.ArgumentTypeError(f"expected one of {list(args)}, got {text!r}")
+        return choice
+    return _literal_or_text
+
+
+def field_hints(cls: type) -> dict[str, Any]:
+    """{field name: resolved type hint} of a dataclass (Any where a hint cannot be resolved)."""
+    try:
+        hints = typing.get_type_hints(cls)
+    except Exception:  # a hint naming something not importable here: treat loosely
+        hints = {}
+    return {f.name: hints.get(f.name, Any) for f in dataclasses.fields(cls)}
+
+
+def add_dataclass_flags(parser: argparse.ArgumentParser, cls: type, *, prefix: str = "",
+                        exclude: Iterable[str] = (), group_title: str | None = None) -> None:
+    """Adds `--{prefix}{field}` for each field of `cls` (not given -> absent from the args)."""
+    target = parser.add_argument_group(group_title) if group_title else parser
+    exclude = set(exclude)
+    for name, hint in field_hints(cls).items():
+        if name in exclude:
+            continue
+        target.add_argument(f"--{prefix}{name}", dest=f"{prefix}{name}", type=converter(hint),
+                            default=argparse.SUPPRESS, metavar=name.upper(),
+                            help=f"({_hint_name(hint)})")
+
+
+def _hint_name(hint: Any) -> str:
+    return getattr(hint, "__name__", None) or str(hint).replace("typing.", "")
+
+
+def split_given(args: argparse.Namespace, *, run_cls: type, model_cls: type | None,
+                sets: Iterable[str] = ()) -> tuple[dict[str, Any], dict[str, Any]]:
+    """The explicitly given (run fields, model fields), from flags and `--set k=v` items.
+
+    A bare `--set name=v` goes to the run config if it has that field, else to the model
+    config; `--set model.name=v` always to the model config. Unknown names are errors.
+    """
+    run_fields = field_hints(run_cls)
+    model_fields = field_hints(model_cls) if model_cls is not None else {}
+    run, model = {}, {}
+    for key, value in vars(args).items():
+        if key.startswith(MODEL_PREFIX):
+            model[key[len(MODEL_PREFIX):]] = value
+        elif key in run_fields:
+            run[key] = value
+    for item in sets:
+        if "=" not in item:
+            raise ValueError(f"--set expects name=value, got {item!r}")
+        key, text = item.split("=", 1)
+        key = key.strip()
+        if key.startswith(MODEL_PREFIX) or (key not in run_fields and key in model_fields):
+            name = key[len(MODEL_PREFIX):] if key.startswith(MODEL_PREFIX) else key
+            if name not in model_fields:
+                raise ValueError(f"--set {key}: the model config has no field {name!r}")
+            model[name] = converter(model_fields[name])(text)
+        elif key in run_fields:
+            run[key] = converter(run_fields[key])(text)
+        else:
+            raise ValueError(f"--set {key}: no run or model config field of that name")
+    return run, model
+
+
+def from_dict(cls: type, values: Mapping[str, Any]) -> Any:
+    """A dataclass from a JSON dict: lists become tuples where the field is a tuple; unknown
+    keys are an error naming them."""
+    hints = field_hints(cls)
+    unknown = set(values) - set(hints)
+    if unknown:
+        raise ValueError(f"{cls.__name__} has no field(s) {sorted(unknown)}")
+    fixed = {}
+    for k, v in values.items():
+        if isinstance(v, list) and typing.get_origin(hints[k]) is tuple:
+            v = tuple(v)
+        fixed[k] = v
+    return cls(**fixed)

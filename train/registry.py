@@ -1,0 +1,102 @@
+"""Translation models by name: the Transformer and the seq2seq baselines, with their presets.
+
+`build_model_config(name, preset, vocab_size=V, overrides={...})` makes the model's frozen
+config for a run preset ('tiny' for tests, 'cpu' the small default, 'base' the paper-sized
+one); `get(name).module_cls(config)` builds the flax module. Every model follows the
+translation-model protocol of `transformer_jax.decode`. Source and target share one joint
+SentencePiece vocabulary, so both vocabulary sizes are V.
+"""
+from __future__ import annotations
+
+import dataclasses
+from typing import Any, Callable, Mapping
+
+PRESETS = ("tiny", "cpu", "base")
+
+
+@dataclasses.dataclass(frozen=True)
+class TranslationModel:
+    name: str
+    config_cls: type
+    module_cls: type
+    # run preset -> (vocab_size, **overrides) -> config
+    presets: Mapping[str, Callable[..., Any]]
+    # The run defaults this family trains with (see train.translate.TranslateConfig).
+    run_defaults: Mapping[str, Any]
+
+
+def _transformer() -> TranslationModel:
+    from transformer_jax.config import TransformerConfig
+    from transformer_jax.model import Transformer
+
+    def sized(base: Callable, **fields):
+        def make(vocab_size: int, **overrides):
+            kw = dict(fields, src_vocab_size=vocab_size, tgt_vocab_size=vocab_size)
+            return base(**{**kw, **overrides})
+        return make
+
+    return TranslationModel(
+        name="transformer", config_cls=TransformerConfig, module_cls=Transformer,
+        presets={
+            "tiny": sized(TransformerConfig.tiny, dropout=0.0),
+            # Small enough for a 2-core CPU to see a few epochs of Multi30k in minutes.
+            "cpu": sized(TransformerConfig.base, d_model=256, n_heads=4, d_ff=1024,
+                         n_encoder_layers=3, n_decoder_layers=3, dropout=0.1),
+            "base": sized(TransformerConfig.base),
+        },
+        run_defaults={"optimizer": "noam", "label_smoothing": 0.1})
+
+
+def _baseline(name: str) -> TranslationModel:
+    from transformer_jax.baselines import BASELINES
+
+    entry = BASELINES[name]
+
+    def sized(preset: str):
+        def make(vocab_size: int, **overrides):
+            return getattr(entry.config_cls, preset)(
+                vocab_size, vocab_size, **{**entry.defaults, **overrides})
+        return make
+
+    # The tutorials these baselines come from: Adam 1e-3, clip 1, plain cross-entropy.
+    return TranslationModel(
+        name=name, config_cls=entry.config_cls, module_cls=entry.model_cls,
+        presets={"tiny": sized("tiny"), "cpu": sized("tutorial"), "base": sized("tutorial")},
+        run_defaults={"optimizer": "adam", "learning_rate": 1e-3, "clip_norm": 1.0,
+                      "label_smoothing": 0.0})
+
+
+def names() -> list[str]:
+    try:
+        from transformer_jax.baselines import BASELINES
+        baselines = sorted(BASELINES)
+    except ImportError:  # the baselines are optional for the Transformer's own runs
+        baselines = []
+    return ["transformer", *baselines]
+
+
+def get(name: str) -> TranslationModel:
+    if name == "transformer":
+        return _transformer()
+    if name not in names():
+        raise ValueError(f"model: expected one of {names()}, got {name!r}")
+    return _baseline(name)
+
+
+def build_model_config(name: str, preset: str, *, vocab_size: int,
+                       overrides: Mapping[str, Any] = ()) -> Any:
+    """The model config for `preset`, with the joint vocabulary size and field overrides."""
+    if preset not in PRESETS:
+        raise ValueError(f"preset: expected one of {PRESETS}, got {preset!r}")
+    overrides = dict(overrides)
+    for key in ("src_vocab_size", "tgt_vocab_size"):
+        if key in overrides and overrides[key] != vocab_size:
+            raise ValueError(f"model.{key}: set by the tokenizer's vocab_size ({vocab_size}); "
+                             f"change --vocab_size instead")
+        overrides.pop(key, None)
+    spec = get(name)
+    fields = {f.name for f in dataclasses.fields(spec.config_cls)}
+    unknown = sorted(set(overrides) - fields)
+    if unknown:
+        raise ValueError(f"model {name!r} has no config field(s) {unknown}")
+    return spec.presets[preset](vocab_size, **overrides)

@@ -1,0 +1,805 @@
+"""Speed benchmarks: training throughput and MFU, beam-4 decoding, Transformer-XL evaluation.
+
+    python -m train.bench                        # full sizes, for one GPU
+    python -m train.bench --quick                # CPU sizes: a couple of minutes on 2 cores
+    python -m train.bench --only train_xl_enwik8 xl_eval --out DIR
+
+Sections (`--only` picks some; `matmul` always runs, the other sections divide by its rate):
+  matmul             the device's achievable matrix rate: median time of a large square
+                     product (8192^3 on a GPU) in bf16, and in float32.
+  train_transformer  Transformer base (512 wide, 6+6 layers), ~25k source and ~25k target
+                     tokens a batch ([768, 32] each, no padding), the paper's vocabulary 37000.
+  train_xl_enwik8    Transformer-XL enwik8_base: 12 x 512, segment 512, memory 512, batch 22.
+  train_xl_wt103     Transformer-XL wt103_base: 16 x 410, segment/memory 150, adaptive softmax
+                     over 267,735 words, batch 60.
+  decode             beam-4 search over Multi30k test_2016_flickr (1,000 sentences) with a
+                     random-init Transformer base on the joint 8k SentencePiece vocabulary:
+                     sentences per second. An untrained model rarely emits EOS, so every
+                     sentence runs to its length limit (source bucket + 16): a worst case.
+  xl_eval            per-token evaluation time of Transformer-XL with memory (segments of 128,
+                     memory = the attention length) against a vanilla Transformer that
+                     recomputes a sliding window of the whole attention length for every token
+                     (the same network with no memory; only the window's last position is new),
+                     at attention lengths 800 ... 3800 (the XL paper's Table 9).
+
+Every training figure is the project's own train step (`train.step.make_train_step` jitted by
+`train.parallel.DataParallel`: state donated, metrics left on device) on one device, in the
+compute dtype (bf16 on an accelerator: parameters, softmax and loss stay float32). Timing:
+`.lower(...).compile()` is the compile time; then warm-up steps, then the median of N steps each
+ended by `block_until_ready`. FLOPs: the itemized formulas of `train.flops` (stated in the
+output), beside XLA's `compiled.cost_analysis()['flops']` and their ratio. MFU = model FLOPs per
+second / the bf16 matrix rate measured in the same run (and / the datasheet peak when the device
+is known). Peak memory: `compiled.memory_analysis()` (arguments + outputs + temporaries -
+aliased). Results go to OUT/bench.json (every raw figure, the device, versions, date, command
+line) and OUT/bench.md (tables), and are printed.
+
+`main` only parses flags; `run_benchmarks(config, ...)` does the work, and each section is an
+importable function that the tests run at tiny sizes.
+"""
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import datetime
+import functools
+import json
+import os
+import statistics
+import sys
+import time
+import traceback
+from typing import Any, Callable, Mapping, Sequence
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import optax
+
+from train.flops import FlopCount, jaxpr_matmul_flops, transformer_flops, xl_flops, xla_flops
+from train.parallel import DataParallel
+from train.state import TrainState, count_params
+from train.step import make_train_step
+from transformer_jax.config import TransformerConfig
+from xl_jax.config import TransformerXLConfig
+
+SECTIONS = ("matmul", "train_transformer", "train_xl_enwik8", "train_xl_wt103", "decode",
+            "xl_eval")
+XL_SECTIONS = {"train_xl_enwik8": "enwik8", "train_xl_wt103": "wt103"}
+
+# Datasheet dense bf16 peaks (FLOP/s), matched in order against `device_kind`.
+NOMINAL_BF16_PEAK = (
+    ("H100 PCIe", 756e12),
+    ("H100 NVL", 835e12),
+    ("H100", 989.4e12),   # SXM ("NVIDIA H100 80GB HBM3")
+    ("H200", 989.4e12),
+    ("A100", 312e12),
+    ("L4", 121e12),
+)
+
+
+# ----------------------------------------------------------------------------- configuration
+@dataclasses.dataclass(frozen=True)
+class BenchConfig:
+    """The sizes of one benchmark run (`full` for an accelerator, `quick` for a CPU).
+
+    Attributes:
+      dtype: compute dtype of every model ('float32' | 'bfloat16').
+      steps, warmup: timed and untimed training steps of each training benchmark.
+      matmul_size, matmul_repeats: the square product that measures the matrix rate.
+      transformer, transformer_batch, transformer_len: the Transformer training step, on
+        [batch, len] sources and targets.
+      xl: (name, config, batch) per Transformer-XL training benchmark; segment and memory
+        lengths are the config's tgt_len and mem_len.
+      decode_model: the Transformer that decodes (its vocabulary is set to the tokenizer's).
+      decode_vocab_size: the joint SentencePiece vocabulary size.
+      decode_sentences: the first N sentences of test_2016_flickr (0 = all).
+      decode_batch, beam_size, decode_margin, decode_repeats: beam search batch rows, beams,
+        extra output positions beyond the source bucket, timed passes over the sentences.
+      xl_eval: the Transformer-XL of the evaluation comparison.
+      attn_lengths: attention lengths A compared (XL memory M = A; vanilla window = A).
+      xl_eval_tgt_len, xl_eval_batch: XL's evaluation segment length and batch.
+      vanilla_batch: sliding windows evaluated at once by the vanilla model.
+      eval_repeats: timed calls per length and model.
+    """
+
+    dtype: str
+    steps: int
+    warmup: int
+    matmul_size: int
+    matmul_repeats: int
+    transformer: TransformerConfig
+    transformer_batch: int
+    transformer_len: int
+    xl: tuple[tuple[str, TransformerXLConfig, int], ...]
+    decode_model: TransformerConfig
+    decode_vocab_size: int
+    decode_sentences: int
+    decode_batch: int
+    beam_size: int
+    decode_margin: int
+    decode_repeats: int
+    xl_eval: TransformerXLConfig
+    attn_lengths: tuple[int, ...]
+    xl_eval_tgt_len: int
+    xl_eval_batch: int
+    vanilla_batch: int
+    eval_repeats: int
+
+    def __post_init__(self):
+        if self.dtype not in ("float32", "bfloat16"):
+            raise ValueError(f"dtype: expected 'float32' or 'bfloat16', got {self.dtype!r}")
+        for name in ("steps", "matmul_size", "matmul_repeats", "transformer_batch",
+                     "transformer_len", "decode_batch", "beam_size", "decode_repeats",
+                     "xl_eval_tgt_len", "xl_eval_batch", "vanilla_batch", "eval_repeats"):
+            if getattr(self, name) < 1:
+                raise ValueError(f"{name}: must be >= 1, got {getattr(self, name)}")
+        for name in ("warmup", "decode_sentences", "decode_margin"):
+            if getattr(self, name) < 0:
+                raise ValueError(f"{name}: must be >= 0, got {getattr(self, name)}")
+        if not self.attn_lengths or min(self.attn_lengths) < 1:
+            raise ValueError(f"attn_lengths: must be positive lengths, got {self.attn_lengths}")
+
+    def replace(self, **changes) -> BenchConfig:
+        return dataclasses.replace(self, **changes)
+
+    @classmethod
+    def full(cls, dtype: str = "bfloat16") -> BenchConfig:
+        """The paper-sized models, for one GPU (about 8 minutes on an H100)."""
+        dt = jnp.dtype(dtype)
+        return cls(
+            dtype=dtype, steps=20, warmup=3, matmul_size=8192, matmul_repeats=10,
+            # 768 x 32 = 24,576 tokens on each side: the paper's "~25k source and target tokens".
+            transformer=TransformerConfig.base(dtype=dt), transformer_batch=768,
+            transformer_len=32,
+            xl=(("enwik8_base", TransformerXLConfig.enwik8_base(dtype=dt), 22),
+                ("wt103_base", TransformerXLConfig.wt103_base(dtype=dt), 60)),
+            decode_model=TransformerConfig.base(src_vocab_size=8000, tgt_vocab_size=8000,
+                                                dtype=dt),
+            decode_vocab_size=8000, decode_sentences=0, decode_batch=128, beam_size=4,
+            decode_margin=16, decode_repeats=3,
+            xl_eval=TransformerXLConfig.enwik8_base(dtype=dt, dropout=0.0),
+            attn_lengths=(800, 1800, 2800, 3800), xl_eval_tgt_len=128, xl_eval_batch=16,
+            vanilla_batch=4, eval_repeats=5)
+
+    @classmethod
+    def quick(cls, dtype: str = "float32") -> BenchConfig:
+        """Shrunk models of the same families: every section runs on a 2-core CPU in minutes."""
+        dt = jnp.dtype(dtype)
+        small_xl = dict(n_layers=2, n_heads=4, d_model=128, d_head=32, d_inner=512, dtype=dt)
+        return cls(
+            dtype=dtype, steps=5, warmup=2, matmul_size=512, matmul_repeats=5,
+            transformer=TransformerConfig.base(
+                src_vocab_size=1000, tgt_vocab_size=1000, d_model=128, n_heads=4, d_ff=512,
+                n_encoder_layers=2, n_decoder_layers=2, dtype=dt),
+            transformer_batch=16, transformer_len=32,
+            xl=(("enwik8_base (quick: 2 x 128, 64 + 64)",
+                 TransformerXLConfig.enwik8_base(tgt_len=64, mem_len=64, **small_xl), 4),
+                ("wt103_base (quick: 2 x 128, V 4000, 32 + 32)",
+                 TransformerXLConfig.wt103_base(vocab_size=4000, cutoffs=(1000, 2000, 3000),
+                                                tgt_len=32, mem_len=32, **small_xl), 4)),
+            decode_model=TransformerConfig.base(
+                src_vocab_size=8000, tgt_vocab_size=8000, d_model=128, n_heads=4, d_ff=512,
+                n_encoder_layers=2, n_decoder_layers=2, dtype=dt),
+            decode_vocab_size=8000, decode_sentences=64, decode_batch=32, beam_size=4,
+            decode_margin=16, decode_repeats=1,
+            xl_eval=TransformerXLConfig.enwik8_base(dropout=0.0, **small_xl),
+            attn_lengths=(64, 128, 256), xl_eval_tgt_len=16, xl_eval_batch=2, vanilla_batch=2,
+            eval_repeats=3)
+
+
+# ----------------------------------------------------------------------------- measuring
+def time_calls(call: Callable[[], Any], *, warmup: int, repeats: int) -> list[float]:
+    """Seconds of each of `repeats` calls of `call` (after `warmup` untimed ones), each timed
+    to `block_until_ready` of what it returns."""
+    for _ in range(warmup):
+        jax.block_until_ready(call())
+    times = []
+    for _ in range(repeats):
+        start = time.perf_counter()
+        jax.block_until_ready(call())
+        times.append(time.perf_counter() - start)
+    return times
+
+
+def measure_matmul_rate(n: int, dtype: Any, *, repeats: int, warmup: int = 2) -> dict[str, Any]:
+    """The achievable matrix rate: the median time of an [n, n] x [n, n] product in `dtype`
+    (random inputs, output in `dtype`, accumulation left to the backend) -> 2 n^3 / median."""
+    dtype = jnp.dtype(dtype)
+    ka, kb = jax.random.split(jax.random.PRNGKey(0))
+    a = jax.random.normal(ka, (n, n), jnp.float32).astype(dtype)
+    b = jax.random.normal(kb, (n, n), jnp.float32).astype(dtype)
+    product = jax.jit(lambda x, y: jnp.matmul(x, y, preferred_element_type=dtype))
+    times = time_calls(lambda: product(a, b), warmup=warmup, repeats=repeats)
+    median = statistics.median(times)
+    flops = 2.0 * n ** 3
+    return {"n": n, "dtype": dtype.name, "flops": flops, "median_s": median, "times_s": times,
+            "rate": flops / median}
+
+
+def nominal_bf16_peak(device_kind: str) -> float | None:
+    """The datasheet dense bf16 rate of a known device, else None."""
+    for name, peak in NOMINAL_BF16_PEAK:
+        if name.lower() in device_kind.lower():
+            return peak
+    return None
+
+
+def compiled_memory(compiled) -> dict[str, int] | None:
+    """Byte counts of a compiled program from XLA's buffer assignment, None where the backend
+    gives none. footprint = arguments + outputs + temporaries - aliased (donated inputs reuse
+    their buffers for outputs, so they count once)."""
+    try:
+        stats = compiled.memory_analysis()
+    except Exception:  # noqa: BLE001 - some backends raise instead of returning None
+        return None
+    if stats is None:
+        return None
+    names = ("argument", "output", "temp", "alias", "generated_code")
+    out = {name: int(getattr(stats, f"{name}_size_in_bytes", 0) or 0) for name in names}
+    out["footprint"] = out["argument"] + out["output"] + out["temp"] - out["alias"]
+    peak = getattr(stats, "peak_memory_in_bytes", None)
+    if peak:
+        out["peak_reported"] = int(peak)
+    return out
+
+
+def device_peak_bytes(device: jax.Device) -> int | None:
+    """The allocator's peak since the process started (GPU/TPU), None where unknown (CPU)."""
+    try:
+        stats = device.memory_stats()
+    except Exception:  # noqa: BLE001
+        return None
+    return int(stats["peak_bytes_in_use"]) if stats and "peak_bytes_in_use" in stats else None
+
+
+def utilisation(flops: float, seconds: float, rate: float | None) -> float | None:
+    """Model FLOPs utilisation: flops / seconds / rate (None without a rate)."""
+    return flops / seconds / rate if rate else None
+
+
+# ----------------------------------------------------------------------------- training
+def xl_loss_fn(model):
+    """The `train.step` loss protocol for a Transformer-XL language model on
+    {'tokens', 'targets'} [B, T]: the NLL summed over the segment; the memory is the carried
+    `extra` state."""
+
+    def loss_fn(params, batch, *, rng, extra, deterministic):
+        rngs = None if deterministic else {"dropout": rng}
+        nll, memory = model.apply({"params": params}, batch["tokens"], extra, batch["targets"],
+                                  deterministic=deterministic, rngs=rngs)
+        return jnp.sum(nll), {"n_tokens": jnp.asarray(nll.size, jnp.float32)}, memory
+
+    return loss_fn
+
+
+def bench_train_step(name: str, *, loss_fn, state: TrainState, batch: Mapping[str, np.ndarray],
+                     flops: FlopCount, steps: int, warmup: int, rates: Mapping[str, float],
+                     nominal_peak: float | None = None, profile_dir: str | None = None
+                     ) -> dict[str, Any]:
+    """Compiles the project's train step for `state` and `batch` on one device and times it.
+
+    rates: measured matrix rates by dtype name ('bfloat16', 'float32'), for the MFU figures.
+    Returns every raw figure: compile_s, step times, tokens_per_s, memory, the analytic FLOPs
+    next to XLA's and the jaxpr's, MFU, and the last step's loss (to show it is finite).
+    """
+    device = jax.local_devices()[0]
+    dp = DataParallel("jit", devices=[device])
+    state = dp.put_state(state)
+    batch = dp.put_batch(batch)
+    step = dp.compile_train_step(loss_fn, state)
+    start = time.perf_counter()
+    lowered = step.lower(state, batch)
+    lower_s = time.perf_counter() - start
+    compiled = lowered.compile()
+    compile_s = time.perf_counter() - start - lower_s
+
+    metrics = None
+
+    def one_step():
+        nonlocal state, metrics
+        state, metrics = compiled(state, batch)
+        return state.step
+
+    times = time_calls(one_step, warmup=warmup, repeats=steps)
+    if profile_dir:
+        with jax.profiler.trace(os.path.join(profile_dir, _slug(name))):
+            time_calls(one_step, warmup=0, repeats=3)
+    loss = float(metrics["loss_sum"] / metrics["n_tokens"])
+    median = statistics.median(times)
+    model_flops = flops.training()
+    xla = xla_flops(compiled)
+    # Traced again without jit: the matmuls the program contains (a fused attention kernel, as
+    # cuDNN's on a GPU, is a custom call: its products are missing from this count).
+    traced = jaxpr_matmul_flops(make_train_step(loss_fn), state, batch)
+    return {
+        "name": name,
+        "tokens_per_step": flops.tokens,
+        "n_params": count_params(state.params),
+        "lower_s": lower_s,
+        "compile_s": compile_s,
+        "step_s_median": median,
+        "step_s_min": min(times),
+        "step_times_s": times,
+        "tokens_per_s": flops.tokens / median,
+        "memory": compiled_memory(compiled),
+        "device_peak_bytes": device_peak_bytes(device),
+        "flops": flops.as_dict(),
+        "xla_flops": xla,
+        "xla_over_executed": xla / flops.training(executed=True) if xla else None,
+        "jaxpr_matmul_flops": traced,
+        "model_tflops_per_s": model_flops / median / 1e12,
+        "mfu_vs_measured_bf16": utilisation(model_flops, median, rates.get("bfloat16")),
+        "mfu_vs_measured_float32": utilisation(model_flops, median, rates.get("float32")),
+        "mfu_vs_nominal_bf16": utilisation(model_flops, median, nominal_peak),
+        "final_loss": loss,
+    }
+
+
+def transformer_train_bench(config: BenchConfig, rates: Mapping[str, float], **kw
+                            ) -> dict[str, Any]:
+    """The Transformer training step on random [B, L] sources and targets (no padding)."""
+    from train.translate import make_loss_fn
+    from transformer_jax.model import Transformer
+    from transformer_jax.optim import make_optimizer
+
+    cfg, b, length = config.transformer, config.transformer_batch, config.transformer_len
+    model = Transformer(cfg)
+    rng = np.random.default_rng(0)
+    tokens = lambda: rng.integers(3, cfg.tgt_vocab_size, (b, length), dtype=np.int32)  # noqa
+    batch = {"src": tokens(), "tgt_in": tokens(), "tgt_out": tokens()}
+    dummy = jnp.ones((1, 8), jnp.int32)
+    params = jax.jit(lambda r: model.init({"params": r}, dummy, dummy)["params"])(
+        jax.random.PRNGKey(0))
+    state = TrainState.create(params=params, tx=make_optimizer(cfg.d_model, 4000),
+                              rng=jax.random.PRNGKey(1))
+    result = bench_train_step(
+        "transformer_base" if cfg.d_model == 512 else "transformer (quick)",
+        loss_fn=make_loss_fn(model, smoothing=0.1, pad_id=cfg.pad_id), state=state,
+        batch=batch, flops=transformer_flops(cfg, batch=b, src_len=length, tgt_len=length),
+        rates=rates, steps=config.steps, warmup=config.warmup, **kw)
+    result.update(batch=b, src_len=length, tgt_len=length, dtype=config.dtype)
+    return result
+
+
+def xl_train_bench(name: str, xl_config: TransformerXLConfig, batch_size: int,
+                   config: BenchConfig, rates: Mapping[str, float], **kw) -> dict[str, Any]:
+    """The Transformer-XL training step on random [B, tgt_len] segments with a mem_len memory
+    carried from step to step (the state's `extra`)."""
+    from xl_jax.memory import init_memory
+    from xl_jax.model import TransformerXL
+
+    cfg, b = xl_config, batch_size
+    model = TransformerXL(cfg)
+    rng = np.random.default_rng(0)
+    tokens = lambda: rng.integers(0, cfg.vocab_size, (b, cfg.tgt_len), dtype=np.int32)  # noqa
+    batch = {"tokens": tokens(), "targets": tokens()}
+    dummy = jnp.ones((1, 8), jnp.int32)
+    params = jax.jit(lambda r: model.init({"params": r}, dummy, init_memory(cfg, 1))["params"])(
+        jax.random.PRNGKey(0))
+    # Adam as the paper (its cosine schedule does not change the cost of a step).
+    state = TrainState.create(params=params, tx=optax.adam(2.5e-4), rng=jax.random.PRNGKey(1),
+                              extra=init_memory(cfg, b))
+    result = bench_train_step(
+        name, loss_fn=xl_loss_fn(model), state=state, batch=batch,
+        flops=xl_flops(cfg, batch=b, tgt_len=cfg.tgt_len, mem_len=cfg.mem_len), rates=rates,
+        steps=config.steps, warmup=config.warmup, **kw)
+    result.update(batch=b, tgt_len=cfg.tgt_len, mem_len=cfg.mem_len, dtype=config.dtype)
+    return result
+
+
+# ----------------------------------------------------------------------------- decoding
+def decode_bench(model, params, sources: Sequence[Sequence[int]], *, beam_size: int,
+                 batch_size: int, margin: int, repeats: int,
+                 buckets: Sequence[int] | None = None) -> dict[str, Any]:
+    """Beam search over every source (token ids ending in EOS), in the evaluation batches of
+    `train.batching.eval_batches` (one compiled shape per bucket in use), output length
+    bucket + margin as `train.translate`. A first pass compiles every shape; then `repeats`
+    timed passes (each blocked at its end) -> sentences per second of the median pass."""
+    from train.batching import DEFAULT_BUCKETS, eval_batches
+    from transformer_jax.decode import beam_search
+
+    batches = eval_batches([(list(s), []) for s in sources], batch_size=batch_size,
+                           buckets=buckets or DEFAULT_BUCKETS)
+    device = jax.local_devices()[0]
+    srcs = [jax.device_put(batch["src"], device) for batch in batches]
+
+    def decode_all():
+        return [beam_search(model, params, src, beam_size=beam_size,
+                            max_len=src.shape[1] + margin)[0] for src in srcs]
+
+    start = time.perf_counter()
+    outputs = jax.block_until_ready(decode_all())
+    first_pass_s = time.perf_counter() - start
+    times = time_calls(decode_all, warmup=0, repeats=repeats)
+    median = statistics.median(times)
+    pad = model.config.pad_id
+    real = [batch["index"] >= 0 for batch in batches]
+    generated = sum(int(np.sum(np.asarray(out)[:, 0][keep] != pad))
+                    for out, keep in zip(outputs, real))
+    return {
+        "sentences": len(sources), "beam_size": beam_size, "batch": batch_size,
+        "shapes": sorted({tuple(int(n) for n in s.shape) for s in srcs}),
+        "first_pass_s": first_pass_s,  # compiling every shape + one pass
+        "pass_s_median": median, "pass_times_s": times,
+        "sentences_per_s": len(sources) / median,
+        "output_tokens": generated, "output_tokens_per_s": generated / median,
+    }
+
+
+def multi30k_decode_bench(config: BenchConfig, *, cache_dir: str) -> dict[str, Any]:
+    """`decode_bench` on Multi30k test_2016_flickr with a random-init `config.decode_model`."""
+    from train.datasets import load_multi30k
+    from train.tokenizers import multi30k_tokenizer
+    from train.translate import encode_source
+    from transformer_jax.model import Transformer
+
+    tokenizer = multi30k_tokenizer(os.path.join(cache_dir, "tokenizer"),
+                                   vocab_size=config.decode_vocab_size)
+    pairs = load_multi30k("test_2016_flickr")
+    if config.decode_sentences:
+        pairs = pairs[:config.decode_sentences]
+    sources = encode_source(tokenizer, [de for de, _ in pairs])
+    cfg = config.decode_model.replace(src_vocab_size=tokenizer.vocab_size,
+                                      tgt_vocab_size=tokenizer.vocab_size)
+    model = Transformer(cfg)
+    dummy = jnp.ones((1, 8), jnp.int32)
+    params = jax.jit(lambda r: model.init({"params": r}, dummy, dummy)["params"])(
+        jax.random.PRNGKey(0))
+    result = decode_bench(model, params, sources, beam_size=config.beam_size,
+                          batch_size=config.decode_batch, margin=config.decode_margin,
+                          repeats=config.decode_repeats)
+    result.update(split="test_2016_flickr", model=_transformer_name(cfg), dtype=config.dtype,
+                  weights="random init")
+    return result
+
+
+# ----------------------------------------------------------------------------- XL evaluation
+def xl_eval_bench(xl_config: TransformerXLConfig, *, attn_lengths: Sequence[int], tgt_len: int,
+                  batch: int, vanilla_batch: int, repeats: int, warmup: int = 1
+                  ) -> list[dict[str, Any]]:
+    """Per-token evaluation time, Transformer-XL with memory against a vanilla sliding window.
+
+    For each attention length A:
+      XL: segments [batch, tgt_len] with a full memory of M = A slots, the memory fed back
+        (donated) from call to call: per token = median call / (batch * tgt_len).
+      vanilla: the same network with no memory on windows [vanilla_batch, A]; each window
+        yields one new prediction (its last position), as a model without memory that slides
+        its window by one token: per token = median call / vanilla_batch.
+    Also the analytic forward FLOPs per token of each (`train.flops.xl_flops`).
+    """
+    from xl_jax.memory import init_memory
+    from xl_jax.model import TransformerXL
+
+    model = TransformerXL(xl_config)
+    dummy = jnp.ones((1, 8), jnp.int32)
+    params = jax.jit(lambda r: model.init({"params": r}, dummy, init_memory(xl_config, 1))
+                     ["params"])(jax.random.PRNGKey(0))
+    rng = np.random.default_rng(0)
+    tokens = lambda b, t: jnp.asarray(  # noqa: E731
+        rng.integers(0, xl_config.vocab_size, (b, t), dtype=np.int32))
+
+    # The memory is donated: each call writes the next memory in place of the last.
+    @functools.partial(jax.jit, donate_argnums=(2,))
+    def xl_step(params, segment, memory):
+        nll, memory = model.apply({"params": params}, segment, memory, segment)
+        return jnp.sum(nll), memory
+
+    @jax.jit
+    def vanilla_step(params, window):
+        empty = init_memory(xl_config, window.shape[0], mem_len=0)
+        nll, _ = model.apply({"params": params}, window, empty, window)
+        return nll[:, -1]
+
+    results = []
+    for a in attn_lengths:
+        segment = tokens(batch, tgt_len)
+        memory = init_memory(xl_config, batch, mem_len=a)
+        # A filled memory, one buffer per layer (init_memory shares one zeros array between
+        # the layers, and a buffer cannot be donated twice in one call).
+        memory = memory.replace(hidden=tuple(jnp.array(h, copy=True) for h in memory.hidden),
+                                valid=jnp.full_like(memory.valid, a))
+
+        def xl_call():
+            nonlocal memory
+            loss, memory = xl_step(params, segment, memory)
+            return loss
+
+        window = tokens(vanilla_batch, a)
+        start = time.perf_counter()
+        jax.block_until_ready(xl_call())
+        xl_first = time.perf_counter() - start
+        xl_times = time_calls(xl_call, warmup=warmup, repeats=repeats)
+        start = time.perf_counter()
+        jax.block_until_ready(vanilla_step(params, window))
+        vanilla_first = time.perf_counter() - start
+        vanilla_times = time_calls(lambda: vanilla_step(params, window), warmup=warmup,
+                                   repeats=repeats)
+        xl_token = statistics.median(xl_times) / (batch * tgt_len)
+        vanilla_token = statistics.median(vanilla_times) / vanilla_batch
+        xl_f = xl_flops(xl_config, batch=batch, tgt_len=tgt_len, mem_len=a)
+        vanilla_f = xl_flops(xl_config, batch=vanilla_batch, tgt_len=a, mem_len=0)
+        results.append({
+            "attn_len": a, "xl_tgt_len": tgt_len, "xl_batch": batch,
+            "vanilla_batch": vanilla_batch,
+            "xl_s_per_token": xl_token, "vanilla_s_per_token": vanilla_token,
+            "speedup": vanilla_token / xl_token,
+            "xl_flops_per_token": xl_f.forward(executed=True) / (batch * tgt_len),
+            "vanilla_flops_per_token": vanilla_f.forward(executed=True) / vanilla_batch,
+            "xl_first_call_s": xl_first, "vanilla_first_call_s": vanilla_first,
+            "xl_times_s": xl_times, "vanilla_times_s": vanilla_times,
+        })
+        results[-1]["flop_ratio"] = (results[-1]["vanilla_flops_per_token"]
+                                     / results[-1]["xl_flops_per_token"])
+    return results
+
+
+# ----------------------------------------------------------------------------- the run
+def run_benchmarks(config: BenchConfig, *, sections: Sequence[str] = SECTIONS, out: str | None,
+                   cache_dir: str = os.path.join("runs", "bench-cache"),
+                   profile_dir: str | None = None, command: str = "", quick: bool = False,
+                   raise_errors: bool = False, log: Callable[[str], None] = print
+                   ) -> dict[str, Any]:
+    """Runs `sections` (matmul always first) and returns the results; with `out`, writes
+    OUT/bench.json and OUT/bench.md after every section (a run cut short keeps what it has).
+    A section that fails is recorded under 'errors' and the run goes on, unless
+    `raise_errors`."""
+    unknown = set(sections) - set(SECTIONS)
+    if unknown:
+        raise ValueError(f"sections: unknown {sorted(unknown)}; choose from {SECTIONS}")
+    device = jax.local_devices()[0]
+    results: dict[str, Any] = {"meta": _meta(config, device, command=command, quick=quick),
+                               "train": [], "errors": []}
+
+    def save():
+        if out:
+            write_results(results, out)
+
+    def attempt(section: str, fn: Callable[[], Any]) -> Any:
+        log(f"[bench] {section} ...")
+        start = time.perf_counter()
+        try:
+            value = fn()
+        except Exception as e:  # noqa: BLE001 - one failed section must not lose the others
+            if raise_errors:
+                raise
+            log(f"[bench] {section} FAILED: {type(e).__name__}: {e}")
+            results["errors"].append({"section": section, "error": f"{type(e).__name__}: {e}",
+                                      "traceback": traceback.format_exc()[-4000:]})
+            value = None
+        log(f"[bench] {section} done in {time.perf_counter() - start:.1f}s")
+        return value
+
+    matmul = attempt("matmul", lambda: {
+        name: measure_matmul_rate(config.matmul_size, name, repeats=config.matmul_repeats)
+        for name in ("bfloat16", "float32")})
+    results["matmul"] = matmul
+    rates = {name: m["rate"] for name, m in (matmul or {}).items()}
+    train_kw = dict(nominal_peak=results["meta"]["nominal_bf16_peak"], profile_dir=profile_dir)
+    save()
+
+    if "train_transformer" in sections:
+        r = attempt("train_transformer",
+                    lambda: transformer_train_bench(config, rates, **train_kw))
+        if r:
+            results["train"].append(r)
+        save()
+    for section, key in XL_SECTIONS.items():
+        if section not in sections:
+            continue
+        entry = next((x for x in config.xl if x[0].startswith(key)), None)
+        if entry is None:
+            continue
+        name, xl_cfg, b = entry
+        r = attempt(section, lambda: xl_train_bench(name, xl_cfg, b, config, rates, **train_kw))
+        if r:
+            results["train"].append(r)
+        save()
+    if "decode" in sections:
+        results["decode"] = attempt(
+            "decode", lambda: multi30k_decode_bench(config, cache_dir=cache_dir))
+        save()
+    if "xl_eval" in sections:
+        results["xl_eval"] = attempt("xl_eval", lambda: xl_eval_bench(
+            config.xl_eval, attn_lengths=config.attn_lengths, tgt_len=config.xl_eval_tgt_len,
+            batch=config.xl_eval_batch, vanilla_batch=config.vanilla_batch,
+            repeats=config.eval_repeats))
+        save()
+    return results
+
+
+def _meta(config: BenchConfig, device: jax.Device, *, command: str, quick: bool
+          ) -> dict[str, Any]:
+    import flax
+    import jaxlib
+
+    kind = device.device_kind
+    return {
+        "date": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
+        "command": command,
+        "quick": quick,
+        "platform": device.platform,
+        "device_kind": kind,
+        "n_local_devices": jax.local_device_count(),
+        "devices_used": 1,
+        "jax": jax.__version__,
+        "jaxlib": jaxlib.__version__,
+        "flax": flax.__version__,
+        "dtype": config.dtype,
+        "nominal_bf16_peak": nominal_bf16_peak(kind) if device.platform == "gpu" else None,
+    }
+
+
+# ----------------------------------------------------------------------------- output
+def write_results(results: Mapping[str, Any], out: str) -> tuple[str, str]:
+    """OUT/bench.json and OUT/bench.md; returns their paths."""
+    os.makedirs(out, exist_ok=True)
+    json_path, md_path = os.path.join(out, "bench.json"), os.path.join(out, "bench.md")
+    with open(json_path, "w") as f:
+        json.dump(results, f, indent=1, default=_plain)
+    with open(md_path, "w") as f:
+        f.write(to_markdown(results))
+    return json_path, md_path
+
+
+def to_markdown(results: Mapping[str, Any]) -> str:
+    """The results as markdown tables (the README's performance section takes them as is)."""
+    meta = results["meta"]
+    lines = [f"Device: {meta['device_kind']} ({meta['platform']}), jax {meta['jax']}, "
+             f"compute dtype {meta['dtype']}, {meta['date']}.",
+             f"Command: `{meta['command']}`", ""]
+    matmul = results.get("matmul") or {}
+    if matmul:
+        rates = ", ".join(f"{name} {m['rate'] / 1e12:.3g} TFLOP/s ({m['n']}^3)"
+                          for name, m in matmul.items())
+        peak = meta.get("nominal_bf16_peak")
+        lines += [f"Measured matrix rate: {rates}"
+                  + (f"; datasheet bf16 peak {peak / 1e12:.4g} TFLOP/s." if peak else "."), ""]
+    train = results.get("train") or []
+    if train:
+        lines += ["| training step | tokens/step | step (ms) | tokens/s | compile (s) | "
+                  "memory (GiB) | model TFLOP/step | XLA / formula | MFU (measured bf16) | "
+                  "MFU (datasheet) |",
+                  "|---|---|---|---|---|---|---|---|---|---|"]
+        for r in train:
+            mem = r.get("memory") or {}
+            lines.append(
+                f"| {r['name']} | {r['tokens_per_step']:,} | {r['step_s_median'] * 1e3:.1f} | "
+                f"{r['tokens_per_s']:,.0f} | {r['compile_s']:.1f} | "
+                f"{_gib(mem.get('footprint'))} | {r['flops']['model_training'] / 1e12:.3g} | "
+                f"{_num(r.get('xla_over_executed'), '.3f')} | "
+                f"{_pct(r.get('mfu_vs_measured_bf16'))} | {_pct(r.get('mfu_vs_nominal_bf16'))} |")
+        lines += ["", "FLOP formulas (matrix products only; MFU divides the model FLOPs, the XLA "
+                  "ratio compares with every product executed):"]
+        for formula in dict.fromkeys(r["flops"]["formula"] for r in train):
+            lines.append(f"- {formula}")
+        lines.append("")
+    decode = results.get("decode")
+    if decode:
+        lines += ["| beam search | sentences | beam | batch | sentences/s | output tokens/s | "
+                  "first pass incl. compile (s) |", "|---|---|---|---|---|---|---|",
+                  f"| {decode['model']}, {decode['weights']}, {decode['split']} | "
+                  f"{decode['sentences']} | {decode['beam_size']} | {decode['batch']} | "
+                  f"{decode['sentences_per_s']:.1f} | {decode['output_tokens_per_s']:,.0f} | "
+                  f"{decode['first_pass_s']:.1f} |", ""]
+    xl_eval = results.get("xl_eval")
+    if xl_eval:
+        lines += ["| attention length | XL with memory (ms/token) | vanilla window (ms/token) | "
+                  "speed-up | FLOP ratio |", "|---|---|---|---|---|"]
+        for r in xl_eval:
+            lines.append(f"| {r['attn_len']} | {r['xl_s_per_token'] * 1e3:.4f} | "
+                         f"{r['vanilla_s_per_token'] * 1e3:.3f} | {r['speedup']:,.0f}x | "
+                         f"{r['flop_ratio']:,.0f}x |")
+        lines.append("")
+    for err in results.get("errors") or []:
+        lines.append(f"- {err['section']} failed: {err['error']}")
+    return "\n".join(lines) + "\n"
+
+
+def _gib(n: int | None) -> str:
+    return "n/a" if n is None else f"{n / 2 ** 30:.2f}"
+
+
+def _pct(x: float | None) -> str:
+    return "n/a" if x is None else f"{100 * x:.1f}%"
+
+
+def _num(x: float | None, fmt: str) -> str:
+    return "n/a" if x is None else format(x, fmt)
+
+
+def _slug(name: str) -> str:
+    return "".join(c if c.isalnum() else "_" for c in name).strip("_")
+
+
+def _transformer_name(cfg: TransformerConfig) -> str:
+    return (f"Transformer {cfg.n_encoder_layers}+{cfg.n_decoder_layers} x {cfg.d_model}, "
+            f"V {cfg.tgt_vocab_size}")
+
+
+def _plain(x: Any) -> Any:
+    if hasattr(x, "item"):
+        return x.item()
+    return str(x)
+
+
+# ----------------------------------------------------------------------------- CLI
+def build_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(
+        prog="python -m train.bench", description=__doc__.split("\n\n")[0],
+        formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--quick", action="store_true",
+                        help="shrunk sizes for a CPU (every section in a couple of minutes)")
+    parser.add_argument("--only", nargs="+", choices=SECTIONS, default=list(SECTIONS),
+                        metavar="SECTION", help=f"run only these sections: {', '.join(SECTIONS)}")
+    parser.add_argument("--out", default="bench_results",
+                        help="directory for bench.json and bench.md (default: bench_results)")
+    parser.add_argument("--dtype", choices=("auto", "float32", "bfloat16"), default="auto",
+                        help="compute dtype; auto: bfloat16 on an accelerator, float32 on a CPU")
+    parser.add_argument("--steps", type=int, default=None, help="timed steps per training bench")
+    parser.add_argument("--batch", action="append", default=[], metavar="NAME=B",
+                        help="batch size of one training bench: transformer, enwik8 or wt103")
+    parser.add_argument("--attn-lengths", type=int, nargs="+", default=None,
+                        help="attention lengths of the XL evaluation comparison")
+    parser.add_argument("--xl-eval-tgt-len", type=int, default=None,
+                        help="XL evaluation segment length")
+    parser.add_argument("--decode-sentences", type=int, default=None,
+                        help="decode the first N test sentences (0 = all)")
+    parser.add_argument("--cache-dir", default=os.path.join("runs", "bench-cache"),
+                        help="where the Multi30k tokenizer is cached")
+    parser.add_argument("--profile", default=None, metavar="DIR",
+                        help="also write a jax.profiler trace of 3 steps of each training bench")
+    return parser
+
+
+def config_from_args(args: argparse.Namespace) -> BenchConfig:
+    dtype = args.dtype
+    if dtype == "auto":
+        dtype = "float32" if jax.default_backend() == "cpu" else "bfloat16"
+    config = BenchConfig.quick(dtype) if args.quick else BenchConfig.full(dtype)
+    changes: dict[str, Any] = {}
+    if args.steps is not None:
+        changes["steps"] = args.steps
+    if args.attn_lengths:
+        changes["attn_lengths"] = tuple(args.attn_lengths)
+    if args.xl_eval_tgt_len is not None:
+        changes["xl_eval_tgt_len"] = args.xl_eval_tgt_len
+    if args.decode_sentences is not None:
+        changes["decode_sentences"] = args.decode_sentences
+    xl = list(config.xl)
+    for item in args.batch:
+        name, _, value = item.partition("=")
+        if not value.isdigit() or int(value) < 1:
+            raise ValueError(f"--batch: expected NAME=B with B >= 1, got {item!r}")
+        if name == "transformer":
+            changes["transformer_batch"] = int(value)
+            continue
+        hits = [i for i, (n, _, _) in enumerate(xl) if n.startswith(name)]
+        if not hits:
+            raise ValueError(f"--batch: unknown bench {name!r}; use transformer, enwik8 or "
+                             "wt103")
+        for i in hits:
+            xl[i] = (xl[i][0], xl[i][1], int(value))
+    changes["xl"] = tuple(xl)
+    return config.replace(**changes)
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    argv = sys.argv[1:] if argv is None else list(argv)
+    parser = build_parser()
+    args = parser.parse_args(argv)
+    try:
+        config = config_from_args(args)
+    except ValueError as e:
+        parser.error(str(e))
+    command = " ".join(["python -m train.bench", *argv])
+    results = run_benchmarks(config, sections=args.only, out=args.out, cache_dir=args.cache_dir,
+                             profile_dir=args.profile, command=command, quick=args.quick,
+                             log=lambda m: print(m, flush=True))
+    print(to_markdown(results), flush=True)
+    print(f"results: {os.path.join(args.out, 'bench.json')}, "
+          f"{os.path.join(args.out, 'bench.md')}", flush=True)
+    return 1 if results["errors"] else 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

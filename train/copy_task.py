@@ -53,6 +53,7 @@ def train_copy_task(
     steps: int = 400,
     batch_size: int = 64,
     warmup_steps: int = 200,
+    factor: float = 1.0,
     smoothing: float = 0.1,
     seed: int = 0,
     config: TransformerConfig | None = None,
@@ -66,7 +67,7 @@ def train_copy_task(
     init_rng, dropout_rng = jax.random.split(jax.random.PRNGKey(seed))
     src, tgt_in, _ = random_batch(data_rng, batch_size)
     params = model.init(init_rng, src, tgt_in)["params"]
-    tx = make_optimizer(config.d_model, warmup_steps)
+    tx = make_optimizer(config.d_model, warmup_steps, factor)
     opt_state = tx.init(params)
 
     @jax.jit

@@ -1,6 +1,8 @@
 """TransformerXL: memory semantics, causality, masks, recompilation, config validation."""
 from __future__ import annotations
 
+import functools
+
 import chex
 import flax
 import jax
@@ -9,6 +11,12 @@ import numpy as np
 import pytest
 
 from xl_jax import TransformerXL, TransformerXLConfig, init_memory, update_memory
+
+
+@functools.partial(jax.jit, static_argnums=0)
+def _apply(cfg, params, tokens, memory, targets=None):
+    """TransformerXL(cfg).apply under jit: eager Flax is slow on the shared CPU."""
+    return TransformerXL(cfg).apply({"params": params}, tokens, memory, targets=targets)
 
 
 def _setup(cfg, batch=2, length=12, seed=0):
@@ -22,8 +30,7 @@ def _run_segments(model, params, tokens, memory, seg_len, targets=None):
     outs = []
     for s in range(0, tokens.shape[1], seg_len):
         tgt = None if targets is None else targets[:, s:s + seg_len]
-        out, memory = model.apply({"params": params}, tokens[:, s:s + seg_len], memory,
-                                  targets=tgt)
+        out, memory = _apply(model.config, params, tokens[:, s:s + seg_len], memory, tgt)
         outs.append(out)
     return jnp.concatenate(outs, axis=1), memory
 
@@ -41,7 +48,7 @@ def test_segments_with_memory_equal_one_pass(overrides):
     model, params, tokens = _setup(cfg)
     targets = jnp.roll(tokens, -1, axis=1)
     seg, _ = _run_segments(model, params, tokens, init_memory(cfg, 2), 4)
-    full, _ = model.apply({"params": params}, tokens, init_memory(cfg, 2, mem_len=0))
+    full, _ = _apply(cfg, params, tokens, init_memory(cfg, 2, mem_len=0))
     chex.assert_shape(seg, (2, 12, cfg.vocab_size))
     chex.assert_trees_all_close(seg, full, rtol=1e-5, atol=1e-5)
     seg_nll, _ = _run_segments(model, params, tokens, init_memory(cfg, 2), 4, targets)
@@ -53,7 +60,7 @@ def test_evaluation_memory_and_segment_length_differ_from_training():
     cfg = TransformerXLConfig.tiny(tgt_len=4, mem_len=4)
     model, params, tokens = _setup(cfg)
     seg, mem = _run_segments(model, params, tokens, init_memory(cfg, 2, mem_len=9), 3)
-    full, _ = model.apply({"params": params}, tokens, init_memory(cfg, 2, mem_len=0))
+    full, _ = _apply(cfg, params, tokens, init_memory(cfg, 2, mem_len=0))
     chex.assert_trees_all_close(seg, full, rtol=1e-5, atol=1e-5)
     chex.assert_shape(mem.hidden, [(2, 9, cfg.d_model)] * cfg.n_layers)
     np.testing.assert_array_equal(mem.valid, [9, 9])
@@ -65,9 +72,9 @@ def test_memory_keeps_exactly_the_last_mem_len_positions():
     cfg = TransformerXLConfig.tiny(n_layers=1, mem_len=3)
     model, params, tokens = _setup(cfg, length=12)
     T, M = 6, 3
-    _, mem = model.apply({"params": params}, tokens[:, :T], init_memory(cfg, 2))
-    seg2, _ = model.apply({"params": params}, tokens[:, T:], mem)
-    window, _ = model.apply({"params": params}, tokens[:, T - M:], init_memory(cfg, 2, 0))
+    _, mem = _apply(cfg, params, tokens[:, :T], init_memory(cfg, 2))
+    seg2, _ = _apply(cfg, params, tokens[:, T:], mem)
+    window, _ = _apply(cfg, params, tokens[:, T - M:], init_memory(cfg, 2, 0))
     chex.assert_trees_all_close(seg2, window[:, M:], rtol=1e-5, atol=1e-5)
 
 
@@ -94,20 +101,20 @@ def test_no_gradient_through_memory_into_previous_segment():
         nll, _ = model.apply({"params": p}, tokens[:, 4:], mem, targets=targets[:, 4:])
         return nll.sum()
 
-    _, fixed_mem = model.apply({"params": params}, tokens[:, :4], init_memory(cfg, 2))
+    _, fixed_mem = _apply(cfg, params, tokens[:, :4], init_memory(cfg, 2))
 
     def second_segment_loss(p):
         nll, _ = model.apply({"params": p}, tokens[:, 4:], fixed_mem, targets=targets[:, 4:])
         return nll.sum()
 
-    g_through = jax.grad(two_segment_loss)(params)
-    g_const = jax.grad(second_segment_loss)(params)
+    g_through = jax.jit(jax.grad(two_segment_loss))(params)
+    g_const = jax.jit(jax.grad(second_segment_loss))(params)
     chex.assert_trees_all_close(g_through, g_const, rtol=1e-6, atol=1e-7)
     # And the memory does carry information: the loss depends on it.
     other_mem = jax.tree.map(lambda x: x, fixed_mem).replace(
         hidden=tuple(h + 1.0 for h in fixed_mem.hidden))
-    nll_a, _ = model.apply({"params": params}, tokens[:, 4:], fixed_mem, targets=targets[:, 4:])
-    nll_b, _ = model.apply({"params": params}, tokens[:, 4:], other_mem, targets=targets[:, 4:])
+    nll_a, _ = _apply(cfg, params, tokens[:, 4:], fixed_mem, targets[:, 4:])
+    nll_b, _ = _apply(cfg, params, tokens[:, 4:], other_mem, targets[:, 4:])
     assert np.abs(np.asarray(nll_a - nll_b)).max() > 1e-4
 
 
@@ -127,9 +134,8 @@ def test_same_length_changes_only_queries_with_more_than_mem_len_keys():
     # i < M, so same_length must leave exactly those positions unchanged (in every layer).
     cfg = TransformerXLConfig.tiny(mem_len=4)
     model, params, tokens = _setup(cfg, length=8)
-    a, _ = model.apply({"params": params}, tokens, init_memory(cfg, 2))
-    b, _ = TransformerXL(cfg.replace(same_length=True)).apply(
-        {"params": params}, tokens, init_memory(cfg, 2))
+    a, _ = _apply(cfg, params, tokens, init_memory(cfg, 2))
+    b, _ = _apply(cfg.replace(same_length=True), params, tokens, init_memory(cfg, 2))
     chex.assert_trees_all_close(a[:, :4], b[:, :4], rtol=1e-6, atol=1e-6)
     assert np.abs(np.asarray(a[:, 4:] - b[:, 4:])).max(axis=(0, 2)).min() > 1e-4
 
@@ -141,12 +147,12 @@ def test_clamp_len_changes_only_positions_that_see_longer_distances():
     params = flax.traverse_util.path_aware_map(
         lambda path, x: x * 50 if "r_net" in path or "r_r_bias" in path else x, params)
     empty = init_memory(cfg, 2, mem_len=0)
-    a, _ = model.apply({"params": params}, tokens, empty)
-    b, _ = TransformerXL(cfg.replace(clamp_len=2)).apply({"params": params}, tokens, empty)
+    a, _ = _apply(cfg, params, tokens, empty)
+    b, _ = _apply(cfg.replace(clamp_len=2), params, tokens, empty)
     chex.assert_trees_all_close(a[:, :3], b[:, :3], rtol=1e-6, atol=1e-6)
     assert np.abs(np.asarray(a[:, 3:] - b[:, 3:])).max(axis=(0, 2)).min() > 1e-4
     # clamp_len <= 0 means "no clamping", as in the reference.
-    c, _ = TransformerXL(cfg.replace(clamp_len=0)).apply({"params": params}, tokens, empty)
+    c, _ = _apply(cfg.replace(clamp_len=0), params, tokens, empty)
     chex.assert_trees_all_close(a, c, rtol=0, atol=0)
 
 

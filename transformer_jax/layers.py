@@ -76,10 +76,16 @@ class MultiHeadAttention(nn.Module):
         query = self._split_heads(self.query(inputs_q))
         rate = cfg.attention_dropout
         dropping = not deterministic and rate > 0.0
+        # Only when a caller asks for the 'intermediates' collection (train.plots draws the
+        # maps) are the weights returned and sown; otherwise the fused path stays available.
+        sow_weights = self.is_mutable_collection("intermediates")
         out = dot_product_attention(
             query, key, value, mask=mask, dropout_rate=rate,
             dropout_rng=self.make_rng("dropout") if dropping else None,
-            deterministic=deterministic)
+            deterministic=deterministic, return_weights=sow_weights)
+        if sow_weights:
+            out, weights = out
+            self.sow("intermediates", "attention_weights", weights)  # [B, H, T, S] float32
         return self.out(out.reshape(*out.shape[:-2], cfg.d_model))
 
     def __call__(

@@ -232,12 +232,13 @@ class GRUEncoder(nn.Module):
         x = nn.Dropout(c.dropout)(x, deterministic=deterministic)
         if c.bidirectional:
             (fwd, bwd), outputs = nn.Bidirectional(
-                nn.RNN(nn.GRUCell(c.enc_hidden)), nn.RNN(nn.GRUCell(c.enc_hidden)),
+                nn.RNN(nn.GRUCell(c.enc_hidden, name="forward_cell")),
+                nn.RNN(nn.GRUCell(c.enc_hidden, name="backward_cell")),
                 name="rnn")(x, seq_lengths=lengths, return_carry=True)
             # fwd: state after the last real token; bwd: after reading back to the first.
             final = jnp.concatenate([fwd, bwd], axis=-1)
         else:
-            final, outputs = nn.RNN(nn.GRUCell(c.enc_hidden), name="rnn")(
+            final, outputs = nn.RNN(nn.GRUCell(c.enc_hidden, name="cell"), name="rnn")(
                 x, seq_lengths=lengths, return_carry=True)
         # Past a sentence's end the RNNs keep running on pad embeddings; zero that junk.
         outputs = jnp.where(mask[..., None], outputs, 0.0)

@@ -134,3 +134,14 @@ def test_loader_rejects_mismatches():
         load_pytorch_state_dict({**sd, "layers.7.pos_ff.CoreNet.0.bias": sd["r_w_bias"]}, cfg)
     with pytest.raises(ValueError, match="shapes"):
         load_pytorch_state_dict(sd, cfg.replace(d_inner=48))
+
+
+def test_untie_r_accepts_stacked_biases():
+    # TensorFlow-converted checkpoints keep u and v as one [L, H, K] tensor each.
+    cfg = _config(VARIANTS["untie_r_pre_ln"])
+    sd = {k: v.numpy() for k, v in _torch_model(cfg).state_dict().items()}
+    per_layer = load_pytorch_state_dict(sd, cfg)
+    stacked = {k: v for k, v in sd.items() if not k.endswith(("r_w_bias", "r_r_bias"))}
+    for b in ("r_w_bias", "r_r_bias"):
+        stacked[b] = np.stack([sd[f"layers.{l}.dec_attn.{b}"] for l in range(cfg.n_layers)])
+    chex.assert_trees_all_close(load_pytorch_state_dict(stacked, cfg), per_layer)

@@ -60,5 +60,6 @@ def make_baseline(name: str, *, src_vocab_size: int, tgt_vocab_size: int,
         raise ValueError(f"preset must be one of {PRESETS}, got {preset!r}")
     entry = BASELINES[name]
     config = getattr(entry.config_cls, preset)(
-        src_vocab_size, tgt_vocab_size, **{**entry.defaults, **overrides})
+        src_vocab_size=src_vocab_size, tgt_vocab_size=tgt_vocab_size,
+        **{**entry.defaults, **overrides})
     return entry.model_cls(config)

@@ -54,12 +54,12 @@ class BaselinePresets:
     _TINY: ClassVar[dict[str, Any]] = {}
 
     @classmethod
-    def tutorial(cls, src_vocab_size: int, tgt_vocab_size: int, **overrides: Any):
+    def tutorial(cls, *, src_vocab_size: int, tgt_vocab_size: int, **overrides: Any):
         """The sizes of bentrevett's pytorch-seq2seq tutorials on Multi30k."""
         return cls(src_vocab_size=src_vocab_size, tgt_vocab_size=tgt_vocab_size, **overrides)
 
     @classmethod
-    def tiny(cls, src_vocab_size: int = 32, tgt_vocab_size: int = 32, **overrides: Any):
+    def tiny(cls, *, src_vocab_size: int = 32, tgt_vocab_size: int = 32, **overrides: Any):
         """A few thousand parameters and no dropout, for tests."""
         return cls(src_vocab_size=src_vocab_size, tgt_vocab_size=tgt_vocab_size,
                    **{**cls._TINY, **overrides})

@@ -174,3 +174,18 @@ def config_mismatches(saved: Mapping[str, Any], given: Mapping[str, Any], *,
         elif a != b:
             out.append(f"{name}: saved {a!r}, given {b!r}")
     return out
+
+
+def check_run_config(workdir: str, config: Mapping[str, Any], *,
+                     may_change: tuple[str, ...]) -> None:
+    """An existing run config in `workdir` must match `config` except in `may_change` fields;
+    else ValueError listing the differences. Writes nothing (see `save_run_config`)."""
+    saved = load_run_config(workdir)
+    if saved is None:
+        return
+    diff = config_mismatches(saved, config, may_change=may_change)
+    if diff:
+        raise ValueError(
+            f"{workdir} holds a run with a different config:\n  " + "\n  ".join(diff) +
+            "\nResume it with --workdir alone (changing at most "
+            f"{', '.join(may_change)}), or pick a new --workdir.")

@@ -14,7 +14,7 @@ import ast
 import dataclasses
 import types
 import typing
-from typing import Any, Callable, Iterable, Literal, Mapping
+from typing import Any, Callable, Iterable, Literal, Mapping, Sequence
 
 MODEL_PREFIX = "model."
 
@@ -137,3 +137,66 @@ def from_dict(cls: type, values: Mapping[str, Any]) -> Any:
             v = tuple(v)
         fixed[k] = v
     return cls(**fixed)
+
+
+# ------------------------------------------------------------------- entry-point flow
+def base_parser(prog: str, description: str, *, choice_flag: str, choices: Sequence[str],
+                presets: Sequence[str], run_cls: type, model_cls: type,
+                model_title: str) -> argparse.ArgumentParser:
+    """The flags every entry point shares: --workdir, --<choice_flag> (model or dataset),
+    --preset, --dtype, --set, then one flag per run field and per model field."""
+    parser = argparse.ArgumentParser(prog=prog, description=description,
+                                     formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--workdir", default=None,
+                        help="run directory (default: a new one under runs/); an existing one "
+                             "is resumed with its saved config")
+    parser.add_argument(f"--{choice_flag}", default=argparse.SUPPRESS, choices=list(choices))
+    parser.add_argument("--preset", default=argparse.SUPPRESS, choices=list(presets))
+    parser.add_argument("--dtype", default=argparse.SUPPRESS,
+                        choices=["float32", "bfloat16", "float16"],
+                        help="compute dtype (params, softmax and loss stay float32); the same "
+                             "as --model.dtype")
+    parser.add_argument("--set", action="append", default=[], metavar="FIELD=VALUE",
+                        help="set any run field, or a model field (model.FIELD=VALUE)")
+    add_dataclass_flags(parser, run_cls, exclude=(choice_flag, "preset", "model_config"),
+                        group_title="run")
+    add_dataclass_flags(parser, model_cls, prefix=MODEL_PREFIX, group_title=model_title)
+    return parser
+
+
+def pre_parse(argv: Sequence[str] | None, choice_flag: str) -> argparse.Namespace:
+    """--workdir and --<choice_flag> alone, before the full parser (whose model flags depend
+    on the choice) is built."""
+    pre = argparse.ArgumentParser(add_help=False)
+    pre.add_argument("--workdir", default=None)
+    pre.add_argument(f"--{choice_flag}", default=None)
+    return pre.parse_known_args(argv)[0]
+
+
+def resolve_config(parser: argparse.ArgumentParser, args: argparse.Namespace, *,
+                   saved: Mapping[str, Any] | None, choice_flag: str, default_choice: str,
+                   run_cls: type, model_cls: type, make_config: Callable[..., Any],
+                   config_from_dict: Callable[[Mapping[str, Any]], Any],
+                   replace: Callable[..., Any]) -> Any:
+    """The run config from the parsed flags: the saved config of --workdir with the given
+    fields changed, else make_config(choice, preset, ...). Errors are argparse errors."""
+    try:
+        run, model = split_given(args, run_cls=run_cls, model_cls=model_cls, sets=args.set)
+        for key in (choice_flag, "preset", "model_config"):
+            run.pop(key, None)  # chosen by their own flags, not overridden as fields
+        if "dtype" in args:
+            model["dtype"] = args.dtype
+        choice = getattr(args, choice_flag, None)
+        preset = getattr(args, "preset", None)
+        if saved is None:
+            return make_config(choice or default_choice, preset or "cpu",
+                               model_overrides=model, **run)
+        config = config_from_dict(saved)
+        if choice not in (None, getattr(config, choice_flag)) or preset not in (None,
+                                                                                config.preset):
+            raise ValueError(f"{args.workdir} holds a {getattr(config, choice_flag)} "
+                             f"({config.preset}) run; use a new --workdir for another "
+                             f"{choice_flag} or preset")
+        return replace(config, model_overrides=model, **run)
+    except (ValueError, TypeError) as e:
+        parser.error(str(e))

@@ -23,7 +23,7 @@ from typing import Any, Callable, Iterator, Mapping
 import jax
 from tqdm.auto import tqdm
 
-from train.checkpoint import BEST_METRIC, Checkpoints
+from train.checkpoint import BEST_METRIC, Checkpoints, save_run_config
 from train.metrics import MetricsWriter, summarize_interval
 from train.parallel import DataParallel
 from train.state import TrainState
@@ -191,3 +191,82 @@ def train_loop(
         bar.close()
     return LoopResult(state=state, reason=reason,
                       elapsed=elapsed + (time.monotonic() - t_run), last_eval=last_eval)
+
+
+def printer() -> Callable[[str], None]:
+    """print on process 0 only (flushed: logs interleave with the progress bar)."""
+    quiet = jax.process_index() != 0
+
+    def log(message: str) -> None:
+        if not quiet:
+            print(message, flush=True)
+    return log
+
+
+@dataclasses.dataclass
+class FitResult:
+    state: TrainState  # global layout
+    reason: str
+    elapsed: float
+    last_eval: dict[str, float] | None
+    compiled_shapes: int | None  # how many batch shapes the train step compiled for
+
+
+def fit(
+    state: TrainState,
+    *,
+    workdir: str,
+    run_config: Mapping[str, Any],
+    dp: DataParallel,
+    loss_fn: Callable,
+    lr_schedule: Callable | None,
+    batches: Callable[[int], Iterator[Mapping[str, Any]]],
+    config: LoopConfig,
+    keep_checkpoints: int,
+    evaluate: Callable[[TrainState], dict[str, float]] | None = None,
+    log: Callable[[str], None] = print,
+) -> FitResult:
+    """Resume-or-start, train, save: what every entry point does between data and evaluation.
+
+    state: a fresh global-layout state (the template a checkpoint is restored into).
+    run_config: saved to W/config.json once the workdir's latest checkpoint (if any) has been
+      restored, so a failed restore changes nothing on disk.
+    batches: start step -> the batch stream from that step on.
+    """
+    checkpoints = Checkpoints(workdir, keep=keep_checkpoints)
+    try:
+        writer = MetricsWriter(workdir)
+        elapsed = 0.0
+        if checkpoints.latest_step() is not None:
+            state, meta = checkpoints.restore(state)
+            elapsed = float(meta.get("elapsed", 0.0))
+            writer.rewind(int(jax.device_get(state.step)))
+            log(f"resumed from {checkpoints.path(checkpoints.latest_step())}")
+        save_run_config(workdir, run_config)
+        start = int(jax.device_get(state.step))
+        dstate = dp.put_state(state)
+        train_step = dp.compile_train_step(loss_fn, dstate, lr_schedule=lr_schedule)
+        with stop_on_sigterm() as stop:
+            log(f"training from step {start} to {config.steps}"
+                + (f" or until {time.strftime('%H:%M:%S', _wall(config.deadline))}"
+                   if config.deadline else "")
+                + "; SIGTERM saves a checkpoint and stops")
+            result = train_loop(dstate, dp=dp, train_step=train_step, batches=batches(start),
+                                config=config, writer=writer, checkpoints=checkpoints,
+                                evaluate=evaluate, elapsed=elapsed, stop=stop)
+    finally:
+        checkpoints.close()
+    compiled = getattr(train_step, "_cache_size", lambda: None)()
+    state = dp.get_state(result.state)
+    log(f"stopped at step {int(jax.device_get(state.step))} ({result.reason}) after "
+        f"{result.elapsed:.0f}s of training"
+        + (f"; the train step compiled {compiled} batch shape(s)" if compiled else ""))
+    if result.reason == "sigterm":
+        log(f"SIGTERM: checkpoint saved; resume with --workdir {workdir}")
+    return FitResult(state=state, reason=result.reason, elapsed=result.elapsed,
+                     last_eval=result.last_eval, compiled_shapes=compiled)
+
+
+def _wall(deadline: float) -> time.struct_time:
+    """A time.monotonic() deadline as local wall-clock time."""
+    return time.localtime(time.time() + deadline - time.monotonic())

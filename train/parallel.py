@@ -18,7 +18,7 @@ and feeds the rows of its own devices: `jax.make_array_from_process_local_data`.
 from __future__ import annotations
 
 import os
-from typing import Any, Literal, Sequence
+from typing import Any, Callable, Literal, Sequence
 
 import jax
 import numpy as np
@@ -79,6 +79,10 @@ class DataParallel:
         # this process's rows of a global batch do too; this is the run's first position.
         self._first_local = mesh_devices.index(self.local_devices[0])
 
+    def round_rows(self, rows: int) -> int:
+        """`rows` rounded up to a multiple of the device count (batch rows must split)."""
+        return -(-rows // self.n_devices) * self.n_devices
+
     # ----------------------------------------------------------------- layouts
     def state_shardings(self, state: TrainState) -> TrainState:
         """The global-layout sharding of every leaf of `state` (a TrainState of shardings)."""
@@ -98,6 +102,12 @@ class DataParallel:
             return jax.make_array_from_callback(x.shape, sharding, lambda idx: x[idx])
 
         return jax.tree.map(put, tree, shardings)
+
+    def init_state(self, create: Callable[..., TrainState], *args) -> TrainState:
+        """`create(*args)` run under jit straight into the global layout: every process builds
+        its replicas from the same seed, no host round trip, one compilation."""
+        abstract = jax.eval_shape(create, *args)
+        return jax.jit(create, out_shardings=self.state_shardings(abstract))(*args)
 
     def put_state(self, state: TrainState) -> TrainState:
         """Global-layout (or host) state -> the layout this mode's train step takes."""

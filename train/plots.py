@@ -59,7 +59,7 @@ def plot_losses(records: Sequence[Mapping[str, Any]], path: str, *,
 
 def plot_attention_grid(weights: np.ndarray, path: str, *, title: str,
                         query_labels: Sequence[str], key_labels: Sequence[str]) -> str:
-    """weights [layers, heads, T, S] -> one heat map per (layer, head)."""
+    """weights [layers, heads, T, S] -> one heat map per (layer, head), query rows."""
     plt = _pyplot()
     n_layers, n_heads, t, s = weights.shape
     cell = max(2.0, 0.22 * max(t, s))
@@ -96,45 +96,58 @@ def _path_name(path) -> str:
 
 def _kind(name: str) -> str:
     low = name.lower()
-    if "cross" in low or "encdec" in low or "src_attn" in low:
-        return "cross"
-    if "encoder" in low:
+    if "encoder" in low and "cross" not in low:
         return "encoder_self"
     if "decoder" in low and "self" in low:
         return "decoder_self"
-    return "cross"  # single-attention baselines: their only attention is over the source
+    # cross-attention, and a baseline's only attention (its 'weights'): over the source
+    return "cross"
 
 
 def _layer_index(name: str) -> int:
-    found = re.findall(r"(?:layers?_|layer)(\d+)", name)
+    found = re.findall(r"layers?_(\d+)", name)
     return int(found[-1]) if found else 0
 
 
-def attention_maps(model, params, src: jax.Array, tgt: jax.Array) -> dict[str, np.ndarray]:
-    """Teacher-forced attention of one sentence pair, {kind: [layers, heads, T, S]}.
+def _as_layers_heads(w: np.ndarray, *, sown: bool) -> np.ndarray | None:
+    """One sentence's weights -> [layers, heads, T, S]. Sown per attention layer:
+    [B, H, T, S]. From an `attention_maps` method: [B, T, S] (one map), [B, L, T, S] (one
+    single-head map per layer, ConvS2S) or [B, L, H, T, S]."""
+    if w.ndim == 3:
+        return w[0][None, None]
+    if w.ndim == 4:
+        return w[0][None] if sown else w[0][:, None]
+    if w.ndim == 5:
+        return w[0]
+    return None
 
-    Reads the model's `attention_maps(src, tgt)` method when it has one, else whatever it
-    `sow`s into the 'intermediates' collection under a name containing 'attention' or
-    'weights'. src [1, S], tgt [1, T] decoder input. Empty if the model exposes none.
+
+def attention_maps(model, params, src: jax.Array, tgt: jax.Array) -> dict[str, np.ndarray]:
+    """Teacher-forced attention of one sentence pair, {kind: [rows, heads, T, S]} with kind in
+    encoder_self / decoder_self / cross.
+
+    Reads the model's `attention_maps(src, tgt)` method when it has one (the RNN and ConvS2S
+    baselines), else the 'attention_weights' a model sows into 'intermediates' (the
+    Transformer's attention layers do when that collection is mutable). src [1, S], tgt [1, T]
+    decoder input. Empty if the model exposes none.
     """
-    if hasattr(model, "attention_maps"):
-        tree = model.apply({"params": params}, src, tgt, method="attention_maps")
+    sown = not hasattr(model, "attention_maps")
+    if not sown:
+        run = lambda p, s, t: model.apply({"params": p}, s, t,  # noqa: E731
+                                          method="attention_maps")
     else:
-        _, variables = model.apply({"params": params}, src, tgt, mutable=["intermediates"])
-        tree = variables.get("intermediates", {})
+        run = lambda p, s, t: model.apply({"params": p}, s, t,  # noqa: E731
+                                          mutable=["intermediates"])[1].get("intermediates", {})
+    tree = jax.device_get(jax.jit(run)(params, src, tgt))
     found: dict[str, list[tuple[int, np.ndarray]]] = {}
     for path, leaf in jax.tree_util.tree_flatten_with_path(tree)[0]:
         name = _path_name(path)
-        low = name.lower()
-        if not ("attention" in low or "weights" in low or "attn" in low):
+        if not re.search(r"attention|weights|attn", name.lower()):
             continue
-        w = np.asarray(jax.device_get(leaf), np.float32)
-        if w.ndim == 3:  # [B, T, S]: one head
-            w = w[:, None]
-        if w.ndim != 4:
-            continue
-        found.setdefault(_kind(name), []).append((_layer_index(name), w[0]))
-    return {kind: np.stack([w for _, w in sorted(ws, key=lambda p: p[0])])
+        w = _as_layers_heads(np.asarray(leaf, np.float32), sown=sown)
+        if w is not None:
+            found.setdefault(_kind(name), []).append((_layer_index(name), w))
+    return {kind: np.concatenate([w for _, w in sorted(ws, key=lambda p: p[0])])
             for kind, ws in found.items()}
 
 

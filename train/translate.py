@@ -15,7 +15,6 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
-import functools
 import os
 import sys
 import time
@@ -27,15 +26,9 @@ import numpy as np
 import optax
 
 from train import cli, registry
-from train.checkpoint import (
-    Checkpoints,
-    config_mismatches,
-    config_to_dict,
-    load_run_config,
-    save_run_config,
-)
-from train.loop import LoopConfig, stop_on_sigterm, train_loop
-from train.metrics import MetricsWriter, add_sums, read_metrics, summarize
+from train.checkpoint import Checkpoints, check_run_config, config_to_dict, load_run_config
+from train.loop import LoopConfig, fit, printer
+from train.metrics import MetricsWriter, add_sums, summarize
 from train.parallel import DataParallel, maybe_initialize_distributed
 from train.state import TrainState, count_params
 
@@ -69,6 +62,8 @@ class TranslateConfig:
         most (source bucket length + decode_margin) pieces.
       eval_sentences: evaluate on the first N sentences of each split (0 = all).
       data_dir: TFDS data directory (None: TFDS's default).
+      tokenizer_dir: where the trained SentencePiece model is cached (None: W/tokenizer); the
+        file name encodes the options and a hash of the text, so runs can share a directory.
     """
 
     model: str = "transformer"
@@ -99,6 +94,7 @@ class TranslateConfig:
     eval_sentences: int = 0
     test_split: str = "test_2016_flickr"
     data_dir: str | None = None
+    tokenizer_dir: str | None = None
     progress: bool = True
     plots: bool = True
 
@@ -150,7 +146,7 @@ PRESETS: dict[str, dict[str, Any]] = {
 MAY_CHANGE = ("steps", "minutes", "parallel", "distributed", "log_every", "eval_every",
               "checkpoint_every", "keep_checkpoints", "beam_size", "length_penalty",
               "decode_margin", "eval_batch_size", "eval_sentences", "test_split", "data_dir",
-              "progress", "plots")
+              "tokenizer_dir", "progress", "plots")
 
 
 def make_config(model: str = "transformer", preset: str = "cpu", *,
@@ -199,8 +195,8 @@ class Split:
 
 def load_tokenizer(config: TranslateConfig, workdir: str):
     from train.tokenizers import multi30k_tokenizer
-    return multi30k_tokenizer(os.path.join(workdir, "tokenizer"), vocab_size=config.vocab_size,
-                              data_dir=config.data_dir)
+    return multi30k_tokenizer(config.tokenizer_dir or os.path.join(workdir, "tokenizer"),
+                              vocab_size=config.vocab_size, data_dir=config.data_dir)
 
 
 def encode_source(tokenizer, sentences: Sequence[str]) -> list[list[int]]:
@@ -260,12 +256,16 @@ def make_loss_fn(model, *, smoothing: float, pad_id: int):
     return loss_fn
 
 
-def init_state(config: TranslateConfig, model, tx) -> TrainState:
-    """Fresh float32 params from the seed (host side; placed by DataParallel)."""
-    init_rng, train_rng = jax.random.split(jax.random.PRNGKey(config.seed))
-    dummy = jnp.ones((1, 8), jnp.int32)
-    params = jax.jit(lambda r: model.init({"params": r}, dummy, dummy)["params"])(init_rng)
-    return TrainState.create(params=params, tx=tx, rng=train_rng)
+def init_state(config: TranslateConfig, model, tx, dp: DataParallel) -> TrainState:
+    """Fresh float32 params and optimizer state from the seed, in the global layout."""
+
+    def create(seed):
+        init_rng, train_rng = jax.random.split(jax.random.PRNGKey(seed))
+        dummy = jnp.ones((1, 8), jnp.int32)
+        params = model.init({"params": init_rng}, dummy, dummy)["params"]
+        return TrainState.create(params=params, tx=tx, rng=train_rng)
+
+    return dp.init_state(create, config.seed)
 
 
 # ------------------------------------------------------------------------------ evaluation
@@ -289,7 +289,7 @@ def translate_pairs(model, params, dp: DataParallel, config: TranslateConfig, to
     from transformer_jax.decode import beam_search
 
     out: list[str] = [""] * len(pairs)
-    batches = eval_batches(pairs, batch_size=_round_up(config.eval_batch_size, dp.n_devices),
+    batches = eval_batches(pairs, batch_size=dp.round_rows(config.eval_batch_size),
                            buckets=config.buckets, num_devices=dp.n_devices)
     for batch in batches:
         src = batch["src"]
@@ -303,10 +303,6 @@ def translate_pairs(model, params, dp: DataParallel, config: TranslateConfig, to
     return out
 
 
-def _round_up(n: int, multiple: int) -> int:
-    return -(-n // multiple) * multiple
-
-
 def bleu(hypotheses: Sequence[str], references: Sequence[str]) -> float:
     """Corpus sacreBLEU: cased, 13a tokenization, detokenized input (sacrebleu's defaults)."""
     import sacrebleu
@@ -314,30 +310,17 @@ def bleu(hypotheses: Sequence[str], references: Sequence[str]) -> float:
 
 
 # ------------------------------------------------------------------------------ the run
-def check_workdir_config(config: TranslateConfig, workdir: str) -> None:
-    """Saves the run config in a new workdir; in an existing one it must match (except the
-    MAY_CHANGE fields), else ValueError listing the differences."""
-    given = config_to_dict(config)
-    saved = load_run_config(workdir)
-    if saved is not None:
-        diff = config_mismatches(saved, given, may_change=MAY_CHANGE)
-        if diff:
-            raise ValueError(
-                f"{workdir} holds a run with a different config:\n  " + "\n  ".join(diff) +
-                "\nResume it with --workdir alone (or change only "
-                f"{', '.join(MAY_CHANGE)}), or pick a new --workdir.")
-    save_run_config(workdir, given)
-
-
 def train_and_evaluate(config: TranslateConfig, workdir: str) -> dict[str, Any]:
     """Trains (or resumes) in `workdir`, then evaluates; returns the final metrics:
     step, stop reason, val/test loss and ppl, test BLEU, and the hypotheses path."""
     t0 = time.monotonic()
     maybe_initialize_distributed(config.distributed)
-    check_workdir_config(config, workdir)
-    log = _printer()
+    run_config = config_to_dict(config)
+    check_run_config(workdir, run_config, may_change=MAY_CHANGE)
+    log = printer()
     dp = DataParallel(config.parallel)
     eval_dp = dp if dp.mode == "jit" else DataParallel("jit")
+    eval_rows = dp.round_rows(config.eval_batch_size)
 
     from train.batching import TokenBatcher, eval_batches
     from train.datasets import load_multi30k
@@ -356,61 +339,36 @@ def train_and_evaluate(config: TranslateConfig, workdir: str) -> dict[str, Any]:
 
     model = build_model(config)
     tx, schedule = make_optimizer(config)
-    state = init_state(config, model, tx)
-    state = eval_dp.to_global(state, eval_dp.state_shardings(state))
+    state = init_state(config, model, tx, eval_dp)
     log(f"model: {config.model} ({config.preset}), {count_params(state.params):,} parameters")
-    checkpoints = Checkpoints(workdir, keep=config.keep_checkpoints)
-    writer = MetricsWriter(workdir)
-    elapsed = 0.0
-    if checkpoints.latest_step() is not None:
-        state, meta = checkpoints.restore(state)
-        elapsed = float(meta.get("elapsed", 0.0))
-        writer.rewind(int(state.step))
-        log(f"resumed from {checkpoints.path(checkpoints.latest_step())}")
-
     loss_fn = make_loss_fn(model, smoothing=config.label_smoothing,
                            pad_id=config.model_config.pad_id)
     eval_step = eval_dp.compile_eval_step(loss_fn, state)
-    val_batches = eval_batches(validation.pairs, batch_size=_round_up(config.eval_batch_size,
-                                                                      dp.n_devices),
-                               buckets=config.buckets, num_devices=dp.n_devices)
+    val_batches = eval_batches(validation.pairs, batch_size=eval_rows, buckets=config.buckets,
+                               num_devices=dp.n_devices)
 
     def evaluate(global_state: TrainState) -> dict[str, float]:
         return teacher_forced(eval_dp, eval_step, global_state.params, val_batches)
 
-    dstate = dp.put_state(state)
-    train_step = dp.compile_train_step(loss_fn, dstate, lr_schedule=schedule)
-    deadline = t0 + 60.0 * config.minutes if config.minutes else None
-    with stop_on_sigterm() as stop:
-        log(f"training from step {int(state.step)} to {config.steps}"
-            + (f" or {config.minutes} minutes" if config.minutes else "")
-            + "; SIGTERM saves a checkpoint and stops")
-        result = train_loop(
-            dstate, dp=dp, train_step=train_step, batches=batcher.iterate(int(state.step)),
-            config=LoopConfig(steps=config.steps, deadline=deadline, log_every=config.log_every,
-                              eval_every=config.eval_every,
-                              checkpoint_every=config.checkpoint_every,
-                              progress=config.progress),
-            writer=writer, checkpoints=checkpoints, evaluate=evaluate, elapsed=elapsed,
-            stop=stop)
-    state = dp.get_state(result.state)
+    fitted = fit(
+        state, workdir=workdir, run_config=run_config, dp=dp, loss_fn=loss_fn,
+        lr_schedule=schedule, batches=batcher.iterate, keep_checkpoints=config.keep_checkpoints,
+        config=LoopConfig(steps=config.steps,
+                          deadline=t0 + 60.0 * config.minutes if config.minutes else None,
+                          log_every=config.log_every, eval_every=config.eval_every,
+                          checkpoint_every=config.checkpoint_every, progress=config.progress),
+        evaluate=evaluate, log=log)
+    state = fitted.state
     step = int(jax.device_get(state.step))
-    compiled = getattr(train_step, "_cache_size", lambda: None)()
-    log(f"stopped at step {step} ({result.reason}) after {result.elapsed:.0f}s of training"
-        + (f"; train step compiled for {compiled} shape(s)" if compiled is not None else ""))
-    final: dict[str, Any] = {"step": step, "reason": result.reason}
-    if result.reason == "sigterm":
-        log(f"SIGTERM: checkpoint saved; resume with --workdir {workdir}")
-        checkpoints.close()
+    final: dict[str, Any] = {"step": step, "reason": fitted.reason}
+    if fitted.reason == "sigterm":
         return final
 
-    val = result.last_eval or evaluate(state)
+    val = fitted.last_eval or evaluate(state)
     final.update({f"val_{k}": v for k, v in val.items() if k in ("loss", "nll", "ppl")})
     t_eval = time.monotonic()
-    test_tf = teacher_forced(eval_dp, eval_step, state.params,
-                             eval_batches(test.pairs, batch_size=_round_up(
-                                 config.eval_batch_size, dp.n_devices),
-                                 buckets=config.buckets, num_devices=dp.n_devices))
+    test_tf = teacher_forced(eval_dp, eval_step, state.params, eval_batches(
+        test.pairs, batch_size=eval_rows, buckets=config.buckets, num_devices=dp.n_devices))
     hypotheses = translate_pairs(model, state.params, eval_dp, config, tokenizer, test.pairs)
     score = bleu(hypotheses, test.references)
     path = write_translations(workdir, config.test_split, step, test, hypotheses)
@@ -418,7 +376,7 @@ def train_and_evaluate(config: TranslateConfig, workdir: str) -> dict[str, Any]:
               "bleu": score, "sentences": len(hypotheses), "beam_size": config.beam_size,
               "eval_seconds": time.monotonic() - t_eval,
               "total_seconds": time.monotonic() - t0}
-    writer.write(step, config.test_split, record)
+    MetricsWriter(workdir).write(step, config.test_split, record)
     final.update({f"test_{k}": v for k, v in record.items()})
     final["hypotheses"] = path
     log(f"{config.test_split}: BLEU {score:.2f} (sacreBLEU, cased, 13a, beam "
@@ -430,7 +388,6 @@ def train_and_evaluate(config: TranslateConfig, workdir: str) -> dict[str, Any]:
                                             source=test.sources[0], hypothesis=hypotheses[0])
         log(f"plots: {', '.join(os.path.basename(p) for p in made)} in "
             f"{os.path.join(workdir, 'plots')}")
-    checkpoints.close()
     return final
 
 
@@ -466,10 +423,7 @@ def translate_text(workdir: str, sentences: Sequence[str], *, step: int | None =
     dp = DataParallel("jit")
     model = build_model(config)
     tx, _ = make_optimizer(config)
-    template = jax.eval_shape(functools.partial(init_state, config, model, tx))
-    template = jax.tree.map(
-        lambda x, s: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=s), template,
-        dp.state_shardings(template))
+    template = init_state(config, model, tx, dp)  # shapes, dtypes and shardings to restore into
     state, _ = checkpoints.restore(template, step)
     checkpoints.close()
     tokenizer = load_tokenizer(config, workdir)
@@ -477,81 +431,31 @@ def translate_text(workdir: str, sentences: Sequence[str], *, step: int | None =
     return translate_pairs(model, state.params, dp, config, tokenizer, pairs)
 
 
-def _printer():
-    quiet = jax.process_index() != 0
-
-    def log(message: str) -> None:
-        if not quiet:
-            print(message, flush=True)
-    return log
-
-
 # ------------------------------------------------------------------------------ CLI
-def build_parser(model_name: str) -> argparse.ArgumentParser:
-    spec = registry.get(model_name)
-    parser = argparse.ArgumentParser(
-        prog="python -m train.translate", description=__doc__.split("\n\n")[0],
-        formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--workdir", default=None,
-                        help="run directory (default: runs/translate-<model>-<preset>-<time>); "
-                             "an existing one is resumed with its saved config")
-    parser.add_argument("--model", default=argparse.SUPPRESS, choices=registry.names())
-    parser.add_argument("--preset", default=argparse.SUPPRESS, choices=list(PRESETS))
-    parser.add_argument("--dtype", default=argparse.SUPPRESS,
-                        choices=["float32", "bfloat16", "float16"],
-                        help="compute dtype (params, softmax and loss stay float32); "
-                             "the same as --model.dtype")
-    parser.add_argument("--set", action="append", default=[], metavar="FIELD=VALUE",
-                        help="set any run field, or a model field (model.FIELD=VALUE)")
-    parser.add_argument("--translate", nargs="+", metavar="SENTENCE",
-                        help="translate with the checkpoint in --workdir and exit")
-    cli.add_dataclass_flags(parser, TranslateConfig, exclude=("model", "preset", "model_config"),
-                            group_title="run")
-    cli.add_dataclass_flags(parser, spec.config_cls, prefix=cli.MODEL_PREFIX,
-                            group_title=f"model ({model_name})")
-    return parser
-
-
 def config_from_args(argv: Sequence[str] | None) -> tuple[TranslateConfig | None, str,
                                                           argparse.Namespace]:
-    """-> (config or None for --translate, workdir, args)."""
-    pre = argparse.ArgumentParser(add_help=False)
-    pre.add_argument("--workdir", default=None)
-    pre.add_argument("--model", default=None)
-    known, _ = pre.parse_known_args(argv)
+    """-> (config, or None for --translate; workdir; the parsed args)."""
+    known = cli.pre_parse(argv, "model")
     saved = load_run_config(known.workdir) if known.workdir else None
     model_name = known.model or (saved or {}).get("model", "transformer")
     if model_name not in registry.names():
         model_name = "transformer"  # the full parser reports the bad choice
-    parser = build_parser(model_name)
+    model_cls = registry.get(model_name).config_cls
+    parser = cli.base_parser(
+        "python -m train.translate", __doc__, choice_flag="model", choices=registry.names(),
+        presets=list(PRESETS), run_cls=TranslateConfig, model_cls=model_cls,
+        model_title=f"model ({model_name})")
+    parser.add_argument("--translate", nargs="+", metavar="SENTENCE",
+                        help="translate with the checkpoint in --workdir and exit")
     args = parser.parse_args(argv)
-    try:
-        run, model = cli.split_given(args, run_cls=TranslateConfig,
-                                     model_cls=registry.get(model_name).config_cls,
-                                     sets=args.set)
-    except ValueError as e:
-        parser.error(str(e))
-    for key in ("model", "preset", "model_config"):
-        run.pop(key, None)  # model and preset are chosen above, not overridden as fields
-    if "dtype" in args:
-        model["dtype"] = args.dtype
     if args.translate:
         if not args.workdir:
             parser.error("--translate needs --workdir (a trained run)")
         return None, args.workdir, args
-    preset = getattr(args, "preset", None)
-    try:
-        if saved is not None:
-            config = config_from_dict(saved)
-            if "model" in args and args.model != config.model or preset not in (
-                    None, config.preset):
-                raise ValueError(f"{args.workdir} holds a {config.model} ({config.preset}) "
-                                 "run; pick a new --workdir for another model or preset")
-            config = replace(config, model_overrides=model, **run)
-        else:
-            config = make_config(model_name, preset or "cpu", model_overrides=model, **run)
-    except (ValueError, TypeError) as e:
-        parser.error(str(e))
+    config = cli.resolve_config(
+        parser, args, saved=saved, choice_flag="model", default_choice="transformer",
+        run_cls=TranslateConfig, model_cls=model_cls, make_config=make_config,
+        config_from_dict=config_from_dict, replace=replace)
     workdir = args.workdir or os.path.join(
         "runs", f"translate-{config.model}-{config.preset}-{time.strftime('%Y%m%d-%H%M%S')}")
     return config, workdir, args

@@ -1,0 +1,190 @@
+"""train.translate end to end on a tiny Transformer and real Multi30k: loss goes down, outputs
+are written, a resumed run repeats an uninterrupted one exactly, bad input is a clear error
+that leaves the checkpoints alone, and the command line works (flags, SIGTERM, --translate).
+"""
+from __future__ import annotations
+
+import hashlib
+import os
+import shutil
+import signal
+import subprocess
+import sys
+
+import jax
+import pytest
+
+from train import translate
+from train.checkpoint import CheckpointError, Checkpoints
+from train.metrics import read_metrics
+
+REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+SMALL_MODEL = dict(d_model=32, n_heads=2, d_ff=64, n_encoder_layers=1, n_decoder_layers=1)
+
+
+def tiny_config(data_dir, **overrides):
+    fields = dict(steps=6, log_every=1, checkpoint_every=3, eval_sentences=16,
+                  eval_batch_size=16, beam_size=2, progress=False, data_dir=str(data_dir))
+    fields.update(overrides)
+    return translate.make_config("transformer", "tiny", model_overrides=SMALL_MODEL, **fields)
+
+
+def train_losses(workdir):
+    return [(r["step"], r["loss"]) for r in read_metrics(str(workdir)) if r["split"] == "train"]
+
+
+def file_hashes(directory):
+    out = {}
+    for root, _, files in os.walk(directory):
+        for name in files:
+            with open(os.path.join(root, name), "rb") as f:
+                out[os.path.relpath(os.path.join(root, name), directory)] = \
+                    hashlib.sha256(f.read()).hexdigest()
+    return out
+
+
+@pytest.fixture(scope="module")
+def data_dir(tmp_path_factory):
+    return tmp_path_factory.mktemp("tfds")
+
+
+@pytest.fixture(scope="module")
+def straight(tmp_path_factory, data_dir):
+    """One uninterrupted 6-step run: (config, workdir, final metrics)."""
+    workdir = tmp_path_factory.mktemp("straight")
+    config = tiny_config(data_dir)
+    return config, workdir, translate.train_and_evaluate(config, str(workdir))
+
+
+def test_training_lowers_the_loss_and_writes_every_output(straight):
+    config, workdir, final = straight
+    losses = train_losses(workdir)
+    assert [s for s, _ in losses] == [1, 2, 3, 4, 5, 6]
+    assert losses[-1][1] < losses[0][1] - 0.1
+    assert final["reason"] == "steps" and final["step"] == 6
+    for key in ("val_loss", "val_ppl", "test_ppl", "test_bleu"):
+        assert key in final
+    assert 0.0 <= final["test_bleu"] <= 100.0
+    with open(final["hypotheses"], encoding="utf-8") as f:
+        assert len(f.read().splitlines()) == 16
+    splits = [r["split"] for r in read_metrics(str(workdir))]
+    assert "validation" in splits and config.test_split in splits
+    assert Checkpoints(str(workdir)).all_steps() == [3, 6]
+    for name in ("loss.png", "positional_encoding.png"):
+        assert os.path.getsize(os.path.join(workdir, "plots", name)) > 1000
+
+
+def test_resume_repeats_the_uninterrupted_run_exactly(straight, tmp_path):
+    config, workdir, final = straight
+    first = translate.train_and_evaluate(translate.replace(config, steps=3), str(tmp_path))
+    assert first["step"] == 3
+    second = translate.train_and_evaluate(config, str(tmp_path))
+    assert train_losses(tmp_path) == train_losses(workdir)  # exactly equal, step by step
+    assert second["val_loss"] == final["val_loss"]
+
+
+def test_a_mismatched_config_is_an_error_and_changes_nothing(straight):
+    config, workdir, _ = straight
+    before = file_hashes(workdir)
+    with pytest.raises(ValueError, match=r"seed: saved 0, given 1"):
+        translate.train_and_evaluate(translate.replace(config, seed=1), str(workdir))
+    with pytest.raises(ValueError, match=r"model_config.d_model: saved 32, given 48"):
+        translate.train_and_evaluate(
+            translate.replace(config, model_overrides={"d_model": 48}), str(workdir))
+    assert file_hashes(workdir) == before
+
+
+def test_a_corrupt_checkpoint_is_an_error_naming_it_and_changes_nothing(straight, tmp_path):
+    config, workdir, _ = straight
+    shutil.copytree(workdir, tmp_path, dirs_exist_ok=True)
+    latest = Checkpoints(str(tmp_path)).path(6)
+    for root, _, files in os.walk(os.path.join(latest, "state")):
+        if os.path.basename(root) == "d":
+            for name in files:
+                with open(os.path.join(root, name), "r+b") as f:
+                    f.truncate(5)
+    before = file_hashes(tmp_path)
+    with pytest.raises(CheckpointError, match=latest):
+        translate.train_and_evaluate(translate.replace(config, steps=9), str(tmp_path))
+    assert file_hashes(tmp_path) == before
+
+
+def test_translate_text_uses_the_trained_checkpoint(straight):
+    _, workdir, _ = straight
+    out = translate.translate_text(str(workdir), ["Ein Mann fährt Fahrrad.", "Zwei Hunde."])
+    assert len(out) == 2 and all(isinstance(s, str) for s in out)
+
+
+def test_translate_text_without_a_run_is_a_clear_error(tmp_path):
+    with pytest.raises(FileNotFoundError, match="not a train.translate work directory"):
+        translate.translate_text(str(tmp_path), ["Hallo."])
+
+
+def test_flags_reach_run_and_model_fields():
+    config, _, _ = translate.config_from_args(
+        ["--preset", "tiny", "--model.d_model", "48", "--set", "seed=3", "--dtype", "bfloat16",
+         "--set", "model.n_heads=3", "--steps", "7", "--buckets", "16,32"])
+    assert config.model_config.d_model == 48 and config.model_config.n_heads == 3
+    assert config.seed == 3 and config.steps == 7 and config.buckets == (16, 32)
+    assert config.model_config.dtype.name == "bfloat16"
+
+
+@pytest.mark.parametrize("argv, message", [
+    (["--no_such_flag", "1"], "unrecognized arguments: --no_such_flag"),
+    (["--model.no_such_field", "1"], "unrecognized arguments: --model.no_such_field"),
+    (["--set", "no_such_field=1"], "no run or model config field"),
+    (["--model", "nonexistent"], "invalid choice: 'nonexistent'"),
+    (["--preset", "tiny", "--model.d_model", "30", "--model.n_heads", "4"], "divisible"),
+])
+def test_bad_flags_are_argparse_errors(argv, message, capsys):
+    with pytest.raises(SystemExit) as e:
+        translate.config_from_args(argv)
+    assert e.value.code == 2
+    assert message in capsys.readouterr().err
+
+
+def test_baselines_are_built_by_name():
+    for name in ("gru", "bahdanau", "luong", "luong_local", "convs2s"):
+        config = translate.make_config(name, "tiny")
+        assert config.optimizer == "adam" and config.model_config.src_vocab_size == 1000
+        assert translate.build_model(config).config == config.model_config
+
+
+def _cli(*args):
+    return [sys.executable, "-m", "train.translate", *args]
+
+
+def test_cli_sigterm_saves_then_workdir_alone_resumes_then_translates(tmp_path, data_dir):
+    env = dict(os.environ, JAX_PLATFORMS="cpu", XLA_FLAGS="", PYTHONPATH=REPO)
+    workdir = str(tmp_path / "run")
+    common = ["--data_dir", str(data_dir), "--progress", "false", "--eval_sentences", "8",
+              "--eval_batch_size", "8", "--beam_size", "2", "--model.d_model", "32",
+              "--model.n_heads", "2", "--model.d_ff", "64", "--model.n_encoder_layers", "1",
+              "--model.n_decoder_layers", "1"]
+    proc = subprocess.Popen(
+        _cli("--preset", "tiny", "--workdir", workdir, "--steps", "1000", *common),
+        cwd=REPO, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+    lines = []
+    for line in proc.stdout:
+        lines.append(line)
+        if "SIGTERM saves a checkpoint" in line:
+            proc.send_signal(signal.SIGTERM)
+    assert proc.wait(timeout=300) == 0, "".join(lines)
+    out = "".join(lines)
+    assert "SIGTERM: checkpoint saved" in out
+    saved = Checkpoints(workdir).latest_step()
+    assert saved is not None and saved < 1000
+
+    # --workdir alone resumes with the saved config; --steps may change.
+    done = subprocess.run(_cli("--workdir", workdir, "--steps", str(saved + 2)),
+                          cwd=REPO, env=env, capture_output=True, text=True, timeout=300)
+    assert done.returncode == 0, done.stdout + done.stderr
+    assert f"resumed from {Checkpoints(workdir).path(saved)}" in done.stdout
+    assert "test BLEU" in done.stdout
+    assert [s for s, _ in train_losses(workdir)][-1] == saved + 2
+
+    said = subprocess.run(_cli("--workdir", workdir, "--translate", "Ein Mann fährt Fahrrad."),
+                          cwd=REPO, env=env, capture_output=True, text=True, timeout=300)
+    assert said.returncode == 0, said.stdout + said.stderr
+    assert len(said.stdout.strip().splitlines()) == 1
+    assert jax.device_count() == 8  # the subprocesses had their own single device

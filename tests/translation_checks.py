@@ -37,6 +37,26 @@ def _jitted(model, method, static: tuple):
     return fast_jit(run)
 
 
+# A batch of three sentence pairs of different lengths, padded at the end.
+SRC = np.array([[5, 6, 7, 8, 9, 10, 11, 2, 0, 0],
+                [12, 13, 2, 0, 0, 0, 0, 0, 0, 0],
+                [14, 15, 16, 17, 18, 19, 20, 21, 22, 2]], np.int32)
+TGT = np.array([[1, 20, 21, 22, 23, 0],
+                [1, 24, 25, 26, 27, 28],
+                [1, 29, 30, 0, 0, 0]], np.int32)
+
+
+def check_padding_invariance(model, params, logits, *, alone: bool = True) -> None:
+    """`logits` (of SRC, TGT) are unchanged by more padding on both sides and, if `alone`,
+    for the short middle sentence run by itself with no padding at all."""
+    more = jit_apply(model, params, np.pad(SRC, ((0, 0), (0, 5)), constant_values=PAD),
+                     np.pad(TGT, ((0, 0), (0, 3)), constant_values=PAD))
+    chex.assert_trees_all_close(more[:, :TGT.shape[1]], logits, atol=1e-5)
+    if alone:
+        chex.assert_trees_all_close(jit_apply(model, params, SRC[1:2, :3], TGT[1:2]),
+                                    logits[1:2], atol=1e-5)
+
+
 def random_params(model, *args, seed: int = 0):
     """Parameters of model.init(key, *args) drawn by NumPy instead of by flax's initialisers.
 

@@ -258,20 +258,6 @@ def utilisation(flops: float, seconds: float, rate: float | None) -> float | Non
 
 
 # ----------------------------------------------------------------------------- training
-def xl_loss_fn(model):
-    """The `train.step` loss protocol for a Transformer-XL language model on
-    {'tokens', 'targets'} [B, T]: the NLL summed over the segment; the memory is the carried
-    `extra` state."""
-
-    def loss_fn(params, batch, *, rng, extra, deterministic):
-        rngs = None if deterministic else {"dropout": rng}
-        nll, memory = model.apply({"params": params}, batch["tokens"], extra, batch["targets"],
-                                  deterministic=deterministic, rngs=rngs)
-        return jnp.sum(nll), {"n_tokens": jnp.asarray(nll.size, jnp.float32)}, memory
-
-    return loss_fn
-
-
 def bench_train_step(name: str, *, loss_fn, state: TrainState, batch: Mapping[str, np.ndarray],
                      flops: FlopCount, steps: int, warmup: int, rates: Mapping[str, float],
                      nominal_peak: float | None = None, profile_dir: str | None = None
@@ -300,7 +286,11 @@ def bench_train_step(name: str, *, loss_fn, state: TrainState, batch: Mapping[st
         state, metrics = compiled(state, batch)
         return state.step
 
-    times = time_calls(one_step, warmup=warmup, repeats=steps)
+    # Any device-to-host transfer inside the timed steps raises on an accelerator (on a CPU,
+    # device memory is host memory and the guard never fires; tests/test_efficiency.py checks
+    # the compiled program there).
+    with jax.transfer_guard_device_to_host("disallow_explicit"):
+        times = time_calls(one_step, warmup=warmup, repeats=steps)
     if profile_dir:
         with jax.profiler.trace(os.path.join(profile_dir, _slug(name))):
             time_calls(one_step, warmup=0, repeats=3)
@@ -365,6 +355,7 @@ def xl_train_bench(name: str, xl_config: TransformerXLConfig, batch_size: int,
                    config: BenchConfig, rates: Mapping[str, float], **kw) -> dict[str, Any]:
     """The Transformer-XL training step on random [B, tgt_len] segments with a mem_len memory
     carried from step to step (the state's `extra`)."""
+    from train.lm import make_loss_fn
     from xl_jax.memory import init_memory
     from xl_jax.model import TransformerXL
 
@@ -372,7 +363,7 @@ def xl_train_bench(name: str, xl_config: TransformerXLConfig, batch_size: int,
     model = TransformerXL(cfg)
     rng = np.random.default_rng(0)
     tokens = lambda: rng.integers(0, cfg.vocab_size, (b, cfg.tgt_len), dtype=np.int32)  # noqa
-    batch = {"tokens": tokens(), "targets": tokens()}
+    batch = {"inputs": tokens(), "targets": tokens()}
     dummy = jnp.ones((1, 8), jnp.int32)
     params = jax.jit(lambda r: model.init({"params": r}, dummy, init_memory(cfg, 1))["params"])(
         jax.random.PRNGKey(0))
@@ -380,7 +371,7 @@ def xl_train_bench(name: str, xl_config: TransformerXLConfig, batch_size: int,
     state = TrainState.create(params=params, tx=optax.adam(2.5e-4), rng=jax.random.PRNGKey(1),
                               extra=init_memory(cfg, b))
     result = bench_train_step(
-        name, loss_fn=xl_loss_fn(model), state=state, batch=batch,
+        name, loss_fn=make_loss_fn(model), state=state, batch=batch,
         flops=xl_flops(cfg, batch=b, tgt_len=cfg.tgt_len, mem_len=cfg.mem_len), rates=rates,
         steps=config.steps, warmup=config.warmup, **kw)
     result.update(batch=b, tgt_len=cfg.tgt_len, mem_len=cfg.mem_len, dtype=config.dtype)

@@ -1,0 +1,344 @@
+"""train.flops and train.bench: FLOP formulas against the traced program and XLA's count, the
+measuring helpers against hand arithmetic, and every benchmark section at tiny sizes.
+
+No figure here is a timing: times are only checked to be used consistently (a rate is the FLOPs
+over the median, a throughput the work over the median).
+"""
+from __future__ import annotations
+
+import json
+import math
+import statistics
+import types
+
+import chex
+import jax
+import jax.numpy as jnp
+import numpy as np
+import optax
+import pytest
+
+from train import bench
+from train.lm import make_loss_fn as lm_loss_fn
+from train.flops import (
+    jaxpr_matmul_flops,
+    transformer_flops,
+    xl_flops,
+    xla_flops,
+)
+from train.state import TrainState
+from train.step import make_train_step
+from train.translate import make_loss_fn
+from transformer_jax import Transformer, TransformerConfig
+from xl_jax import TransformerXL, TransformerXLConfig, init_memory
+
+
+# ----------------------------------------------------------------------------- helpers
+def _transformer_state(cfg: TransformerConfig):
+    model = Transformer(cfg)
+    dummy = jnp.ones((1, 4), jnp.int32)
+    params = model.init(jax.random.PRNGKey(0), dummy, dummy)["params"]
+    return model, TrainState.create(params=params, tx=optax.adam(1e-3),
+                                    rng=jax.random.PRNGKey(1))
+
+
+def _transformer_batch(cfg, b, s, t, seed=0):
+    rng = np.random.default_rng(seed)
+    ids = lambda n: rng.integers(3, cfg.tgt_vocab_size, (b, n), dtype=np.int32)  # noqa: E731
+    return {"src": ids(s), "tgt_in": ids(t), "tgt_out": ids(t)}
+
+
+def _xl_state(cfg: TransformerXLConfig, b: int, m: int):
+    model = TransformerXL(cfg)
+    params = model.init(jax.random.PRNGKey(0), jnp.ones((1, 4), jnp.int32),
+                        init_memory(cfg, 1))["params"]
+    return model, TrainState.create(params=params, tx=optax.adam(1e-3),
+                                    rng=jax.random.PRNGKey(1),
+                                    extra=init_memory(cfg, b, mem_len=m))
+
+
+def _xl_batch(cfg, b, t, seed=0):
+    rng = np.random.default_rng(seed)
+    return {k: rng.integers(0, cfg.vocab_size, (b, t), dtype=np.int32)
+            for k in ("inputs", "targets")}
+
+
+# ----------------------------------------------------------------------------- the jaxpr counter
+def test_jaxpr_counter_counts_products_as_two_multiply_adds():
+    a, b = jnp.ones((3, 4)), jnp.ones((4, 5))
+    assert jaxpr_matmul_flops(jnp.matmul, a, b) == 2 * 3 * 4 * 5
+    x, y = jnp.ones((2, 3, 4)), jnp.ones((2, 4, 5))
+    assert jaxpr_matmul_flops(lambda x, y: jnp.einsum("bij,bjk->bik", x, y), x, y) == \
+        2 * 2 * 3 * 4 * 5
+    # Elementwise work is not counted.
+    assert jaxpr_matmul_flops(lambda a: jnp.exp(a) * 2 + a, a) == 0
+
+
+def test_jaxpr_counter_enters_scan_jit_and_cond_and_refuses_while():
+    w, x = jnp.ones((4, 4)), jnp.ones((2, 4))
+    one = 2 * 2 * 4 * 4
+
+    def scanned(x):
+        return jax.lax.scan(lambda h, _: (h @ w, None), x, None, length=3)[0]
+
+    assert jaxpr_matmul_flops(scanned, x) == 3 * one
+    assert jaxpr_matmul_flops(jax.jit(lambda x: (x @ w) @ w), x) == 2 * one
+    # cond: the dearer branch (one product against two).
+    assert jaxpr_matmul_flops(
+        lambda p, x: jax.lax.cond(p, lambda x: x @ w, lambda x: (x @ w) @ w, x),
+        True, x) == 2 * one
+    with pytest.raises(ValueError, match="while"):
+        jaxpr_matmul_flops(lambda x: jax.lax.while_loop(lambda c: c[0] < 3,
+                                                        lambda c: (c[0] + 1, c[1] @ w),
+                                                        (0, x))[1], x)
+
+
+# ----------------------------------------------------------------------------- formulas
+@pytest.mark.parametrize("b,s,t", [(3, 7, 5), (2, 4, 9)])
+def test_transformer_formula_equals_the_products_of_the_project_train_step(b, s, t):
+    cfg = TransformerConfig.tiny(n_encoder_layers=2, n_decoder_layers=1, d_ff=96,
+                                 src_vocab_size=40, tgt_vocab_size=40)
+    model, state = _transformer_state(cfg)
+    batch = _transformer_batch(cfg, b, s, t)
+    count = transformer_flops(cfg, batch=b, src_len=s, tgt_len=t)
+    forward = jaxpr_matmul_flops(
+        lambda p: model.apply({"params": p}, batch["src"], batch["tgt_in"]), state.params)
+    assert forward == count.forward(executed=True)
+    step = make_train_step(make_loss_fn(model, smoothing=0.1, pad_id=cfg.pad_id))
+    assert jaxpr_matmul_flops(step, state, batch) == count.training(executed=True)
+    # Nothing is discarded in the Transformer, and training is exactly 3 x forward.
+    assert count.training() == count.training(executed=True) == 3 * count.forward()
+    assert count.tokens == b * t
+
+
+XL_CONFIGS = {
+    "full softmax": TransformerXLConfig.tiny(),
+    "adaptive, div_val 2, projections": TransformerXLConfig.tiny(
+        vocab_size=100, cutoffs=(20, 50), div_val=2, d_embed=48,
+        tie_projs=(False, True, False)),
+    "clusters, one projected table": TransformerXLConfig.tiny(
+        vocab_size=100, cutoffs=(20, 50), d_embed=48),
+    "untied, pre-LN": TransformerXLConfig.tiny(tie_weights=False, norm_first=True,
+                                               untie_r=True, n_layers=3),
+}
+
+
+@pytest.mark.parametrize("name", sorted(XL_CONFIGS))
+@pytest.mark.parametrize("m", [0, 9])
+def test_xl_formula_equals_the_products_of_the_project_train_step(name, m):
+    cfg = XL_CONFIGS[name]
+    b, t = 2, 6
+    model, state = _xl_state(cfg, b, m)
+    batch = _xl_batch(cfg, b, t)
+    count = xl_flops(cfg, batch=b, tgt_len=t, mem_len=m)
+    forward = jaxpr_matmul_flops(
+        lambda p: model.apply({"params": p}, batch["inputs"], state.extra, batch["targets"]),
+        state.params)
+    assert forward == count.forward(executed=True)
+    step = make_train_step(lm_loss_fn(model))
+    assert jaxpr_matmul_flops(step, state, batch) == count.training(executed=True)
+
+
+def test_xl_model_flops_leave_out_exactly_the_discarded_memory_queries():
+    cfg = TransformerXLConfig.tiny(n_layers=3)
+    b, t, m = 2, 6, 9
+    count = xl_flops(cfg, batch=b, tgt_len=t, mem_len=m)
+    q_rows = 2.0 * b * m * cfg.d_model * cfg.n_heads * cfg.d_head * cfg.n_layers
+    assert count.forward(executed=True) - count.forward() == q_rows
+    assert count.training(executed=True) - count.training() == 3 * q_rows
+    assert xl_flops(cfg, batch=b, tgt_len=t, mem_len=0).forward(executed=True) == \
+        xl_flops(cfg, batch=b, tgt_len=t, mem_len=0).forward()
+
+
+def test_xl_formula_for_enwik8_base_by_hand():
+    """The paper-sized number, written out once per token: N layers of
+    k/v (2 S/T D HK) + q (D HK) + 3 S HK (attention) + HK D + 2 D F, plus D V, times 2 (FLOPs
+    per multiply-add) and 3 (training), with R's projection (S D HK per step) trained once."""
+    cfg = TransformerXLConfig.enwik8_base()
+    b, t, m = 22, 512, 512
+    s, d, hk, f, n, v = m + t, 512, 512, 2048, 12, 204
+    per_token_macs = n * (2 * s / t * d * hk + d * hk + 3 * s * hk + hk * d + 2 * d * f) + d * v
+    r_macs = n * s * d * hk
+    expected = 2 * (3 * per_token_macs * b * t + 2 * r_macs)
+    count = xl_flops(cfg, batch=b, tgt_len=t, mem_len=m)
+    assert math.isclose(count.training(), expected, rel_tol=1e-12)
+    assert count.tokens == b * t
+
+
+def test_xla_count_is_the_formula_plus_a_little_elementwise_work():
+    cfg = TransformerConfig.tiny(d_model=64, d_ff=256, n_encoder_layers=1, n_decoder_layers=1,
+                                 src_vocab_size=512, tgt_vocab_size=512)
+    model, state = _transformer_state(cfg)
+    batch = _transformer_batch(cfg, 8, 16, 16)
+    step = jax.jit(make_train_step(make_loss_fn(model, smoothing=0.1, pad_id=cfg.pad_id)))
+    xla = xla_flops(step.lower(state, batch).compile())
+    ratio = xla / transformer_flops(cfg, batch=8, src_len=16, tgt_len=16).training(executed=True)
+    assert 1.0 <= ratio <= 1.25, ratio
+
+
+def test_xla_flops_reads_every_form_of_cost_analysis():
+    fake = lambda cost: types.SimpleNamespace(cost_analysis=lambda: cost)  # noqa: E731
+    assert xla_flops(fake({"flops": 12.0, "bytes accessed": 3.0})) == 12.0
+    assert xla_flops(fake([{"flops": 7.0}])) == 7.0       # older jax: one dict per program
+    assert xla_flops(fake(None)) is None
+    assert xla_flops(fake({})) is None
+    assert xla_flops(fake({"flops": -1.0})) is None       # "unknown" on some backends
+
+    def raising():
+        raise NotImplementedError
+
+    assert xla_flops(types.SimpleNamespace(cost_analysis=raising)) is None
+
+
+# ----------------------------------------------------------------------------- measuring helpers
+def test_compiled_memory_sums_the_buffers_and_tolerates_missing_analysis():
+    stats = types.SimpleNamespace(argument_size_in_bytes=100, output_size_in_bytes=80,
+                                  temp_size_in_bytes=50, alias_size_in_bytes=60,
+                                  generated_code_size_in_bytes=0, peak_memory_in_bytes=0)
+    mem = bench.compiled_memory(types.SimpleNamespace(memory_analysis=lambda: stats))
+    assert mem["footprint"] == 100 + 80 + 50 - 60
+    assert "peak_reported" not in mem
+    assert bench.compiled_memory(types.SimpleNamespace(memory_analysis=lambda: None)) is None
+    # A real compiled donating program: the donated argument aliases the output.
+    f = jax.jit(lambda x: x * 2, donate_argnums=0)
+    mem = bench.compiled_memory(f.lower(jnp.ones((256,), jnp.float32)).compile())
+    assert mem["argument"] == mem["output"] == mem["alias"] == 1024
+
+
+def test_matmul_rate_is_two_n_cubed_over_the_median_time():
+    r = bench.measure_matmul_rate(32, "float32", repeats=3, warmup=1)
+    assert len(r["times_s"]) == 3
+    assert r["median_s"] == statistics.median(r["times_s"])
+    assert r["rate"] == 2 * 32 ** 3 / r["median_s"]
+
+
+def test_time_calls_warms_up_then_times_each_call():
+    calls = []
+    times = bench.time_calls(lambda: calls.append(1) or jnp.zeros(()), warmup=2, repeats=3)
+    assert len(calls) == 5 and len(times) == 3 and all(x >= 0 for x in times)
+
+
+def test_nominal_peak_tells_the_h100_variants_apart():
+    assert bench.nominal_bf16_peak("NVIDIA H100 80GB HBM3") == 989.4e12
+    assert bench.nominal_bf16_peak("NVIDIA H100 PCIe") == 756e12
+    assert bench.nominal_bf16_peak("NVIDIA H200") == 989.4e12
+    assert bench.nominal_bf16_peak("cpu") is None
+    assert bench.utilisation(50.0, 2.0, 100.0) == 0.25
+    assert bench.utilisation(50.0, 2.0, None) is None
+
+
+# ----------------------------------------------------------------------------- the sections
+def _tiny_bench_config() -> bench.BenchConfig:
+    xl = dict(n_layers=1, n_heads=2, d_model=32, d_head=16, d_inner=64)
+    return bench.BenchConfig.quick().replace(
+        steps=2, warmup=1, matmul_size=64, matmul_repeats=2,
+        transformer=TransformerConfig.tiny(n_encoder_layers=1, n_decoder_layers=1),
+        transformer_batch=4, transformer_len=8,
+        xl=(("enwik8_base (tiny)", TransformerXLConfig.enwik8_base(tgt_len=8, mem_len=8, **xl),
+             2),),
+        xl_eval=TransformerXLConfig.enwik8_base(dropout=0.0, **xl), attn_lengths=(8, 16),
+        xl_eval_tgt_len=4, xl_eval_batch=2, vanilla_batch=2, eval_repeats=2)
+
+
+def test_run_writes_every_training_figure_and_the_xl_eval_table(tmp_path):
+    config = _tiny_bench_config()
+    results = bench.run_benchmarks(
+        config, sections=("train_transformer", "train_xl_enwik8", "xl_eval"), out=str(tmp_path),
+        command="python -m train.bench --test", raise_errors=True, log=lambda m: None)
+    saved = json.loads((tmp_path / "bench.json").read_text())
+    assert saved["meta"]["command"] == "python -m train.bench --test"
+    assert saved["meta"]["jax"] == jax.__version__
+    assert set(saved["matmul"]) == {"bfloat16", "float32"}
+    assert [r["name"] for r in saved["train"]] == ["transformer (quick)", "enwik8_base (tiny)"]
+    rates = {k: v["rate"] for k, v in saved["matmul"].items()}
+    for r in saved["train"]:
+        assert math.isfinite(r["final_loss"])
+        assert r["step_s_median"] == statistics.median(r["step_times_s"])
+        assert r["tokens_per_s"] == pytest.approx(r["tokens_per_step"] / r["step_s_median"])
+        # The traced program holds exactly the formula's products (CPU: no fused kernel).
+        assert r["jaxpr_matmul_flops"] == r["flops"]["executed_training"]
+        assert r["xla_flops"] >= r["flops"]["executed_training"]
+        assert r["mfu_vs_measured_bf16"] == pytest.approx(
+            r["flops"]["model_training"] / r["step_s_median"] / rates["bfloat16"])
+        assert r["mfu_vs_nominal_bf16"] is None          # a CPU has no datasheet entry
+        assert r["memory"]["footprint"] > 0
+    assert saved["train"][0]["tokens_per_step"] == 4 * 8
+    assert saved["train"][1]["tokens_per_step"] == 2 * 8
+    assert [r["attn_len"] for r in saved["xl_eval"]] == [8, 16]
+    for r in saved["xl_eval"]:
+        assert r["speedup"] == pytest.approx(r["vanilla_s_per_token"] / r["xl_s_per_token"])
+        assert r["flop_ratio"] == pytest.approx(
+            r["vanilla_flops_per_token"] / r["xl_flops_per_token"])
+    md = (tmp_path / "bench.md").read_text()
+    assert "| transformer (quick) | 32 |" in md and "| enwik8_base (tiny) | 16 |" in md
+    assert "training FLOPs = 3 x forward" in md
+    assert md.count("\n| 8 |") == 1 and md.count("\n| 16 |") == 1
+    assert results["errors"] == []
+
+
+def test_a_failing_section_is_recorded_and_the_run_goes_on(tmp_path, monkeypatch):
+    def broken(*args, **kwargs):
+        raise RuntimeError("out of memory (simulated)")
+
+    monkeypatch.setattr(bench, "transformer_train_bench", broken)
+    config = _tiny_bench_config().replace(attn_lengths=(8,))
+    results = bench.run_benchmarks(config, sections=("train_transformer", "xl_eval"),
+                                   out=str(tmp_path), log=lambda m: None)
+    assert [e["section"] for e in results["errors"]] == ["train_transformer"]
+    assert "out of memory (simulated)" in (tmp_path / "bench.md").read_text()
+    assert len(results["xl_eval"]) == 1
+
+
+def test_decode_bench_counts_sentences_and_the_best_beams_tokens():
+    cfg = TransformerConfig.tiny(src_vocab_size=20, tgt_vocab_size=20)
+    model, state = _transformer_state(cfg)
+    rng = np.random.default_rng(0)
+    sources = [list(rng.integers(3, 20, n)) + [cfg.eos_id] for n in rng.integers(2, 14, 10)]
+    r = bench.decode_bench(model, state.params, sources, beam_size=2, batch_size=4, margin=3,
+                           repeats=2, buckets=(8, 16))
+    assert r["sentences"] == 10
+    assert r["shapes"] == [(4, 8), (4, 16)]
+    assert r["sentences_per_s"] == 10 / statistics.median(r["pass_times_s"])
+    # Independent count: the same beam search, called directly, sentence by sentence, at the
+    # length of the smallest bucket that fits its batch (4 consecutive sentences).
+    from transformer_jax.decode import beam_search
+    expected = 0
+    for i, s in enumerate(sources):
+        length = 8 if max(len(x) for x in sources[i // 4 * 4:i // 4 * 4 + 4]) <= 8 else 16
+        src = np.zeros((1, length), np.int32)
+        src[0, :len(s)] = s
+        tokens, _ = beam_search(model, state.params, src, beam_size=2, max_len=length + 3)
+        expected += int(np.sum(np.asarray(tokens)[0, 0] != cfg.pad_id))
+    assert r["output_tokens"] == expected
+
+
+# ----------------------------------------------------------------------------- CLI
+def test_cli_sizes_and_batch_overrides():
+    parser = bench.build_parser()
+    config = bench.config_from_args(parser.parse_args(
+        ["--batch", "wt103=8", "--batch", "transformer=64", "--steps", "7"]))
+    assert dict((n.split("_")[0], b) for n, _, b in config.xl) == {"enwik8": 22, "wt103": 8}
+    assert config.transformer_batch == 64 and config.steps == 7
+    assert config.dtype == "float32"  # auto on a CPU
+    full = bench.BenchConfig.full()
+    assert (full.transformer.d_model, full.transformer.n_encoder_layers,
+            full.transformer.n_decoder_layers) == (512, 6, 6)
+    assert full.transformer_batch * full.transformer_len == 24_576
+    enwik8 = dict((n, (c, b)) for n, c, b in full.xl)["enwik8_base"]
+    assert (enwik8[0].n_layers, enwik8[0].d_model, enwik8[0].tgt_len, enwik8[0].mem_len,
+            enwik8[1]) == (12, 512, 512, 512, 22)
+    assert full.attn_lengths[0] == 800 and full.attn_lengths[-1] == 3800
+    assert full.beam_size == 4
+    with pytest.raises(ValueError, match="unknown bench"):
+        bench.config_from_args(parser.parse_args(["--batch", "gpt=8"]))
+    with pytest.raises(ValueError, match="dtype"):
+        bench.BenchConfig.quick("float16")
+
+
+def test_main_quick_matmul_only_writes_both_files(tmp_path, capsys):
+    assert bench.main(["--quick", "--only", "matmul", "--out", str(tmp_path)]) == 0
+    saved = json.loads((tmp_path / "bench.json").read_text())
+    assert saved["meta"]["quick"] is True
+    assert saved["meta"]["command"] == f"python -m train.bench --quick --only matmul --out {tmp_path}"
+    assert "Measured matrix rate" in capsys.readouterr().out
+    chex.assert_trees_all_equal(saved["train"], [])

@@ -45,15 +45,11 @@ def model_and_params(case: str):
     return model, random_params(model, SRC, TGT)
 
 
-def _logits_and_maps(module, src, tgt):
-    return module._forward(src, tgt, deterministic=True)
-
-
 @functools.lru_cache(maxsize=None)
 def forward(case: str):
-    """(logits [B, T, V], weights [B, L, T, S]) on SRC, TGT."""
+    """(logits [B, T, V], {'weights': [B, L, T, S]}) on SRC, TGT."""
     model, params = model_and_params(case)
-    return jit_apply(model, params, SRC, TGT, method=_logits_and_maps)
+    return jit_apply(model, params, SRC, TGT, method="logits_and_attention")
 
 
 # ---------------------------------------------------------------------------------------------
@@ -145,7 +141,7 @@ def test_registry_builds_tutorial_sizes():
 @pytest.mark.parametrize("case", CASES)
 def test_matches_numpy_reference(case):
     model, params = model_and_params(case)
-    logits, weights = forward(case)
+    logits, weights = forward(case)[0], forward(case)[1]["weights"]
     chex.assert_shape(logits, (3, 6, VOCAB))
     chex.assert_shape(weights, (3, 2, 6, SRC.shape[1]))
     assert logits.dtype == jnp.float32
@@ -159,7 +155,7 @@ def test_matches_numpy_reference(case):
 
 
 def test_attention_weights_sum_to_one_and_skip_pads():
-    weights = forward("k3")[1]                                    # [B, L, T, S]
+    weights = forward("k3")[1]["weights"]                         # [B, L, T, S]
     pads = (SRC == PAD)[:, None, None, :]
     assert np.all(np.where(pads, weights, 0.0) == 0.0)
     chex.assert_trees_all_close(weights.sum(-1), np.ones(weights.shape[:-1]), atol=1e-6)

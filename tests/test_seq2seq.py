@@ -70,15 +70,11 @@ def model_and_params(case: str):
     return model, random_params(model, SRC, TGT)
 
 
-def _logits_and_maps(module, src, tgt):
-    return module._forward(src, tgt, deterministic=True, teacher_forcing=1.0)
-
-
 @functools.lru_cache(maxsize=None)
 def forward(case: str):
     """Teacher-forced (logits [B, T, V], attention maps) on SRC, TGT, one compile per case."""
     model, params = model_and_params(case)
-    return jit_apply(model, params, SRC, TGT, method=_logits_and_maps)
+    return jit_apply(model, params, SRC, TGT, method="logits_and_attention")
 
 
 # ---------------------------------------------------------------------------------------------

@@ -231,22 +231,23 @@ class ConvS2S(nn.Module):
         return tuple(jnp.zeros((batch, c.kernel_size - 1, c.hid_dim), c.dtype)
                      for _ in range(c.dec_layers))
 
-    def _forward(self, src: Array, tgt: Array, *, deterministic: bool
-                 ) -> tuple[Array, Array]:
+    def logits_and_attention(self, src: Array, tgt: Array, *, deterministic: bool = True
+                             ) -> tuple[Array, dict[str, Array]]:
+        """`__call__`'s logits [B, T, V] and `attention_maps`' dict from one pass."""
         _check_length(self.config, "target", tgt.shape[1])
         memory = self.encoder(src, deterministic=deterministic)
         logits, _, weights = self.decoder(
             tgt, jnp.arange(tgt.shape[1])[None, :], self._empty_windows(tgt.shape[0]), memory,
             deterministic=deterministic)
-        return logits, weights
+        return logits, {"weights": weights}
 
     def __call__(self, src: Array, tgt: Array, *, deterministic: bool = True) -> Array:
         """src [B, S], tgt [B, T] (decoder input, starts with BOS) -> logits [B, T, V] float32."""
-        return self._forward(src, tgt, deterministic=deterministic)[0]
+        return self.logits_and_attention(src, tgt, deterministic=deterministic)[0]
 
     def attention_maps(self, src: Array, tgt: Array) -> dict[str, Array]:
         """{'weights': [B, L, T, S]}: each decoder layer's attention."""
-        return {"weights": self._forward(src, tgt, deterministic=True)[1]}
+        return self.logits_and_attention(src, tgt)[1]
 
     def init_decode_cache(self, src: Array, *, max_len: int) -> dict[str, Any]:
         """Encodes src once; {'windows': per layer [B, k - 1, D] zeros, 'memory': encoder}."""

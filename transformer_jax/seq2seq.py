@@ -413,8 +413,9 @@ class _RNNSeq2Seq(nn.Module):
         outputs, final, mask = self.encoder(src, deterministic=deterministic)
         return self.decoder.prepare(outputs, final, mask)
 
-    def _forward(self, src: Array, tgt: Array, *, deterministic: bool, teacher_forcing: float
-                 ) -> tuple[Array, dict[str, Array]]:
+    def logits_and_attention(self, src: Array, tgt: Array, *, deterministic: bool = True,
+                             teacher_forcing: float = 1.0) -> tuple[Array, dict[str, Array]]:
+        """`__call__`'s logits [B, T, V] and `attention_maps`' dict from one pass."""
         if not 0.0 <= teacher_forcing <= 1.0:
             raise ValueError(f"teacher_forcing must be in [0, 1], got {teacher_forcing}")
         memory, state = self.encode(src, deterministic=deterministic)
@@ -446,12 +447,13 @@ class _RNNSeq2Seq(nn.Module):
         Returns:
           logits [B, T, V] float32.
         """
-        return self._forward(src, tgt, deterministic=deterministic,
-                             teacher_forcing=teacher_forcing)[0]
+        return self.logits_and_attention(src, tgt, deterministic=deterministic,
+                                         teacher_forcing=teacher_forcing)[0]
 
     def attention_maps(self, src: Array, tgt: Array) -> dict[str, Array]:
-        """Teacher-forced attention: {'weights': [B, T, S]} (+ Luong local's 'centre' [B, T])."""
-        return self._forward(src, tgt, deterministic=True, teacher_forcing=1.0)[1]
+        """Teacher-forced attention: {'weights': [B, T, S]} (+ Luong local's 'centre' [B, T]);
+        {} for GRUSeq2Seq, which has none."""
+        return self.logits_and_attention(src, tgt)[1]
 
     def init_decode_cache(self, src: Array, *, max_len: int) -> dict[str, Any]:
         """Encodes src once: {'state': decoder state, 'memory': encoder memory}, leaves [B, ...].

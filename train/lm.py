@@ -50,7 +50,9 @@ class LMConfig:
       model_config: the TransformerXLConfig; its tgt_len and mem_len are the training segment
         and memory lengths.
       batch_size: rows of the training stream (divisible by the device count).
-      steps: optimizer steps; also the length of the cosine decay (the reference's max_step).
+      steps: stop after this many optimizer steps (a resumed run may change it).
+      decay_steps: the length of the cosine decay (the reference's max_step); part of the
+        training recipe, so fixed for a run (0: equal to steps when the config is made).
       minutes: also stop after this much wall time from the start (0 = none); evaluation
         follows.
       learning_rate, warmup_steps, min_learning_rate: Adam with linear warm-up over
@@ -65,6 +67,7 @@ class LMConfig:
     model_config: Any = None
     batch_size: int = 32
     steps: int = 4000
+    decay_steps: int = 0
     minutes: float = 0.0
     learning_rate: float = 2.5e-4
     warmup_steps: int = 0
@@ -101,6 +104,8 @@ class LMConfig:
                      "keep_checkpoints", "learning_rate", "clip_norm"):
             if getattr(self, name) <= 0:
                 raise ValueError(f"{name}: must be > 0, got {getattr(self, name)}")
+        if self.decay_steps == 0:
+            object.__setattr__(self, "decay_steps", self.steps)
         for name in ("steps", "minutes", "warmup_steps", "min_learning_rate", "eval_every",
                      "checkpoint_every", "eval_mem_len", "eval_tokens"):
             if getattr(self, name) < 0:
@@ -194,9 +199,9 @@ def load_stream(config: LMConfig, split: str) -> np.ndarray:
 
 def warmup_cosine(config: LMConfig) -> optax.Schedule:
     """The reference's schedule with 1-based step t: lr * t / warmup while t < warmup, then
-    min_lr + (lr - min_lr) * (1 + cos(pi * t / steps)) / 2 (t capped at steps)."""
+    min_lr + (lr - min_lr) * (1 + cos(pi * t / decay_steps)) / 2 (t capped at decay_steps)."""
     lr, floor = config.learning_rate, config.min_learning_rate
-    warmup, total = config.warmup_steps, max(config.steps, 1)
+    warmup, total = config.warmup_steps, max(config.decay_steps, 1)
 
     def schedule(count):
         t = jnp.asarray(count, jnp.float32) + 1.0
@@ -318,14 +323,8 @@ def train_and_evaluate(config: LMConfig, workdir: str) -> dict[str, Any]:
     fitted = fit(
         state, workdir=workdir, run_config=run_config, dp=dp, loss_fn=loss_fn,
         lr_schedule=schedule, batches=from_step, keep_checkpoints=config.keep_checkpoints,
-        config=LoopConfig(steps=config.steps,
-                          deadline=t0 + 60.0 * config.minutes if config.minutes else None,
-                          log_every=config.log_every, eval_every=config.eval_every,
-                          checkpoint_every=config.checkpoint_every, progress=config.progress),
-        evaluate=evaluate, log=log)
-    state = fitted.state
-    step = int(jax.device_get(state.step))
-    final: dict[str, Any] = {"step": step, "reason": fitted.reason}
+        config=LoopConfig.from_run(config, start=t0), evaluate=evaluate, log=log)
+    state, step, final = fitted.state, fitted.step, fitted.summary()
     if fitted.reason == "sigterm":
         return final
     val = fitted.last_eval or evaluate(state)

@@ -46,6 +46,15 @@ class LoopConfig:
     checkpoint_every: int = 0
     progress: bool = True
 
+    @classmethod
+    def from_run(cls, run: Any, *, start: float) -> LoopConfig:
+        """From a run config with steps, minutes (0 = no limit, counted from `start`, a
+        time.monotonic() value), log_every, eval_every, checkpoint_every and progress."""
+        return cls(steps=run.steps,
+                   deadline=start + 60.0 * run.minutes if run.minutes else None,
+                   log_every=run.log_every, eval_every=run.eval_every,
+                   checkpoint_every=run.checkpoint_every, progress=run.progress)
+
     def __post_init__(self):
         if self.steps < 0:
             raise ValueError(f"steps: must be >= 0, got {self.steps}")
@@ -210,6 +219,14 @@ class FitResult:
     elapsed: float
     last_eval: dict[str, float] | None
     compiled_shapes: int | None  # how many batch shapes the train step compiled for
+
+    @property
+    def step(self) -> int:
+        return int(jax.device_get(self.state.step))
+
+    def summary(self) -> dict[str, Any]:
+        """The start of an entry point's final metrics."""
+        return {"step": self.step, "reason": self.reason}
 
 
 def fit(

@@ -55,7 +55,8 @@ def _baseline(name: str) -> TranslationModel:
     def sized(preset: str):
         def make(vocab_size: int, **overrides):
             return getattr(entry.config_cls, preset)(
-                vocab_size, vocab_size, **{**entry.defaults, **overrides})
+                src_vocab_size=vocab_size, tgt_vocab_size=vocab_size,
+                **{**entry.defaults, **overrides})
         return make
 
     # The tutorials these baselines come from: Adam 1e-3, clip 1, plain cross-entropy.

@@ -353,14 +353,8 @@ def train_and_evaluate(config: TranslateConfig, workdir: str) -> dict[str, Any]:
     fitted = fit(
         state, workdir=workdir, run_config=run_config, dp=dp, loss_fn=loss_fn,
         lr_schedule=schedule, batches=batcher.iterate, keep_checkpoints=config.keep_checkpoints,
-        config=LoopConfig(steps=config.steps,
-                          deadline=t0 + 60.0 * config.minutes if config.minutes else None,
-                          log_every=config.log_every, eval_every=config.eval_every,
-                          checkpoint_every=config.checkpoint_every, progress=config.progress),
-        evaluate=evaluate, log=log)
-    state = fitted.state
-    step = int(jax.device_get(state.step))
-    final: dict[str, Any] = {"step": step, "reason": fitted.reason}
+        config=LoopConfig.from_run(config, start=t0), evaluate=evaluate, log=log)
+    state, step, final = fitted.state, fitted.step, fitted.summary()
     if fitted.reason == "sigterm":
         return final
 

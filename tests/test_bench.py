@@ -227,6 +227,60 @@ def test_nominal_peak_tells_the_h100_variants_apart():
     assert bench.utilisation(50.0, 2.0, None) is None
 
 
+def _meta_events(pid, process, threads):
+    events = [{"ph": "M", "pid": pid, "name": "process_name", "args": {"name": process}}]
+    events += [{"ph": "M", "pid": pid, "tid": tid, "name": "thread_name", "args": {"name": n}}
+               for tid, n in threads.items()]
+    return events
+
+
+def _op(pid, tid, name, dur, **args):
+    return {"ph": "X", "pid": pid, "tid": tid, "name": name, "ts": 0, "dur": dur, "args": args}
+
+
+def test_trace_summary_reads_the_xla_ops_line_of_the_device():
+    events = (_meta_events(1, "/device:GPU:0", {10: "Stream #7(Compute)", 11: "XLA Ops"})
+              + _meta_events(2, "/host:CPU", {20: "python"}))
+    events += [
+        _op(1, 11, "fusion.1", 20.0, long_name="%fusion.1 = f32[8] fusion(%dot.3), kind=kLoop, "
+                                              "calls=%fused_add"),
+        _op(1, 11, "fusion.1", 20.0),
+        _op(1, 11, "custom-call.2", 60.0,
+            long_name='%custom-call.2 = bf16[8,8] custom-call(%a, %b), '
+                      'custom_call_target="__cublas$gemm"'),
+        _op(1, 11, "custom-call.3", 20.0,
+            long_name='%custom-call.3 = bf16[8,8] custom-call(%q, %k, %v), '
+                      'custom_call_target="__cudnn$fmhaSoftmax"'),
+        _op(1, 10, "sm90_kernel_ignored_when_xla_ops_exist", 500.0),
+        _op(2, 20, "PjitFunction(step)", 900.0),          # host side: not device time
+    ]
+    summary = bench.summarize_trace_events(events, steps=2)
+    assert summary["source"] == "device: XLA Ops"
+    assert summary["busy_us_per_step"] == (20 + 20 + 60 + 20) / 2
+    assert [(op["name"], op["us_per_step"], op["calls_per_step"], op["category"])
+            for op in summary["top"]] == [
+        ("custom-call.2", 30.0, 0.5, "matmul"),
+        ("fusion.1", 20.0, 1.0, "other (elementwise, reductions)"),   # reads a dot: no matmul
+        ("custom-call.3", 10.0, 0.5, "attention (fused)")]
+    assert summary["categories"] == pytest.approx(
+        {"matmul": 0.5, "other (elementwise, reductions)": 1 / 3, "attention (fused)": 1 / 6})
+
+
+def test_trace_summary_falls_back_to_streams_then_to_host_threads():
+    gpu = _meta_events(1, "/device:GPU:0", {10: "Stream #7(Compute)", 12: "Stream #8(Copy)"})
+    gpu += [_op(1, 10, "sm90_xmma_gemm_bf16", 30.0), _op(1, 12, "memcpy_d2d", 10.0)]
+    summary = bench.summarize_trace_events(gpu, steps=1)
+    assert summary["source"] == "device: streams"
+    assert summary["categories"] == pytest.approx({"matmul": 0.75, "copy": 0.25})
+    cpu = _meta_events(5, "/host:CPU", {1: "python", 2: "tf_XLAEigen/1"})
+    cpu += [_op(5, 1, "$bench.py:10 one_step", 99.0), _op(5, 2, "ThunkExecutor::Execute", 50.0),
+            _op(5, 2, "dot.4", 8.0), _op(5, 2, "fusion.2", 2.0)]
+    summary = bench.summarize_trace_events(cpu, steps=1)
+    assert summary["source"].startswith("host threads")
+    assert [op["name"] for op in summary["top"]] == ["dot.4", "fusion.2"]
+    assert bench.summarize_trace_events(_meta_events(1, "/host:CPU", {}), steps=1) is None
+
+
 # ----------------------------------------------------------------------------- the sections
 def _tiny_bench_config() -> bench.BenchConfig:
     xl = dict(n_layers=1, n_heads=2, d_model=32, d_head=16, d_inner=64)
@@ -262,6 +316,9 @@ def test_run_writes_every_training_figure_and_the_xl_eval_table(tmp_path):
             r["flops"]["model_training"] / r["step_s_median"] / rates["bfloat16"])
         assert r["mfu_vs_nominal_bf16"] is None          # a CPU has no datasheet entry
         assert r["memory"]["footprint"] > 0
+        # Profiled from a real trace of 3 more steps: the category shares add up to 1.
+        assert r["profile"]["busy_us_per_step"] > 0
+        assert sum(r["profile"]["categories"].values()) == pytest.approx(1.0)
     assert saved["train"][0]["tokens_per_step"] == 4 * 8
     assert saved["train"][1]["tokens_per_step"] == 2 * 8
     assert [r["attn_len"] for r in saved["xl_eval"]] == [8, 16]
@@ -271,7 +328,7 @@ def test_run_writes_every_training_figure_and_the_xl_eval_table(tmp_path):
             r["vanilla_flops_per_token"] / r["xl_flops_per_token"])
     md = (tmp_path / "bench.md").read_text()
     assert "| transformer (quick) | 32 |" in md and "| enwik8_base (tiny) | 16 |" in md
-    assert "training FLOPs = 3 x forward" in md
+    assert "training FLOPs = 3 x forward" in md and "Profile of enwik8_base (tiny)" in md
     assert md.count("\n| 8 |") == 1 and md.count("\n| 16 |") == 1
     assert results["errors"] == []
 
@@ -283,7 +340,7 @@ def test_a_failing_section_is_recorded_and_the_run_goes_on(tmp_path, monkeypatch
     monkeypatch.setattr(bench, "transformer_train_bench", broken)
     config = _tiny_bench_config().replace(attn_lengths=(8,))
     results = bench.run_benchmarks(config, sections=("train_transformer", "xl_eval"),
-                                   out=str(tmp_path), log=lambda m: None)
+                                   out=str(tmp_path), profile=False, log=lambda m: None)
     assert [e["section"] for e in results["errors"]] == ["train_transformer"]
     assert "out of memory (simulated)" in (tmp_path / "bench.md").read_text()
     assert len(results["xl_eval"]) == 1

@@ -42,10 +42,15 @@ import argparse
 import dataclasses
 import datetime
 import functools
+import glob
+import gzip
 import json
 import os
+import re
+import shutil
 import statistics
 import sys
+import tempfile
 import time
 import traceback
 from typing import Any, Callable, Mapping, Sequence
@@ -62,6 +67,7 @@ from train.step import make_train_step
 from transformer_jax.config import TransformerConfig
 from xl_jax.config import TransformerXLConfig
 
+PROFILED_STEPS = 3
 SECTIONS = ("matmul", "train_transformer", "train_xl_enwik8", "train_xl_wt103", "decode",
             "xl_eval")
 XL_SECTIONS = {"train_xl_enwik8": "enwik8", "train_xl_wt103": "wt103"}
@@ -257,6 +263,96 @@ def utilisation(flops: float, seconds: float, rate: float | None) -> float | Non
     return flops / seconds / rate if rate else None
 
 
+# Op categories of a profile, first match wins; matched against `_op_text`: the event's name
+# and, from the HLO instruction XLA puts in its args, the opcode, a custom call's target and a
+# fusion's called computation (not the operands: a fusion reading a %dot is no matmul).
+OP_CATEGORIES = (
+    ("attention (fused)", re.compile(r"fmha|flash|cudnn", re.IGNORECASE)),
+    ("matmul", re.compile(r"gemm|cublas|^dot|\bdot\b|matmul|xmma|gmma|convolution",
+                          re.IGNORECASE)),
+    ("collective", re.compile(r"all-reduce|all-gather|reduce-scatter|nccl", re.IGNORECASE)),
+    ("copy", re.compile(r"copy|memcpy|memset|transpose", re.IGNORECASE)),
+)
+
+
+def summarize_trace_events(events: Sequence[Mapping[str, Any]], *, steps: int, top: int = 12
+                           ) -> dict[str, Any] | None:
+    """Where the time of `steps` profiled steps went, from Chrome/Perfetto trace events.
+
+    Device time only: on a GPU the device process's "XLA Ops" line (one event per HLO op) if
+    present, else its stream lines (one per kernel); on a CPU the ops on the host threads that
+    execute the program (not the Python thread, not the runtime's enclosing scopes). Returns the busy time per step, the `top` ops by time
+    (name, microseconds per step, share, category, calls per step) and the share of each
+    category; None if the trace has no such events.
+    """
+    procs, threads = {}, {}
+    for e in events:
+        if e.get("ph") == "M" and e.get("name") == "process_name":
+            procs[e["pid"]] = e["args"]["name"]
+        elif e.get("ph") == "M" and e.get("name") == "thread_name":
+            threads[(e["pid"], e["tid"])] = e["args"]["name"]
+    timed = [e for e in events if "dur" in e and e.get("ph", "X") == "X"]
+    devices = {pid for pid, name in procs.items() if "/device:" in name}
+    if devices:
+        lines = {key: name for key, name in threads.items() if key[0] in devices}
+        chosen = {key for key, name in lines.items() if name == "XLA Ops"} or {
+            key for key, name in lines.items() if name.lower().startswith("stream")}
+        where = "device: " + ("XLA Ops" if any(lines[k] == "XLA Ops" for k in chosen)
+                              else "streams")
+    else:
+        chosen = {key for key, name in threads.items() if name != "python"}
+        where = "host threads, summed over threads"
+    # Left out: Python frames ('$file:line name') and the CPU runtime's C++ scopes
+    # ('ThunkExecutor::Execute'), which enclose the ops rather than being ones.
+    picked = [e for e in timed if (e.get("pid"), e.get("tid")) in chosen
+              and not str(e.get("name", "")).startswith("$")
+              and (devices or "::" not in str(e.get("name", "")))]
+    if not picked:
+        return None
+    per_op: dict[str, list] = {}
+    for e in picked:
+        entry = per_op.setdefault(e["name"], [0.0, 0, _op_text(e)])
+        entry[0] += float(e["dur"])
+        entry[1] += 1
+    total = sum(v[0] for v in per_op.values())
+    categories: dict[str, float] = {}
+    ops = []
+    for name, (dur, calls, text) in sorted(per_op.items(), key=lambda kv: -kv[1][0]):
+        category = next((c for c, pattern in OP_CATEGORIES if pattern.search(text)),
+                        "other (elementwise, reductions)")
+        categories[category] = categories.get(category, 0.0) + dur / total
+        ops.append({"name": name, "us_per_step": dur / steps, "share": dur / total,
+                    "category": category, "calls_per_step": calls / steps})
+    return {"source": where, "busy_us_per_step": total / steps, "top": ops[:top],
+            "categories": dict(sorted(categories.items(), key=lambda kv: -kv[1]))}
+
+
+def _op_text(event: Mapping[str, Any]) -> str:
+    """An event's name, plus the opcode, custom-call target and called computation of the HLO
+    instruction in its args (e.g. 'long_name': '%f = bf16[8] fusion(%a), calls=%gemm_1')."""
+    parts = [str(event.get("name", ""))]
+    for value in (event.get("args") or {}).values():
+        text = str(value)
+        opcode = re.search(r"=\s*\S+\s+([\w-]+)\(", text)
+        if opcode:
+            parts.append(opcode.group(1))
+        parts += re.findall(r'custom_call_target="([^"]*)"', text)
+        parts += re.findall(r"calls=%?([\w.-]+)", text)
+    return " ".join(parts)
+
+
+def profile_summary(trace_dir: str, *, steps: int) -> dict[str, Any] | None:
+    """`summarize_trace_events` of the newest perfetto trace `jax.profiler.trace` wrote
+    under `trace_dir` (None if there is none)."""
+    paths = glob.glob(os.path.join(trace_dir, "**", "perfetto_trace.json.gz"), recursive=True)
+    if not paths:
+        return None
+    with gzip.open(max(paths, key=os.path.getmtime), "rt") as f:
+        trace = json.load(f)
+    events = trace["traceEvents"] if isinstance(trace, dict) else trace
+    return summarize_trace_events(events, steps=steps)
+
+
 # ----------------------------------------------------------------------------- training
 def bench_train_step(name: str, *, loss_fn, state: TrainState, batch: Mapping[str, np.ndarray],
                      flops: FlopCount, steps: int, warmup: int, rates: Mapping[str, float],
@@ -291,9 +387,12 @@ def bench_train_step(name: str, *, loss_fn, state: TrainState, batch: Mapping[st
     # the compiled program there).
     with jax.transfer_guard_device_to_host("disallow_explicit"):
         times = time_calls(one_step, warmup=warmup, repeats=steps)
-    if profile_dir:
-        with jax.profiler.trace(os.path.join(profile_dir, _slug(name))):
-            time_calls(one_step, warmup=0, repeats=3)
+    profile = None
+    if profile_dir is not None:
+        trace_dir = os.path.join(profile_dir, _slug(name))
+        with jax.profiler.trace(trace_dir, create_perfetto_trace=True):
+            time_calls(one_step, warmup=0, repeats=PROFILED_STEPS)
+        profile = profile_summary(trace_dir, steps=PROFILED_STEPS)
     loss = float(metrics["loss_sum"] / metrics["n_tokens"])
     median = statistics.median(times)
     model_flops = flops.training()
@@ -322,6 +421,7 @@ def bench_train_step(name: str, *, loss_fn, state: TrainState, batch: Mapping[st
         "mfu_vs_measured_float32": utilisation(model_flops, median, rates.get("float32")),
         "mfu_vs_nominal_bf16": utilisation(model_flops, median, nominal_peak),
         "final_loss": loss,
+        "profile": profile,
     }
 
 
@@ -527,16 +627,25 @@ def xl_eval_bench(xl_config: TransformerXLConfig, *, attn_lengths: Sequence[int]
 # ----------------------------------------------------------------------------- the run
 def run_benchmarks(config: BenchConfig, *, sections: Sequence[str] = SECTIONS, out: str | None,
                    cache_dir: str = os.path.join("runs", "bench-cache"),
-                   profile_dir: str | None = None, command: str = "", quick: bool = False,
-                   raise_errors: bool = False, log: Callable[[str], None] = print
-                   ) -> dict[str, Any]:
+                   profile: bool = True, profile_dir: str | None = None, command: str = "",
+                   quick: bool = False, raise_errors: bool = False,
+                   log: Callable[[str], None] = print) -> dict[str, Any]:
     """Runs `sections` (matmul always first) and returns the results; with `out`, writes
     OUT/bench.json and OUT/bench.md after every section (a run cut short keeps what it has).
     A section that fails is recorded under 'errors' and the run goes on, unless
-    `raise_errors`."""
+    `raise_errors`. profile: trace 3 more steps of each training bench and summarize where
+    their time went; the traces are kept in `profile_dir` if given, else deleted."""
     unknown = set(sections) - set(SECTIONS)
     if unknown:
         raise ValueError(f"sections: unknown {sorted(unknown)}; choose from {SECTIONS}")
+    if profile and profile_dir is None:
+        scratch = tempfile.mkdtemp(prefix="bench-trace-")
+        try:
+            return run_benchmarks(config, sections=sections, out=out, cache_dir=cache_dir,
+                                  profile=True, profile_dir=scratch, command=command,
+                                  quick=quick, raise_errors=raise_errors, log=log)
+        finally:
+            shutil.rmtree(scratch, ignore_errors=True)
     device = jax.local_devices()[0]
     results: dict[str, Any] = {"meta": _meta(config, device, command=command, quick=quick),
                                "train": [], "errors": []}
@@ -565,7 +674,8 @@ def run_benchmarks(config: BenchConfig, *, sections: Sequence[str] = SECTIONS, o
         for name in ("bfloat16", "float32")})
     results["matmul"] = matmul
     rates = {name: m["rate"] for name, m in (matmul or {}).items()}
-    train_kw = dict(nominal_peak=results["meta"]["nominal_bf16_peak"], profile_dir=profile_dir)
+    train_kw = dict(nominal_peak=results["meta"]["nominal_bf16_peak"],
+                    profile_dir=profile_dir if profile else None)
     save()
 
     if "train_transformer" in sections:
@@ -664,6 +774,8 @@ def to_markdown(results: Mapping[str, Any]) -> str:
         for formula in dict.fromkeys(r["flops"]["formula"] for r in train):
             lines.append(f"- {formula}")
         lines.append("")
+        for r in train:
+            lines += _profile_lines(r["name"], r.get("profile"), r["step_s_median"])
     decode = results.get("decode")
     if decode:
         lines += ["| beam search | sentences | beam | batch | sentences/s | output tokens/s | "
@@ -684,6 +796,21 @@ def to_markdown(results: Mapping[str, Any]) -> str:
     for err in results.get("errors") or []:
         lines.append(f"- {err['section']} failed: {err['error']}")
     return "\n".join(lines) + "\n"
+
+
+def _profile_lines(name: str, profile: Mapping[str, Any] | None, step_s: float,
+                   top: int = 5) -> list[str]:
+    """Where a training step's time went: category shares and the top ops."""
+    if not profile:
+        return []
+    busy_ms = profile["busy_us_per_step"] / 1e3
+    shares = ", ".join(f"{c} {100 * x:.0f}%" for c, x in profile["categories"].items())
+    lines = [f"Profile of {name} ({profile['source']}): {busy_ms:.1f} ms busy per step of "
+             f"{step_s * 1e3:.1f} ms; {shares}.", "", "| op | ms/step | share | category |",
+             "|---|---|---|---|"]
+    lines += [f"| `{op['name'][:60]}` | {op['us_per_step'] / 1e3:.2f} | "
+              f"{100 * op['share']:.1f}% | {op['category']} |" for op in profile["top"][:top]]
+    return lines + [""]
 
 
 def _gib(n: int | None) -> str:
@@ -738,7 +865,10 @@ def build_parser() -> argparse.ArgumentParser:
     parser.add_argument("--cache-dir", default=os.path.join("runs", "bench-cache"),
                         help="where the Multi30k tokenizer is cached")
     parser.add_argument("--profile", default=None, metavar="DIR",
-                        help="also write a jax.profiler trace of 3 steps of each training bench")
+                        help="keep the jax.profiler traces of the training benches in DIR "
+                             "(default: summarized, then deleted)")
+    parser.add_argument("--no-profile", action="store_true",
+                        help="do not profile the training benches")
     return parser
 
 
@@ -784,7 +914,8 @@ def main(argv: Sequence[str] | None = None) -> int:
         parser.error(str(e))
     command = " ".join(["python -m train.bench", *argv])
     results = run_benchmarks(config, sections=args.only, out=args.out, cache_dir=args.cache_dir,
-                             profile_dir=args.profile, command=command, quick=args.quick,
+                             profile=not args.no_profile, profile_dir=args.profile,
+                             command=command, quick=args.quick,
                              log=lambda m: print(m, flush=True))
     print(to_markdown(results), flush=True)
     print(f"results: {os.path.join(args.out, 'bench.json')}, "

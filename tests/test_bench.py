@@ -333,11 +333,32 @@ def test_run_writes_every_training_figure_and_the_xl_eval_table(tmp_path):
     assert results["errors"] == []
 
 
+@pytest.mark.parametrize("which", ["transformer", "enwik8_base", "wt103_base"])
+def test_full_size_train_steps_trace_and_hold_exactly_the_formulas_products(which):
+    """The paper sizes of `python -m train.bench` (one GPU), traced without allocating: the
+    project's train step runs at these shapes, and the formula counts its every product."""
+    config = bench.BenchConfig.full()
+    if which == "transformer":
+        setup = bench.transformer_train_setup(config)
+    else:
+        name, xl_cfg, b = next(x for x in config.xl if x[0] == which)
+        setup = bench.xl_train_setup(name, xl_cfg, b, config)
+    state = jax.eval_shape(setup.init_state)
+    batch = {k: jax.ShapeDtypeStruct(v.shape, v.dtype) for k, v in setup.batch.items()}
+    step = make_train_step(setup.loss_fn)
+    new_state, metrics = jax.eval_shape(step, state, batch)
+    chex.assert_trees_all_equal_shapes_and_dtypes(new_state, state)
+    assert jaxpr_matmul_flops(step, state, batch) == setup.flops.training(executed=True)
+    # Known sizes: 768 x 32 target tokens; 22 x 512; 60 x 150.
+    assert setup.flops.tokens == {"transformer": 24_576, "enwik8_base": 11_264,
+                                  "wt103_base": 9_000}[which]
+
+
 def test_a_failing_section_is_recorded_and_the_run_goes_on(tmp_path, monkeypatch):
     def broken(*args, **kwargs):
         raise RuntimeError("out of memory (simulated)")
 
-    monkeypatch.setattr(bench, "transformer_train_bench", broken)
+    monkeypatch.setattr(bench, "transformer_train_setup", broken)
     config = _tiny_bench_config().replace(attn_lengths=(8,))
     results = bench.run_benchmarks(config, sections=("train_transformer", "xl_eval"),
                                    out=str(tmp_path), profile=False, log=lambda m: None)

@@ -354,21 +354,92 @@ def profile_summary(trace_dir: str, *, steps: int) -> dict[str, Any] | None:
 
 
 # ----------------------------------------------------------------------------- training
-def bench_train_step(name: str, *, loss_fn, state: TrainState, batch: Mapping[str, np.ndarray],
-                     flops: FlopCount, steps: int, warmup: int, rates: Mapping[str, float],
-                     nominal_peak: float | None = None, profile_dir: str | None = None
-                     ) -> dict[str, Any]:
-    """Compiles the project's train step for `state` and `batch` on one device and times it.
+@dataclasses.dataclass(frozen=True)
+class TrainBench:
+    """One training benchmark, before anything is allocated.
+
+    init_state: () -> the fresh TrainState (jitted straight onto the device by the bench;
+      `jax.eval_shape`-able, so a test can trace the paper sizes without allocating them).
+    batch: host arrays of the one batch every timed step reads.
+    """
+
+    name: str
+    loss_fn: Callable
+    init_state: Callable[[], TrainState]
+    batch: Mapping[str, np.ndarray]
+    flops: FlopCount
+    info: Mapping[str, Any]
+
+
+def transformer_train_setup(config: BenchConfig) -> TrainBench:
+    """The Transformer training step on random [B, L] sources and targets (no padding), Adam on
+    the Noam schedule, label smoothing 0.1: `train.translate`'s loss."""
+    from train.translate import make_loss_fn
+    from transformer_jax.model import Transformer
+    from transformer_jax.optim import make_optimizer
+
+    cfg, b, length = config.transformer, config.transformer_batch, config.transformer_len
+    model = Transformer(cfg)
+    rng = np.random.default_rng(0)
+    tokens = lambda: rng.integers(3, cfg.tgt_vocab_size, (b, length), dtype=np.int32)  # noqa
+
+    def init_state() -> TrainState:
+        dummy = jnp.ones((1, 8), jnp.int32)
+        params = model.init({"params": jax.random.PRNGKey(0)}, dummy, dummy)["params"]
+        return TrainState.create(params=params, tx=make_optimizer(cfg.d_model, 4000),
+                                 rng=jax.random.PRNGKey(1))
+
+    return TrainBench(
+        name="transformer_base" if cfg.d_model == 512 else "transformer (quick)",
+        loss_fn=make_loss_fn(model, smoothing=0.1, pad_id=cfg.pad_id), init_state=init_state,
+        batch={"src": tokens(), "tgt_in": tokens(), "tgt_out": tokens()},
+        flops=transformer_flops(cfg, batch=b, src_len=length, tgt_len=length),
+        info=dict(batch=b, src_len=length, tgt_len=length, dtype=config.dtype))
+
+
+def xl_train_setup(name: str, xl_config: TransformerXLConfig, batch_size: int,
+                   config: BenchConfig) -> TrainBench:
+    """The Transformer-XL training step on random [B, tgt_len] segments, the mem_len memory
+    carried from step to step (the state's `extra`), Adam: `train.lm`'s loss."""
+    from train.lm import make_loss_fn
+    from xl_jax.memory import init_memory
+    from xl_jax.model import TransformerXL
+
+    cfg, b = xl_config, batch_size
+    model = TransformerXL(cfg)
+    rng = np.random.default_rng(0)
+    tokens = lambda: rng.integers(0, cfg.vocab_size, (b, cfg.tgt_len), dtype=np.int32)  # noqa
+
+    def init_state() -> TrainState:
+        dummy = jnp.ones((1, 8), jnp.int32)
+        params = model.init({"params": jax.random.PRNGKey(0)}, dummy,
+                            init_memory(cfg, 1))["params"]
+        # Adam as the paper (its cosine schedule does not change the cost of a step).
+        return TrainState.create(params=params, tx=optax.adam(2.5e-4),
+                                 rng=jax.random.PRNGKey(1), extra=init_memory(cfg, b))
+
+    return TrainBench(
+        name=name, loss_fn=make_loss_fn(model), init_state=init_state,
+        batch={"inputs": tokens(), "targets": tokens()},
+        flops=xl_flops(cfg, batch=b, tgt_len=cfg.tgt_len, mem_len=cfg.mem_len),
+        info=dict(batch=b, tgt_len=cfg.tgt_len, mem_len=cfg.mem_len, dtype=config.dtype))
+
+
+def bench_train_step(bench: TrainBench, *, steps: int, warmup: int,
+                     rates: Mapping[str, float], nominal_peak: float | None = None,
+                     profile_dir: str | None = None) -> dict[str, Any]:
+    """Compiles the project's train step for `bench` on one device and times it.
 
     rates: measured matrix rates by dtype name ('bfloat16', 'float32'), for the MFU figures.
     Returns every raw figure: compile_s, step times, tokens_per_s, memory, the analytic FLOPs
-    next to XLA's and the jaxpr's, MFU, and the last step's loss (to show it is finite).
+    next to XLA's and the jaxpr's, MFU, the last step's loss (to show it is finite) and, with
+    `profile_dir`, where the time of 3 more (traced) steps went.
     """
     device = jax.local_devices()[0]
     dp = DataParallel("jit", devices=[device])
-    state = dp.put_state(state)
-    batch = dp.put_batch(batch)
-    step = dp.compile_train_step(loss_fn, state)
+    state = dp.put_state(dp.init_state(bench.init_state))
+    batch = dp.put_batch(bench.batch)
+    step = dp.compile_train_step(bench.loss_fn, state)
     start = time.perf_counter()
     lowered = step.lower(state, batch)
     lower_s = time.perf_counter() - start
@@ -389,19 +460,21 @@ def bench_train_step(name: str, *, loss_fn, state: TrainState, batch: Mapping[st
         times = time_calls(one_step, warmup=warmup, repeats=steps)
     profile = None
     if profile_dir is not None:
-        trace_dir = os.path.join(profile_dir, _slug(name))
+        trace_dir = os.path.join(profile_dir, _slug(bench.name))
         with jax.profiler.trace(trace_dir, create_perfetto_trace=True):
             time_calls(one_step, warmup=0, repeats=PROFILED_STEPS)
         profile = profile_summary(trace_dir, steps=PROFILED_STEPS)
     loss = float(metrics["loss_sum"] / metrics["n_tokens"])
     median = statistics.median(times)
+    flops = bench.flops
     model_flops = flops.training()
     xla = xla_flops(compiled)
     # Traced again without jit: the matmuls the program contains (a fused attention kernel, as
     # cuDNN's on a GPU, is a custom call: its products are missing from this count).
-    traced = jaxpr_matmul_flops(make_train_step(loss_fn), state, batch)
+    traced = jaxpr_matmul_flops(make_train_step(bench.loss_fn), state, batch)
     return {
-        "name": name,
+        "name": bench.name,
+        **bench.info,
         "tokens_per_step": flops.tokens,
         "n_params": count_params(state.params),
         "lower_s": lower_s,
@@ -423,59 +496,6 @@ def bench_train_step(name: str, *, loss_fn, state: TrainState, batch: Mapping[st
         "final_loss": loss,
         "profile": profile,
     }
-
-
-def transformer_train_bench(config: BenchConfig, rates: Mapping[str, float], **kw
-                            ) -> dict[str, Any]:
-    """The Transformer training step on random [B, L] sources and targets (no padding)."""
-    from train.translate import make_loss_fn
-    from transformer_jax.model import Transformer
-    from transformer_jax.optim import make_optimizer
-
-    cfg, b, length = config.transformer, config.transformer_batch, config.transformer_len
-    model = Transformer(cfg)
-    rng = np.random.default_rng(0)
-    tokens = lambda: rng.integers(3, cfg.tgt_vocab_size, (b, length), dtype=np.int32)  # noqa
-    batch = {"src": tokens(), "tgt_in": tokens(), "tgt_out": tokens()}
-    dummy = jnp.ones((1, 8), jnp.int32)
-    params = jax.jit(lambda r: model.init({"params": r}, dummy, dummy)["params"])(
-        jax.random.PRNGKey(0))
-    state = TrainState.create(params=params, tx=make_optimizer(cfg.d_model, 4000),
-                              rng=jax.random.PRNGKey(1))
-    result = bench_train_step(
-        "transformer_base" if cfg.d_model == 512 else "transformer (quick)",
-        loss_fn=make_loss_fn(model, smoothing=0.1, pad_id=cfg.pad_id), state=state,
-        batch=batch, flops=transformer_flops(cfg, batch=b, src_len=length, tgt_len=length),
-        rates=rates, steps=config.steps, warmup=config.warmup, **kw)
-    result.update(batch=b, src_len=length, tgt_len=length, dtype=config.dtype)
-    return result
-
-
-def xl_train_bench(name: str, xl_config: TransformerXLConfig, batch_size: int,
-                   config: BenchConfig, rates: Mapping[str, float], **kw) -> dict[str, Any]:
-    """The Transformer-XL training step on random [B, tgt_len] segments with a mem_len memory
-    carried from step to step (the state's `extra`)."""
-    from train.lm import make_loss_fn
-    from xl_jax.memory import init_memory
-    from xl_jax.model import TransformerXL
-
-    cfg, b = xl_config, batch_size
-    model = TransformerXL(cfg)
-    rng = np.random.default_rng(0)
-    tokens = lambda: rng.integers(0, cfg.vocab_size, (b, cfg.tgt_len), dtype=np.int32)  # noqa
-    batch = {"inputs": tokens(), "targets": tokens()}
-    dummy = jnp.ones((1, 8), jnp.int32)
-    params = jax.jit(lambda r: model.init({"params": r}, dummy, init_memory(cfg, 1))["params"])(
-        jax.random.PRNGKey(0))
-    # Adam as the paper (its cosine schedule does not change the cost of a step).
-    state = TrainState.create(params=params, tx=optax.adam(2.5e-4), rng=jax.random.PRNGKey(1),
-                              extra=init_memory(cfg, b))
-    result = bench_train_step(
-        name, loss_fn=make_loss_fn(model), state=state, batch=batch,
-        flops=xl_flops(cfg, batch=b, tgt_len=cfg.tgt_len, mem_len=cfg.mem_len), rates=rates,
-        steps=config.steps, warmup=config.warmup, **kw)
-    result.update(batch=b, tgt_len=cfg.tgt_len, mem_len=cfg.mem_len, dtype=config.dtype)
-    return result
 
 
 # ----------------------------------------------------------------------------- decoding
@@ -678,9 +698,10 @@ def run_benchmarks(config: BenchConfig, *, sections: Sequence[str] = SECTIONS, o
                     profile_dir=profile_dir if profile else None)
     save()
 
+    train_kw = dict(train_kw, steps=config.steps, warmup=config.warmup, rates=rates)
     if "train_transformer" in sections:
         r = attempt("train_transformer",
-                    lambda: transformer_train_bench(config, rates, **train_kw))
+                    lambda: bench_train_step(transformer_train_setup(config), **train_kw))
         if r:
             results["train"].append(r)
         save()
@@ -691,7 +712,8 @@ def run_benchmarks(config: BenchConfig, *, sections: Sequence[str] = SECTIONS, o
         if entry is None:
             continue
         name, xl_cfg, b = entry
-        r = attempt(section, lambda: xl_train_bench(name, xl_cfg, b, config, rates, **train_kw))
+        r = attempt(section, lambda: bench_train_step(
+            xl_train_setup(name, xl_cfg, b, config), **train_kw))
         if r:
             results["train"].append(r)
         save()

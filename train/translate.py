@@ -283,20 +283,26 @@ def teacher_forced(dp: DataParallel, eval_step, params, batches) -> dict[str, fl
 
 
 def translate_pairs(model, params, dp: DataParallel, config: TranslateConfig, tokenizer,
-                    pairs) -> list[str]:
-    """Beam search over `pairs` (their sources), in order -> detokenized hypotheses."""
+                    pairs, *, greedy: bool = False) -> list[str]:
+    """Beam search (or greedy decoding) over `pairs` (their sources), in order ->
+    detokenized hypotheses."""
     from train.batching import eval_batches
-    from transformer_jax.decode import beam_search
+    from transformer_jax.decode import beam_search, greedy_decode
 
     out: list[str] = [""] * len(pairs)
     batches = eval_batches(pairs, batch_size=dp.round_rows(config.eval_batch_size),
                            buckets=config.buckets, num_devices=dp.n_devices)
     for batch in batches:
         src = batch["src"]
-        tokens, _ = beam_search(model, params, dp.put_global(src), beam_size=config.beam_size,
-                                max_len=src.shape[1] + config.decode_margin,
-                                length_penalty=config.length_penalty)
-        best = np.asarray(jax.device_get(tokens))[:, 0]  # [N, L], best beam first
+        max_len = src.shape[1] + config.decode_margin
+        if greedy:
+            best = np.asarray(jax.device_get(
+                greedy_decode(model, params, dp.put_global(src), max_len=max_len)))  # [N, L]
+        else:
+            tokens, _ = beam_search(model, params, dp.put_global(src),
+                                    beam_size=config.beam_size, max_len=max_len,
+                                    length_penalty=config.length_penalty)
+            best = np.asarray(jax.device_get(tokens))[:, 0]  # [N, L], best beam first
         for row, i in enumerate(batch["index"]):
             if i >= 0:
                 out[i] = tokenizer.decode(best[row])

@@ -5,8 +5,9 @@
   * the state's buffers are donated (updated in place);
   * the compiled Transformer-XL step does not keep a [B, H, T, M + T] float32 score tensor per
     layer for the backward pass (it grows by less than one such tensor per layer);
-  * no recompilation after warm-up across 100 steps of bucketed data, and the step is compiled
-    exactly once per shape of the batcher's shape set.
+  * no recompilation after warm-up across 100 steps of bucketed data through the trainer
+    (`train.loop.fit`), which compiles the step once per shape of the batcher's shape set and
+    logs how many.
 
 Tiny configs (the 8 fake CPU devices of conftest.py split the batch).
 """
@@ -24,7 +25,7 @@ import pytest
 
 from train.batching import TokenBatcher
 from train.lm import make_loss_fn as lm_loss_fn
-from train.loop import LoopConfig, train_loop
+from train.loop import LoopConfig, fit, train_loop
 from train.metrics import MetricsWriter
 from train.parallel import DataParallel
 from train.state import TrainState
@@ -203,42 +204,50 @@ def test_xl_step_does_not_keep_a_score_tensor_per_layer():
 
 
 # ----------------------------------------------------------------------------- recompilation
-def test_no_recompilation_after_warm_up_over_100_bucketed_steps():
+def test_trainer_compiles_once_per_shape_then_never_again_over_100_bucketed_steps(tmp_path):
     rng = np.random.default_rng(0)
     pairs = [(list(rng.integers(4, 32, rng.integers(2, 22))),
               list(rng.integers(4, 32, rng.integers(1, 22)))) for _ in range(400)]
     batcher = TokenBatcher(pairs, tokens_per_batch=512, buckets=(8, 16, 24), num_devices=8)
     shapes = batcher.shape_set()
     assert len(shapes) == 3
+    # The warm-up: the steps until every shape has appeared once (the stream is seeded).
+    first_seen, seen = [], set()
+    for k, batch in enumerate(batcher.iterate(0)):
+        if batch["src"].shape not in seen:
+            seen.add(batch["src"].shape)
+            first_seen.append(k)
+        if len(seen) == len(shapes):
+            break
+    warm_steps = first_seen[-1] + 1
+
+    yielded = []                            # shapes of the batches handed to the trainer
+
+    def batches(start):
+        for batch in batcher.iterate(start):
+            yielded.append(batch["src"].shape)
+            yield batch
+
+    compiles = []                           # the batch being trained when a compile happened
+    listener = lambda event, duration, **kw: compiles.append(len(yielded) - 1) \
+        if event == COMPILE_EVENT and yielded else None  # noqa: E731
     loss_fn, state = _transformer()
     dp = _one_device()
-    state = dp.put_state(state)
-    step = dp.compile_train_step(loss_fn, state)
-    stream = batcher.iterate(0)
-    compiles = []
-    listener = lambda event, duration, **kw: compiles.append(event) if event == COMPILE_EVENT \
-        else None  # noqa: E731
+    logged = []
     jax.monitoring.register_event_duration_secs_listener(listener)
     try:
-        seen = set()
-        warm_steps = 0
-        while len(seen) < len(shapes):      # warm-up: until every shape has been compiled
-            batch = next(stream)
-            seen.add(batch["src"].shape)
-            state, _ = step(state, dp.put_batch(batch))
-            warm_steps += 1
-        assert step._cache_size() == len(shapes)
-        warm_compiles = len(compiles)
-        measured = set()
-        for _ in range(100):
-            batch = next(stream)
-            measured.add(batch["src"].shape)
-            state, metrics = step(state, dp.put_batch(batch))
-        jax.block_until_ready(metrics)
+        result = fit(dp.put_state(state), workdir=str(tmp_path), run_config={}, dp=dp,
+                     loss_fn=loss_fn, lr_schedule=None, batches=batches,
+                     config=LoopConfig(steps=warm_steps + 100, log_every=50, progress=False),
+                     keep_checkpoints=1, log=logged.append)
     finally:
         jax.monitoring.unregister_event_duration_listener(listener)
-    assert warm_compiles >= len(shapes)     # the listener does see the step's compilations
-    assert measured == set(shapes)          # the 100 steps did use every shape
-    assert len(compiles) == warm_compiles   # and compiled nothing
-    assert step._cache_size() == len(shapes)
-    assert int(jax.device_get(state.step)) == warm_steps + 100
+    assert result.step == warm_steps + 100 and len(yielded) == warm_steps + 100
+    assert set(yielded[warm_steps:]) == set(shapes)   # the 100 steps used every shape
+    # Every compilation while training happened at a shape's first batch, none after warm-up.
+    during = [k for k in compiles if k < len(yielded)]
+    assert len(during) >= len(shapes) and set(during) <= set(first_seen)
+    assert max(during) < warm_steps
+    # Bounded by the batcher's shape set, and logged by the trainer.
+    assert result.compiled_shapes == len(shapes)
+    assert any(f"compiled {len(shapes)} batch shape(s)" in line for line in logged)

@@ -318,7 +318,8 @@ def bleu(hypotheses: Sequence[str], references: Sequence[str]) -> float:
 # ------------------------------------------------------------------------------ the run
 def train_and_evaluate(config: TranslateConfig, workdir: str) -> dict[str, Any]:
     """Trains (or resumes) in `workdir`, then evaluates; returns the final metrics:
-    step, stop reason, val/test loss and ppl, test BLEU, and the hypotheses path."""
+    step, stop reason, params (count), train_seconds (summed over resumed runs), val/test loss
+    and ppl, test BLEU, and the hypotheses path."""
     t0 = time.monotonic()
     maybe_initialize_distributed(config.distributed)
     run_config = config_to_dict(config)
@@ -361,6 +362,7 @@ def train_and_evaluate(config: TranslateConfig, workdir: str) -> dict[str, Any]:
         lr_schedule=schedule, batches=batcher.iterate, keep_checkpoints=config.keep_checkpoints,
         config=LoopConfig.from_run(config, start=t0), evaluate=evaluate, log=log)
     state, step, final = fitted.state, fitted.step, fitted.summary()
+    final.update(params=count_params(state.params), train_seconds=fitted.elapsed)
     if fitted.reason == "sigterm":
         return final
 
@@ -407,10 +409,10 @@ def write_translations(workdir: str, split: str, step: int, data: Split,
     return path
 
 
-def translate_text(workdir: str, sentences: Sequence[str], *, step: int | None = None
-                   ) -> list[str]:
+def translate_text(workdir: str, sentences: Sequence[str], *, step: int | None = None,
+                   greedy: bool = False) -> list[str]:
     """Translates German `sentences` with the checkpoint of `workdir` (default: the best by
-    validation loss, else the latest)."""
+    validation loss, else the latest), by beam search or greedy decoding."""
     saved = load_run_config(workdir)
     if saved is None:
         raise FileNotFoundError(f"{workdir} has no {os.path.basename('config.json')}: "
@@ -428,7 +430,7 @@ def translate_text(workdir: str, sentences: Sequence[str], *, step: int | None =
     checkpoints.close()
     tokenizer = load_tokenizer(config, workdir)
     pairs = [(src, []) for src in encode_source(tokenizer, sentences)]
-    return translate_pairs(model, state.params, dp, config, tokenizer, pairs)
+    return translate_pairs(model, state.params, dp, config, tokenizer, pairs, greedy=greedy)
 
 
 # ------------------------------------------------------------------------------ CLI

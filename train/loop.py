@@ -177,6 +177,11 @@ def train_loop(
             state, metrics = train_step(state, dp.put_batch(next(batches)))
             step += 1
             pending.append(metrics)
+            if len(pending) >= 2:
+                # At most two steps in flight: enough to keep the device busy, few enough that
+                # the deadline and SIGTERM checks act on the step actually running (async
+                # dispatch would otherwise queue a whole logging interval). No transfer.
+                jax.block_until_ready(pending[-2]["loss_sum"])
             bar.update(1)
             if stop.requested:
                 reason = "sigterm"

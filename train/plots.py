@@ -64,7 +64,7 @@ def plot_attention_grid(weights: np.ndarray, path: str, *, title: str,
     n_layers, n_heads, t, s = weights.shape
     cell = max(2.0, 0.22 * max(t, s))
     fig, axes = plt.subplots(n_layers, n_heads, figsize=(cell * n_heads, cell * n_layers),
-                             squeeze=False)
+                             squeeze=False, constrained_layout=True)
     for layer in range(n_layers):
         for head in range(n_heads):
             ax = axes[layer, head]

@@ -2,8 +2,8 @@
 
 Each line of metrics.jsonl is one JSON object: {"step", "split", ...}. split 'train' lines carry
 loss (the training objective per token, label-smoothed for translation), nll and ppl (the
-unsmoothed per-token negative log-likelihood and its exp), lr, grad_norm, tokens_per_sec,
-elapsed (training seconds, summed over resumed runs); 'validation' / test-split lines carry the
+unsmoothed per-token negative log-likelihood and its exp), lr, grad_norm, tokens_per_sec
+(real, non-pad target tokens), elapsed (training seconds, summed over resumed runs); 'validation' / test-split lines carry the
 evaluation figures (loss, ppl or bpc, bleu).
 """
 from __future__ import annotations

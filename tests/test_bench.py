@@ -6,6 +6,7 @@ over the median, a throughput the work over the median).
 """
 from __future__ import annotations
 
+import dataclasses
 import json
 import math
 import statistics
@@ -123,8 +124,8 @@ XL_CONFIGS = {
 }
 
 
-@pytest.mark.parametrize("name", sorted(XL_CONFIGS))
-@pytest.mark.parametrize("m", [0, 9])
+@pytest.mark.parametrize("name,m", [(name, 9) for name in sorted(XL_CONFIGS)]
+                         + [("full softmax", 0)])
 def test_xl_formula_equals_the_products_of_the_project_train_step(name, m):
     cfg = XL_CONFIGS[name]
     b, t = 2, 6
@@ -139,8 +140,39 @@ def test_xl_formula_equals_the_products_of_the_project_train_step(name, m):
     assert jaxpr_matmul_flops(step, state, batch) == count.training(executed=True)
 
 
+XL_REMAT = [f.name for f in dataclasses.fields(TransformerXLConfig)].count("remat") == 1
+
+
+@pytest.mark.skipif(not XL_REMAT, reason="TransformerXLConfig has no remat field")
+@pytest.mark.parametrize("remat", ["none", "attention", "full"])
+def test_xl_formula_counts_what_the_backward_pass_recomputes(remat):
+    cfg = TransformerXLConfig.tiny(n_layers=2).replace(remat=remat)
+    b, t, m = 2, 6, 9
+    model, state = _xl_state(cfg, b, m)
+    batch = _xl_batch(cfg, b, t)
+    count = xl_flops(cfg, batch=b, tgt_len=t, mem_len=m)
+    step = make_train_step(lm_loss_fn(model))
+    assert jaxpr_matmul_flops(step, state, batch) == count.training(executed=True)
+    # Recomputation is executed work, never model FLOPs, and has no forward-pass part.
+    plain = xl_flops(cfg.replace(remat="none"), batch=b, tgt_len=t, mem_len=m)
+    assert count.training() == plain.training()
+    assert count.forward(executed=True) == plain.forward(executed=True)
+    hk = cfg.n_heads * cfg.d_head
+    attention = cfg.n_layers * 3 * 2.0 * b * t * (m + t) * hk
+    extra = count.training(executed=True) - plain.training(executed=True)
+    if remat == "attention":
+        assert extra == attention
+    elif remat == "full":
+        layers = plain.forward(executed=True) - xl_flops(
+            cfg.replace(n_layers=1, remat="none"), batch=b, tgt_len=t, mem_len=m).forward(
+                executed=True)
+        assert extra == 2 * layers       # two layers' worth, one layer's by difference
+    else:
+        assert extra == 0
+
+
 def test_xl_model_flops_leave_out_exactly_the_discarded_memory_queries():
-    cfg = TransformerXLConfig.tiny(n_layers=3)
+    cfg = TransformerXLConfig.tiny(n_layers=3, **({"remat": "none"} if XL_REMAT else {}))
     b, t, m = 2, 6, 9
     count = xl_flops(cfg, batch=b, tgt_len=t, mem_len=m)
     q_rows = 2.0 * b * m * cfg.d_model * cfg.n_heads * cfg.d_head * cfg.n_layers
@@ -365,6 +397,18 @@ def test_a_failing_section_is_recorded_and_the_run_goes_on(tmp_path, monkeypatch
     assert [e["section"] for e in results["errors"]] == ["train_transformer"]
     assert "out of memory (simulated)" in (tmp_path / "bench.md").read_text()
     assert len(results["xl_eval"]) == 1
+
+    # A second command re-runs the failed section and merges into the same file.
+    monkeypatch.undo()
+    bench.run_benchmarks(config, sections=("train_transformer",), out=str(tmp_path),
+                         profile=False, append=True, command="second", log=lambda m: None)
+    merged = json.loads((tmp_path / "bench.json").read_text())
+    assert merged["errors"] == []
+    assert [r["name"] for r in merged["train"]] == ["transformer (quick)"]
+    assert merged["xl_eval"] == json.loads(json.dumps(results["xl_eval"]))   # kept
+    assert merged["meta"]["command"] == "second"
+    assert [r["command"] for r in merged["meta"]["earlier_runs"]] == [""]
+    assert "Earlier, merged" in (tmp_path / "bench.md").read_text()
 
 
 def test_decode_bench_counts_sentences_and_the_best_beams_tokens():

@@ -648,13 +648,15 @@ def xl_eval_bench(xl_config: TransformerXLConfig, *, attn_lengths: Sequence[int]
 def run_benchmarks(config: BenchConfig, *, sections: Sequence[str] = SECTIONS, out: str | None,
                    cache_dir: str = os.path.join("runs", "bench-cache"),
                    profile: bool = True, profile_dir: str | None = None, command: str = "",
-                   quick: bool = False, raise_errors: bool = False,
+                   quick: bool = False, append: bool = False, raise_errors: bool = False,
                    log: Callable[[str], None] = print) -> dict[str, Any]:
     """Runs `sections` (matmul always first) and returns the results; with `out`, writes
     OUT/bench.json and OUT/bench.md after every section (a run cut short keeps what it has).
     A section that fails is recorded under 'errors' and the run goes on, unless
     `raise_errors`. profile: trace 3 more steps of each training bench and summarize where
-    their time went; the traces are kept in `profile_dir` if given, else deleted."""
+    their time went; the traces are kept in `profile_dir` if given, else deleted.
+    append: merge into the results already in OUT/bench.json (`merge_results`), so the
+    sections of one device can be measured in several commands."""
     unknown = set(sections) - set(SECTIONS)
     if unknown:
         raise ValueError(f"sections: unknown {sorted(unknown)}; choose from {SECTIONS}")
@@ -663,16 +665,25 @@ def run_benchmarks(config: BenchConfig, *, sections: Sequence[str] = SECTIONS, o
         try:
             return run_benchmarks(config, sections=sections, out=out, cache_dir=cache_dir,
                                   profile=True, profile_dir=scratch, command=command,
-                                  quick=quick, raise_errors=raise_errors, log=log)
+                                  quick=quick, append=append, raise_errors=raise_errors,
+                                  log=log)
         finally:
             shutil.rmtree(scratch, ignore_errors=True)
     device = jax.local_devices()[0]
-    results: dict[str, Any] = {"meta": _meta(config, device, command=command, quick=quick),
-                               "train": [], "errors": []}
+    meta = _meta(config, device, command=command, quick=quick)
+    meta["sections"] = ["matmul", *(s for s in SECTIONS if s in sections and s != "matmul")]
+    earlier = None
+    if append and out and os.path.exists(os.path.join(out, "bench.json")):
+        with open(os.path.join(out, "bench.json")) as f:
+            earlier = json.load(f)
+        if earlier["meta"]["device_kind"] != meta["device_kind"]:
+            raise ValueError(f"--append: {out}/bench.json holds results of "
+                             f"{earlier['meta']['device_kind']}, this is {meta['device_kind']}")
+    results: dict[str, Any] = {"meta": meta, "train": [], "errors": []}
 
     def save():
         if out:
-            write_results(results, out)
+            write_results(results if earlier is None else merge_results(earlier, results), out)
 
     def attempt(section: str, fn: Callable[[], Any]) -> Any:
         log(f"[bench] {section} ...")
@@ -727,7 +738,27 @@ def run_benchmarks(config: BenchConfig, *, sections: Sequence[str] = SECTIONS, o
             batch=config.xl_eval_batch, vanilla_batch=config.vanilla_batch,
             repeats=config.eval_repeats))
         save()
-    return results
+    return results if earlier is None else merge_results(earlier, results)
+
+
+def merge_results(earlier: Mapping[str, Any], new: Mapping[str, Any]) -> dict[str, Any]:
+    """`new` laid over `earlier` (same device): training entries replace those of the same
+    name, the other sections and their errors those of the sections `new` ran; the meta is
+    new's, listing the earlier runs (date, command)."""
+    ran = set(new["meta"].get("sections", SECTIONS))
+    names = {r["name"] for r in new["train"]}
+    merged = dict(earlier)
+    merged["meta"] = dict(new["meta"], earlier_runs=[
+        *earlier["meta"].get("earlier_runs", []),
+        {"date": earlier["meta"]["date"], "command": earlier["meta"]["command"]}])
+    merged["train"] = [r for r in earlier.get("train", []) if r["name"] not in names]
+    merged["train"] += new["train"]
+    for key in ("matmul", "decode", "xl_eval"):
+        if new.get(key) is not None:
+            merged[key] = new[key]
+    merged["errors"] = [e for e in earlier.get("errors", []) if e["section"] not in ran]
+    merged["errors"] += new["errors"]
+    return merged
 
 
 def _meta(config: BenchConfig, device: jax.Device, *, command: str, quick: bool
@@ -769,7 +800,10 @@ def to_markdown(results: Mapping[str, Any]) -> str:
     meta = results["meta"]
     lines = [f"Device: {meta['device_kind']} ({meta['platform']}), jax {meta['jax']}, "
              f"compute dtype {meta['dtype']}, {meta['date']}.",
-             f"Command: `{meta['command']}`", ""]
+             f"Command: `{meta['command']}`"]
+    lines += [f"Earlier, merged: `{run['command']}` ({run['date']})"
+              for run in meta.get("earlier_runs", [])]
+    lines.append("")
     matmul = results.get("matmul") or {}
     if matmul:
         rates = ", ".join(f"{name} {m['rate'] / 1e12:.3g} TFLOP/s ({m['n']}^3)"
@@ -891,6 +925,9 @@ def build_parser() -> argparse.ArgumentParser:
                              "(default: summarized, then deleted)")
     parser.add_argument("--no-profile", action="store_true",
                         help="do not profile the training benches")
+    parser.add_argument("--append", action="store_true",
+                        help="merge into OUT/bench.json (same device): the sections run now "
+                             "replace theirs, the others are kept")
     return parser
 
 
@@ -937,7 +974,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     command = " ".join(["python -m train.bench", *argv])
     results = run_benchmarks(config, sections=args.only, out=args.out, cache_dir=args.cache_dir,
                              profile=not args.no_profile, profile_dir=args.profile,
-                             command=command, quick=args.quick,
+                             command=command, quick=args.quick, append=args.append,
                              log=lambda m: print(m, flush=True))
     print(to_markdown(results), flush=True)
     print(f"results: {os.path.join(args.out, 'bench.json')}, "

@@ -15,8 +15,8 @@ Conventions (those of the MFU literature, e.g. PaLM appendix B):
 
 Each formula is itemized (`FlopTerm`), so the output shows where the FLOPs are. `executed`
 counts every product the implementation runs; `model` leaves out the work it discards
-(Transformer-XL projects queries for the memory rows too and throws them away), and is what MFU
-divides by. Two independent checks: `jaxpr_matmul_flops` walks the traced program and adds up its
+(Transformer-XL projects queries for the memory rows too and throws them away) and the forward
+products its backward pass recomputes (remat), and is what MFU divides by. Two independent checks: `jaxpr_matmul_flops` walks the traced program and adds up its
 `dot_general`s (the tests require it to equal `executed` exactly), and `xla_flops` reads XLA's own
 count (`compiled.cost_analysis()['flops']`), which also counts elementwise work, so its ratio to
 the formula is a little above 1.
@@ -43,7 +43,9 @@ XL_FORMULA = (
     "training FLOPs = forward + backward (2 x forward; 1 x for R's projection, a constant input);"
     " forward = 2 x multiply-adds of N x [B S 3 D H K (q/k/v over memory + segment; the memory"
     " rows' q discarded) + S D H K (R) + 3 B T S H K ((q+u)k, (q+v)R, weights x v) + B T H K D"
-    " + 2 B T D F] + softmax B T (D V + clusters) (+ adaptive projections), S = M + T")
+    " + 2 B T D F] + softmax B T (D V + clusters) (+ adaptive projections), S = M + T;"
+    " remat adds the recomputed products (the 3 attention ones, or whole layers) to the"
+    " executed count, not to the model FLOPs")
 
 
 @dataclasses.dataclass(frozen=True)
@@ -53,13 +55,17 @@ class FlopTerm:
     forward: FLOPs of the forward pass for the whole step (all layers, the whole batch).
     backward_factor: backward FLOPs / forward FLOPs: 2 (both operands need gradients), 1 (only
       the weight: the other operand is a constant), 0 (nothing trainable).
-    needed: False for work the implementation does and then discards (not model FLOPs).
+    needed: False for work the implementation does on top of the model's (products it
+      discards, recomputation): left out of model FLOPs, so MFU does not credit it.
+    training_only: the products run only in a training step (a rematerialised forward
+      recomputed during the backward pass), `forward` FLOPs of them.
     """
 
     name: str
     forward: float
     backward_factor: float = 2.0
     needed: bool = True
+    training_only: bool = False  # recomputation for the backward pass (remat): no forward part
 
     @property
     def training(self) -> float:
@@ -75,7 +81,8 @@ class FlopCount:
     formula: str
 
     def forward(self, *, executed: bool = False) -> float:
-        return float(sum(t.forward for t in self.terms if executed or t.needed))
+        return float(sum(t.forward for t in self.terms
+                         if (executed or t.needed) and not t.training_only))
 
     def training(self, *, executed: bool = False) -> float:
         return float(sum(t.training for t in self.terms if executed or t.needed))
@@ -92,8 +99,9 @@ class FlopCount:
             "executed_forward": self.forward(executed=True),
             "executed_training": self.training(executed=True),
             "model_training_per_token": self.per_token(),
-            "terms": {t.name: {"forward": t.forward, "training": t.training,
-                               "needed": t.needed} for t in self.terms},
+            "terms": {t.name: {"forward": 0.0 if t.training_only else t.forward,
+                               "training": t.training, "needed": t.needed}
+                      for t in self.terms},
         }
 
 
@@ -122,23 +130,33 @@ def transformer_flops(config, *, batch: int, src_len: int, tgt_len: int) -> Flop
 def xl_flops(config, *, batch: int, tgt_len: int, mem_len: int) -> FlopCount:
     """Transformer-XL (`xl_jax.TransformerXLConfig`) on a [B, T] segment with M memory slots,
     as `xl_jax.TransformerXL` computes it (q/k/v projected over all S = M + T rows, the softmax
-    computed densely over every cluster): FLOPs of one step."""
+    computed densely over every cluster, the backward pass recomputing what `config.remat`
+    does not keep): FLOPs of one step."""
     b, t, m = batch, tgt_len, mem_len
     s = m + t
     d, f, n = config.d_model, config.d_inner, config.n_layers
     hk = config.n_heads * config.d_head
     mm = lambda rows, k, cols: 2.0 * rows * k * cols  # noqa: E731
-    terms = [
+    attention = FlopTerm("attention: (q+u)k, (q+v)R, weights x v", n * 3 * mm(b * t, hk, s))
+    layers = [
         FlopTerm("k/v projections over memory + segment", n * mm(b * s, d, 2 * hk)),
         FlopTerm("q projection over the segment", n * mm(b * t, d, hk)),
         # The projection runs over concat(memory, segment); the memory rows' q is sliced off.
         FlopTerm("q projection over the memory (discarded)", n * mm(b * m, d, hk), needed=False),
         # R does not depend on the parameters: its projection only needs the weight gradient.
         FlopTerm("position projection W_kR R", n * mm(s, d, hk), backward_factor=1.0),
-        FlopTerm("attention: (q+u)k, (q+v)R, weights x v", n * 3 * mm(b * t, hk, s)),
+        attention,
         FlopTerm("output projection o_net", n * mm(b * t, hk, d)),
         FlopTerm("feed-forward", n * 2 * mm(b * t, d, f)),
     ]
+    # What the backward pass recomputes (configs without the field keep everything).
+    remat = getattr(config, "remat", "none")
+    recomputed = {"none": [], "attention": [attention], "full": layers}[remat]
+    terms = list(layers)
+    if recomputed:
+        terms.append(FlopTerm(f"recomputed in the backward (remat '{remat}')",
+                              sum(x.forward for x in recomputed), backward_factor=0.0,
+                              needed=False, training_only=True))
     terms += _adaptive_terms(config, rows=b * t)
     return FlopCount(terms=tuple(terms), tokens=b * t, formula=XL_FORMULA)
 

@@ -343,7 +343,8 @@ def test_run_writes_every_training_figure_and_the_xl_eval_table(tmp_path):
         assert r["tokens_per_s"] == pytest.approx(r["tokens_per_step"] / r["step_s_median"])
         # The traced program holds exactly the formula's products (CPU: no fused kernel).
         assert r["jaxpr_matmul_flops"] == r["flops"]["executed_training"]
-        assert r["xla_flops"] >= r["flops"]["executed_training"]
+        if not r["xla_counts_loops_once"]:   # (XL's layer scan: XLA counts its body once)
+            assert r["xla_flops"] >= r["flops"]["executed_training"]
         assert r["mfu_vs_measured_bf16"] == pytest.approx(
             r["flops"]["model_training"] / r["step_s_median"] / rates["bfloat16"])
         assert r["mfu_vs_nominal_bf16"] is None          # a CPU has no datasheet entry

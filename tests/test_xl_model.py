@@ -209,7 +209,7 @@ def test_float64_under_x64():
 @pytest.mark.parametrize("field,value", [
     ("d_model", 0), ("n_layers", 0), ("mem_len", -1), ("dropout", 1.0), ("d_model", 31),
     ("cutoffs", (40, 20)), ("cutoffs", (10, 64)), ("tie_projs", (True,)),
-    ("same_length", True),
+    ("same_length", True), ("remat", "sometimes"),
 ])
 def test_config_validation_names_the_field(field, value):
     kw = {field: value}

@@ -8,9 +8,11 @@ where it has one: `n_layers` = `n_layer`, `n_heads` = `n_head`, `norm_first` = `
 from __future__ import annotations
 
 import dataclasses
-from typing import Any
+from typing import Any, Literal
 
 import jax.numpy as jnp
+
+REMAT_MODES = ("attention", "full", "none")
 
 
 @dataclasses.dataclass(frozen=True)
@@ -42,6 +44,14 @@ class TransformerXLConfig:
         reuses the embedding's projection.
       untie_r: separate u (`r_w_bias`) and v (`r_r_bias`) per layer instead of shared ones.
       layer_norm_eps: LayerNorm epsilon (PyTorch's default 1e-5).
+      remat: what the backward pass keeps of each layer (the layers run in a scan, one at a
+        time); numerics are identical in every mode, only memory and recomputation differ.
+        'attention' (default): keep the projections' outputs, recompute the attention core,
+          so no [B, H, T, S] score, weight or dropatt tensor is kept per layer; costs the
+          three attention products ((q+u)k, (q+v)R, weights x v) once more per step.
+        'full': keep only each layer's input and recompute the whole layer (least memory,
+          about one more forward pass of the layers).
+        'none': keep everything (least compute; 3 to 4 score-sized tensors per layer).
       dtype: compute dtype. Parameters are float32, or float64 when dtype is float64 (which
         needs `jax_enable_x64`); attention logits, softmax and loss are at least float32.
     """
@@ -66,6 +76,7 @@ class TransformerXLConfig:
     tie_projs: tuple[bool, ...] = ()
     untie_r: bool = False
     layer_norm_eps: float = 1e-5
+    remat: Literal["attention", "full", "none"] = "attention"
     dtype: Any = jnp.float32
 
     def __post_init__(self):
@@ -102,6 +113,8 @@ class TransformerXLConfig:
             raise ValueError(
                 f"div_val={self.div_val} leaves the last cluster of d_embed={self.d_embed} "
                 "with width 0")
+        if self.remat not in REMAT_MODES:
+            raise ValueError(f"remat must be one of {REMAT_MODES}, got {self.remat!r}")
         if jnp.dtype(self.dtype) not in (jnp.dtype(jnp.float32), jnp.dtype(jnp.float64),
                                          jnp.dtype(jnp.bfloat16), jnp.dtype(jnp.float16)):
             raise ValueError(f"dtype must be a float type, got {self.dtype}")

@@ -12,10 +12,13 @@ here everything is batch-major):
   * R = sinusoids of the distances S-1 ... 0 (clamped at `clamp_len` if > 0), dropout;
   * L layers of relative attention + position-wise feed-forward, post-LN or pre-LN (no final
     LayerNorm in either, as the reference), each layer attending over concat(memory, input);
+    the layers run in a scan, rematerialised per `config.remat` (see `_run_layers`);
   * dropout on the last hidden state, then the (projected adaptive) log-softmax.
 The new memory keeps, for each layer, the last M positions of its input.
 """
 from __future__ import annotations
+
+import re
 
 import flax.linen as nn
 import jax
@@ -66,11 +69,92 @@ class DecoderLayer(nn.Module):
         return PositionwiseFF(self.config, name="ff")(h, deterministic=deterministic)
 
 
+# jax.checkpoint policy per `config.remat` mode. 'attention': matmuls without batch axes are
+# the projections (qkv, r_net, o_net, feed-forward), so theirs are kept; the attention
+# products contract per (batch, head) and are recomputed with every [B, H, T, S] tensor.
+_REMAT_POLICIES = {
+    "attention": jax.checkpoint_policies.dots_with_no_batch_dims_saveable,
+    "full": jax.checkpoint_policies.nothing_saveable,
+}
+_LAYER = re.compile(r"layer_(\d+)")
+
+
+def _stack_layers(variables: dict) -> dict:
+    """Stored `layer_{l}` parameter trees -> the scan's view: one `layers` tree whose leaves
+    have a leading [L] axis. Other parameters pass through."""
+    params = dict(variables.get("params", {}))
+    layer_index = {n: int(m.group(1)) for n in params if (m := _LAYER.fullmatch(n))}
+    names = sorted(layer_index, key=layer_index.get)
+    if names:
+        layers = [params.pop(n) for n in names]
+        params["layers"] = jax.tree.map(lambda *leaves: jnp.stack(leaves), *layers)
+    return {**variables, "params": params}
+
+
+def _unstack_layers(variables: dict) -> dict:
+    """The inverse of `_stack_layers`: a [L, ...] `layers` tree -> `layer_0` ... `layer_{L-1}`."""
+    params = dict(variables.get("params", {}))
+    if "layers" in params:
+        stacked = params.pop("layers")
+        n_layers = jax.tree.leaves(stacked)[0].shape[0]
+        for l in range(n_layers):
+            params[f"layer_{l}"] = jax.tree.map(lambda leaf, l=l: leaf[l], stacked)
+    return {**variables, "params": params}
+
+
+def _run_layers(
+    model: nn.Module,
+    x: Array,                         # [B, T, D] embedded segment
+    hidden: tuple[Array, ...],        # L x [B, M, D] memory
+    pos: Array,                       # [S, D] R
+    mask: Array,                      # [B, 1, T, S]
+    r_w_bias: Array | None,
+    r_r_bias: Array | None,
+    *,
+    deterministic: bool,
+) -> tuple[Array, tuple[Array, ...]]:
+    """The L decoder layers of `model` (a bound TransformerXL) as one scan over layers.
+
+    Returns (output [B, T, D], the L layer inputs [B, T, D] for the memory update).
+
+    Why a scan: the backward pass then runs one layer at a time, so with remat only one
+    layer's [B, H, T, S] attention tensors exist at once. Unrolled, jax.checkpoint alone does
+    not do it: XLA (on CPU at least) drops the optimisation barriers and merges the
+    recomputation back into the forward pass. A scan also compiles the layer once.
+
+    The scan holds its parameters stacked ([L, ...] leaves), which would rename them
+    (`layers/...` instead of `layer_{l}/...`); `nn.map_variables` presents the stored
+    per-layer trees to the scan stacked and stores what init creates per layer, so checkpoints
+    and `load_pytorch_state_dict` keep the `layer_{l}` names (the price: one stacked copy of
+    the layers' weights per call, and of their gradients). Dropout keys are split per layer by
+    the scan, the same in every remat mode, so all modes compute the same numbers.
+    """
+    cfg = model.config
+
+    def layer_step(layer: DecoderLayer, h, memory_l):
+        out = layer(h, memory_l, pos, mask, r_w_bias, r_r_bias, deterministic=deterministic)
+        return out, h                 # carry the output on; emit the input for the memory
+
+    if cfg.remat != "none":
+        # No CSE prevention needed inside a scan (flax and jax docs); it only costs speed.
+        layer_step = nn.remat(layer_step, prevent_cse=False, policy=_REMAT_POLICIES[cfg.remat])
+
+    def run(mdl, h, stacked_hidden):
+        scan = nn.scan(layer_step, variable_axes={"params": 0},
+                       split_rngs={"params": True, "dropout": True}, length=cfg.n_layers)
+        return scan(DecoderLayer(cfg, name="layers", parent=mdl), h, stacked_hidden)
+
+    run = nn.map_variables(run, "params", trans_in_fn=_stack_layers,
+                           trans_out_fn=_unstack_layers, init=model.is_initializing())
+    out, inputs = run(model, x, jnp.stack(hidden))          # inputs: [L, B, T, D]
+    return out, tuple(inputs)
+
+
 class TransformerXL(nn.Module):
     """The Transformer-XL language model.
 
     Parameters: `word_emb` (AdaptiveEmbedding), `r_w_bias` / `r_r_bias` [H, K] (u / v; inside
-    each layer's `attn` instead with `untie_r`), `layer_{l}` (DecoderLayer), `crit`
+    each layer's `attn` instead with `untie_r`), `layer_{l}` (DecoderLayer, l < L), `crit`
     (ProjectedAdaptiveLogSoftmax, which reuses the embedding tables with `tie_weights`).
     See `xl_jax.pytorch` for the mapping to the reference's names.
     """
@@ -119,12 +203,8 @@ class TransformerXL(nn.Module):
             r_r_bias = self.param("r_r_bias", init, (cfg.n_heads, cfg.d_head),
                                   cfg.param_dtype)
 
-        layer_inputs = []
-        for l in range(cfg.n_layers):
-            layer_inputs.append(x)
-            x = DecoderLayer(cfg, name=f"layer_{l}")(
-                x, memory.hidden[l], pos, mask, r_w_bias, r_r_bias,
-                deterministic=deterministic)
+        x, layer_inputs = _run_layers(self, x, memory.hidden, pos, mask, r_w_bias, r_r_bias,
+                                      deterministic=deterministic)
         x = drop(x, deterministic=deterministic)
 
         crit = ProjectedAdaptiveLogSoftmax(cfg, name="crit")

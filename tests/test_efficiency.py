@@ -13,7 +13,6 @@ Tiny configs (the 8 fake CPU devices of conftest.py split the batch).
 """
 from __future__ import annotations
 
-import dataclasses
 import json
 import re
 
@@ -177,9 +176,6 @@ def test_train_step_donates_the_state_buffers(kind):
 
 
 # ----------------------------------------------------------------------------- XL scores
-XL_REMAT = "remat" in {f.name for f in dataclasses.fields(TransformerXLConfig)}
-
-
 def _xl_step_temp_bytes(n_layers: int, *, b: int, h: int, t: int, m: int, **overrides) -> int:
     """Temporary bytes of the compiled XL train step on one device (d_head 4, d_model 32: the
     [B, H, T, M + T] scores dwarf every [B, T, D] or [B, M + T, 3 H K] activation)."""
@@ -195,11 +191,8 @@ def _xl_step_temp_bytes(n_layers: int, *, b: int, h: int, t: int, m: int, **over
 
 def test_xl_step_does_not_keep_a_score_tensor_per_layer():
     """Going from 2 to 4 layers may add the layers' smaller activations, not another score
-    tensor per layer: the backward pass holds the scores of the layer it is computing only. The same measure with remat='none' (everything kept)
-    shows the tensors it is looking for."""
-    if not XL_REMAT:
-        pytest.xfail("xl_jax keeps about 3 [B, H, T, M + T] float32 tensors per layer for the "
-                     "backward pass; needs per-layer remat inside a scan over layers")
+    tensor per layer: the backward pass holds the scores of the layer it is computing only.
+    The same measure with remat='none' (everything kept) shows the tensors it is looking for."""
     b, h, t, m = 2, 8, 64, 192
     score = b * h * t * (m + t) * 4      # one layer's float32 scores (1 MiB)
     default = TransformerXLConfig.tiny().remat

@@ -120,7 +120,8 @@ def _run_layers(
     Why a scan: the backward pass then runs one layer at a time, so with remat only one
     layer's [B, H, T, S] attention tensors exist at once. Unrolled, jax.checkpoint alone does
     not do it: XLA (on CPU at least) drops the optimisation barriers and merges the
-    recomputation back into the forward pass. A scan also compiles the layer once.
+    recomputation back into the forward pass. A scan also compiles the layer once
+    (except with remat 'none', unrolled: below).
 
     The scan holds its parameters stacked ([L, ...] leaves), which would rename them
     (`layers/...` instead of `layer_{l}/...`); `nn.map_variables` presents the stored
@@ -140,8 +141,13 @@ def _run_layers(
         layer_step = nn.remat(layer_step, prevent_cse=False, policy=_REMAT_POLICIES[cfg.remat])
 
     def run(mdl, h, stacked_hidden):
+        # 'none' unrolls the scan: with nothing to recompute, a loop only adds copies of each
+        # layer's residuals into [L, ...] stacks (23 vs 17 ms a step for 8 enwik8 layers on
+        # an H100); unrolled, it is the plain layer stack, the same numbers (same keys).
+        unroll = cfg.n_layers if cfg.remat == "none" else 1
         scan = nn.scan(layer_step, variable_axes={"params": 0},
-                       split_rngs={"params": True, "dropout": True}, length=cfg.n_layers)
+                       split_rngs={"params": True, "dropout": True}, length=cfg.n_layers,
+                       unroll=unroll)
         return scan(DecoderLayer(cfg, name="layers", parent=mdl), h, stacked_hidden)
 
     run = nn.map_variables(run, "params", trans_in_fn=_stack_layers,

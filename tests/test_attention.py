@@ -129,7 +129,10 @@ def test_multi_head_attention_matches_numpy_einsum_reference():
     xkv = rng.normal(size=(2, 5, 32)).astype(np.float32)
     mask = make_padding_mask(jnp.array([[1, 1, 1, 0, 0], [1, 1, 1, 1, 1]]), 0)
     params = mha.init(jax.random.PRNGKey(0), xq, xkv, mask=mask)["params"]
-    out = mha.apply({"params": params}, xq, xkv, mask=mask)
+    # Full float32 matmuls: on a GPU, XLA's default precision uses TF32 (about 1e-3 relative),
+    # which this 1e-5 comparison with NumPy is not meant to measure.
+    with jax.default_matmul_precision("highest"):
+        out = mha.apply({"params": params}, xq, xkv, mask=mask)
     ref = np_multi_head_attention(xq, xkv, params, np.asarray(mask), cfg.n_heads)
     chex.assert_shape(out, (2, 3, 32))
     chex.assert_trees_all_close(np.asarray(out), ref.astype(np.float32), atol=1e-5)

@@ -190,3 +190,24 @@ def test_cli_sigterm_saves_then_workdir_alone_resumes_then_translates(tmp_path, 
     assert said.returncode == 0, said.stdout + said.stderr
     assert len(said.stdout.strip().splitlines()) == 1
     assert jax.device_count() == 8  # the subprocesses had their own single device
+
+
+def test_translate_pairs_returns_outputs_in_input_order(monkeypatch):
+    """Decoding runs in order of source length, over several batches and buckets; each output
+    still lands at its input's position. The "model" here returns its source unchanged."""
+    from train.parallel import DataParallel
+    from train.tokenizers import PAD_ID
+    from transformer_jax import decode
+
+    monkeypatch.setattr(decode, "greedy_decode", lambda model, params, src, *, max_len: src)
+
+    class Ids:
+        def decode(self, ids):
+            return " ".join(str(i) for i in ids if i != PAD_ID)
+
+    config = translate.make_config("transformer", "tiny", eval_batch_size=8, buckets=(4, 8, 16))
+    lengths = [9, 2, 5, 1, 12, 3, 7, 7, 4, 15, 2, 6, 11, 1, 8, 3, 10, 5, 13, 2]
+    pairs = [([10 + k] * n, [5] * (20 - n)) for k, n in enumerate(lengths)]
+    out = translate.translate_pairs(None, None, DataParallel("jit"), config, Ids(), pairs,
+                                    greedy=True)
+    assert out == [" ".join([str(10 + k)] * n) for k, n in enumerate(lengths)]

@@ -296,7 +296,13 @@ def translate_pairs(model, params, dp: DataParallel, config: TranslateConfig, to
     from transformer_jax.decode import beam_search, greedy_decode
 
     out: list[str] = [""] * len(pairs)
-    batches = eval_batches(pairs, batch_size=dp.round_rows(config.eval_batch_size),
+    # Decoded in order of source length: the rows of a batch then pad to about the same
+    # bucket and end after about as many steps (the search stops when its last row ends),
+    # instead of every batch running as long as its longest sentence. Only the sources are
+    # batched: the reference's length has no say in the output budget.
+    order = sorted(range(len(pairs)), key=lambda i: len(pairs[i][0]))
+    batches = eval_batches([(pairs[i][0], []) for i in order],
+                           batch_size=dp.round_rows(config.eval_batch_size),
                            buckets=config.buckets, num_devices=dp.n_devices)
     for batch in batches:
         src = batch["src"]
@@ -311,7 +317,7 @@ def translate_pairs(model, params, dp: DataParallel, config: TranslateConfig, to
             best = np.asarray(jax.device_get(tokens))[:, 0]  # [N, L], best beam first
         for row, i in enumerate(batch["index"]):
             if i >= 0:
-                out[i] = tokenizer.decode(best[row])
+                out[order[i]] = tokenizer.decode(best[row])
     return out
 
 

@@ -138,6 +138,30 @@ def test_eval_batches_keep_every_pair_in_order():
     assert batches[-1]['index'].tolist() == [48, 49, 50, 51, 52, 53, -1, -1]
 
 
+def test_eval_batches_sorted_by_length_keep_every_pair_and_its_position():
+    pairs = make_pairs(53, seed=2, max_len=30)
+    batches = eval_batches(pairs, batch_size=8, buckets=BUCKETS, num_devices=4,
+                           sort_by_length=True)
+    seen, lengths = [], []
+    for batch in batches:
+        for r, i in enumerate(batch['index']):
+            if i < 0:
+                assert not batch['src'][r].any()
+                continue
+            seen.append(int(i))
+            lengths.append(pair_length(*pairs[i]))
+            for key, row in expected_rows(*pairs[i], batch['src'].shape[1]).items():
+                np.testing.assert_array_equal(batch[key][r], row)
+    assert sorted(seen) == list(range(len(pairs)))
+    assert lengths == sorted(lengths)
+    # Stable: pairs of equal length keep their input order.
+    for a, b in zip(seen, seen[1:]):
+        if pair_length(*pairs[a]) == pair_length(*pairs[b]):
+            assert a < b
+    # Shortest first pads the early batches to short buckets.
+    assert [b['src'].shape[1] for b in batches] == sorted(b['src'].shape[1] for b in batches)
+
+
 def test_bad_batching_options(pairs):
     with pytest.raises(ValueError, match='tokens_per_batch=40 is too small for bucket length 12'):
         TokenBatcher(pairs, tokens_per_batch=40, buckets=BUCKETS, num_devices=4)

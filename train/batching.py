@@ -184,8 +184,13 @@ def eval_batches(
     pad_id: int = PAD_ID,
     bos_id: int = BOS_ID,
     eos_id: int = EOS_ID,
+    sort_by_length: bool = False,
 ) -> list[dict[str, np.ndarray]]:
     """Every pair, in order, in batches of `batch_size` consecutive rows (unshuffled).
+
+    With `sort_by_length` the pairs are taken shortest first (stable) instead: a batch's rows
+    then need about the same length, so it pads to a short bucket, and a decoder's loop over
+    it ends when its similar-length rows do. `index` still gives each row's input position.
 
     Each batch is padded to the smallest bucket that fits its longest pair; a pair longer than
     the largest bucket B is kept and its batch padded to the next multiple of B (rare, and still
@@ -199,15 +204,19 @@ def eval_batches(
     if batch_size < 1 or batch_size % num_devices:
         raise ValueError(f'batch_size must be a positive multiple of num_devices '
                          f'({num_devices}), got {batch_size}')
+    order = np.arange(len(pairs), dtype=np.int32)
+    if sort_by_length:
+        order = order[np.argsort([pair_length(s, t) for s, t in pairs], kind='stable')]
     batches = []
     for start in range(0, len(pairs), batch_size):
-        chunk = pairs[start:start + batch_size]
+        positions = order[start:start + batch_size]
+        chunk = [pairs[i] for i in positions]
         need = max(pair_length(s, t) for s, t in chunk)
         L = next((b for b in buckets if b >= need), -(-need // buckets[-1]) * buckets[-1])
         batch = _pack(chunk, L, pad_id=pad_id, bos_id=bos_id, eos_id=eos_id,
                       fill_rows=batch_size - len(chunk))
         index = np.full(batch_size, -1, dtype=np.int32)
-        index[:len(chunk)] = np.arange(start, start + len(chunk))
+        index[:len(chunk)] = positions
         batch['index'] = index
         batches.append(batch)
     return batches

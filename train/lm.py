@@ -135,7 +135,7 @@ MODEL_PRESETS: dict[str, dict[str, tuple[str, dict[str, Any]]]] = {
 PRESETS: dict[str, dict[str, Any]] = {
     "tiny": dict(batch_size=8, steps=20, learning_rate=1e-2, log_every=5, checkpoint_every=10,
                  eval_batch_size=8, eval_tgt_len=16, eval_mem_len=32, eval_tokens=2000),
-    # The CPU default: stops at `minutes` (8: about 1,700 steps on the idle 2-core machine).
+    # The CPU default: stops at `minutes` (8: 1,833 steps in one run on the idle 2-core CPU).
     # Chosen by equal-time 3-minute runs (README, "Tuning the CPU defaults"): batch 16 (twice
     # the updates of 32; 8 was worse), dropout 0.1 (model preset), lr 1e-3 (2e-3 diverged).
     # The cosine horizon is about twice the steps that fit, so the rate is still ~half its

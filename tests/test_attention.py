@@ -136,3 +136,66 @@ def test_multi_head_attention_matches_numpy_einsum_reference():
     ref = np_multi_head_attention(xq, xkv, params, np.asarray(mask), cfg.n_heads)
     chex.assert_shape(out, (2, 3, 32))
     chex.assert_trees_all_close(np.asarray(out), ref.astype(np.float32), atol=1e-5)
+
+
+def test_unknown_implementation_is_refused():
+    q, k, v = _qkv(seed=4)
+    with pytest.raises(ValueError, match="implementation"):
+        dot_product_attention(q, k, v, implementation="flash")
+
+
+@pytest.mark.skipif(jax.default_backend() != "gpu", reason="the fused cuDNN kernel needs a GPU")
+def test_auto_takes_the_fused_kernel_on_a_gpu_in_bf16_only_where_it_applies():
+    def lowered(q, k, v, **kw):
+        return jax.jit(lambda q, k, v: dot_product_attention(q, k, v, **kw)).lower(
+            q, k, v).as_text()
+
+    q, k, v = (jnp.asarray(x, jnp.bfloat16) for x in _qkv(seed=5, b=2, t=16, s=16, h=2, k=64))
+    assert "cudnn" in lowered(q, k, v)
+    assert "cudnn" not in lowered(q, k, v, implementation="xla")
+    assert "cudnn" not in lowered(*(x.astype(jnp.float32) for x in (q, k, v)))
+    # A head width cuDNN does not take (wt103_base's 41) stays on the XLA path.
+    q41, k41, v41 = (jnp.asarray(x, jnp.bfloat16) for x in _qkv(seed=6, b=2, t=16, s=16, h=2,
+                                                                  k=41))
+    assert "cudnn" not in lowered(q41, k41, v41)
+
+
+@pytest.mark.skipif(jax.default_backend() != "gpu", reason="the fused cuDNN kernel needs a GPU")
+def test_cudnn_and_xla_gradients_agree_with_a_bias_in_bf16():
+    # Transformer-XL hands its position term to the core as a [B, H, T, S] bias: the fused
+    # kernel must return its gradient too.
+    q, k, v = (jnp.asarray(x, jnp.bfloat16) for x in _qkv(seed=7, b=2, t=16, s=32, h=2, k=64))
+    bias = jnp.asarray(np.random.default_rng(8).normal(size=(2, 2, 16, 32)), jnp.bfloat16)
+    mask = jnp.tril(jnp.ones((16, 32), bool), k=16)[None, None]
+
+    def loss(impl):
+        def f(q, k, v, bias):
+            out = dot_product_attention(q, k, v, mask=mask, bias=bias, implementation=impl)
+            return jnp.sum(out.astype(jnp.float32) ** 2)
+        return jax.grad(f, argnums=(0, 1, 2, 3))(q, k, v, bias)
+
+    for fused, xla in zip(loss("cudnn"), loss("xla")):
+        chex.assert_trees_all_close(np.asarray(fused, np.float32), np.asarray(xla, np.float32),
+                                    atol=5e-2, rtol=5e-2)
+
+
+@pytest.mark.skipif(jax.default_backend() != "gpu", reason="the fused cuDNN kernel needs a GPU")
+def test_cudnn_with_fully_masked_rows_stays_finite_and_agrees_on_the_others():
+    # A padding-only sequence in the batch masks every key of its rows.
+    q, k, v = (jnp.asarray(x, jnp.bfloat16) for x in _qkv(seed=9, b=2, t=16, s=16, h=2, k=64))
+    valid = jnp.asarray([[True] * 10 + [False] * 6, [False] * 16])
+    mask = valid[:, None, None, :] & valid[:, None, :, None]
+
+    def run(impl):
+        def f(q, k, v):
+            out = dot_product_attention(q, k, v, mask=mask, implementation=impl)
+            return jnp.sum(jnp.where(valid[:, :, None, None], out, 0).astype(jnp.float32) ** 2)
+        return jax.value_and_grad(f, argnums=(0, 1, 2))(q, k, v)
+
+    (l_fused, g_fused), (l_xla, g_xla) = run("cudnn"), run("xla")
+    assert np.isfinite(float(l_fused))
+    assert all(np.isfinite(np.asarray(g, np.float32)).all() for g in g_fused)
+    np.testing.assert_allclose(float(l_fused), float(l_xla), rtol=2e-2)
+    for fused, xla in zip(g_fused, g_xla):
+        chex.assert_trees_all_close(np.asarray(fused, np.float32), np.asarray(xla, np.float32),
+                                    atol=5e-2, rtol=5e-2)

@@ -300,7 +300,9 @@ def test_trace_summary_reads_the_xla_ops_line_of_the_device():
 
 def test_trace_summary_falls_back_to_streams_then_to_host_threads():
     gpu = _meta_events(1, "/device:GPU:0", {10: "Stream #7(Compute)", 12: "Stream #8(Copy)"})
-    gpu += [_op(1, 10, "sm90_xmma_gemm_bf16", 30.0), _op(1, 12, "memcpy_d2d", 10.0)]
+    gpu += [_op(1, 10, "sm90_xmma_gemm_bf16", 20.0), _op(1, 12, "memcpy_d2d", 10.0),
+            # cuBLAS's nvjet GEMM kernels (jax 0.11, H100) are matrix products too.
+            _op(1, 10, "nvjet_sm90_tst_128x160_64x5_2x1_v_bz_NNT", 10.0)]
     summary = bench.summarize_trace_events(gpu, steps=1)
     assert summary["source"] == "device: streams"
     assert summary["categories"] == pytest.approx({"matmul": 0.75, "copy": 0.25})

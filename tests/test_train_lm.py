@@ -112,3 +112,12 @@ def test_cli_smoke(tmp_path, data_dir):
     assert done.returncode == 0, done.stdout + done.stderr
     assert "final: step 3, test ppl" in done.stdout
     assert os.path.exists(os.path.join(tmp_path, "config.json"))
+
+
+@pytest.mark.parametrize("dataset", ["ptb", "ptb_char"])
+def test_gpu_preset_is_a_bf16_unrolled_model_that_stops_within_ten_minutes(dataset):
+    import jax.numpy as jnp
+    config = lm.make_config(dataset, "gpu")
+    assert config.model_config.dtype == jnp.bfloat16 and config.model_config.remat == "none"
+    assert config.model_config.vocab_size == lm.VOCAB_SIZES[dataset]
+    assert 0 < config.minutes < 10 and config.decay_steps == config.steps

@@ -211,3 +211,18 @@ def test_translate_pairs_returns_outputs_in_input_order(monkeypatch):
     out = translate.translate_pairs(None, None, DataParallel("jit"), config, Ids(), pairs,
                                     greedy=True)
     assert out == [" ".join([str(10 + k)] * n) for k, n in enumerate(lengths)]
+
+
+def test_gpu_preset_builds_for_every_model_with_its_own_optimizer():
+    import jax.numpy as jnp
+    from train import registry
+    config = translate.make_config("transformer", "gpu")
+    cfg = config.model_config
+    # The measured ten-minute recipe: IWSLT widths, dropout 0.3, pre-LN, bf16, Noam.
+    assert (cfg.d_model, cfg.d_ff, cfg.n_heads, cfg.n_encoder_layers) == (512, 1024, 4, 6)
+    assert cfg.dtype == jnp.bfloat16 and cfg.norm_first and cfg.dropout == 0.3
+    assert config.optimizer == "noam" and config.buckets == (16, 32, 64)
+    assert 0 < config.minutes < 10
+    for name in registry.names()[1:]:
+        # The baselines keep their Adam: the preset sets no optimizer of its own.
+        assert translate.make_config(name, "gpu").optimizer == "adam"

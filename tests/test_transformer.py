@@ -13,6 +13,7 @@ from transformer_jax import (
     TransformerConfig,
     sinusoidal_positions,
 )
+from transformer_jax.layers import output_logits
 
 V = 17
 
@@ -205,6 +206,36 @@ def test_bfloat16_compute_keeps_float32_params_and_logits():
     chex.assert_trees_all_close(logits16, logits32, atol=0.15, rtol=0.05)
 
 
+def test_half_output_projection_multiplies_in_bf16_and_returns_float32():
+    # The tied output layer in bf16: the product of the bf16-rounded operands accumulated in
+    # float32, and (custom VJP) both gradient products also on bf16 operands.
+    rng = np.random.default_rng(3)
+    y = jnp.asarray(rng.normal(size=(2, 5, 16)), jnp.float32)
+    table = jnp.asarray(rng.normal(size=(40, 16)), jnp.float32)
+    weight = jnp.asarray(rng.normal(size=(2, 5, 40)), jnp.float32)
+    r = lambda x: np.asarray(jnp.asarray(x, jnp.bfloat16), np.float64)  # noqa: E731
+
+    logits = output_logits(y, table, jnp.bfloat16)
+    chex.assert_type(logits, jnp.float32)
+    np.testing.assert_allclose(np.asarray(logits), r(y) @ r(table).T, rtol=1e-5, atol=1e-5)
+
+    d_y, d_table = jax.grad(lambda y, t: jnp.sum(output_logits(y, t, jnp.bfloat16) * weight),
+                            argnums=(0, 1))(y, table)
+    chex.assert_type([d_y, d_table], jnp.float32)
+    # d/dy sum(w * y T^T) = w T, d/dT = w^T y, with every operand rounded to bf16 and each
+    # result rounded to bf16 once (the cotangent of a bf16 operand is bf16).
+    np.testing.assert_allclose(np.asarray(d_y), r(r(weight) @ r(table)), rtol=1e-2, atol=1e-2)
+    np.testing.assert_allclose(np.asarray(d_table),
+                               r(np.einsum("btv,btd->vd", r(weight), r(y))), rtol=1e-2,
+                               atol=1e-2)
+    # float32 stays a float32 product (asked at full precision: a GPU's default is TF32).
+    with jax.default_matmul_precision("highest"):
+        logits32 = output_logits(y, table, jnp.float32)
+    np.testing.assert_allclose(np.asarray(logits32),
+                               np.asarray(y, np.float64) @ np.asarray(table, np.float64).T,
+                               rtol=1e-5, atol=1e-5)
+
+
 @pytest.mark.parametrize("positional", ["sinusoidal_concat", "learned"])
 def test_other_positionals_run_and_learned_rejects_long_inputs(positional):
     cfg = _config(positional=positional, max_len=6)
@@ -273,6 +304,7 @@ def test_presets():
     (dict(bos_id=0), "pad_id, bos_id and eos_id"),
     (dict(eos_id=32), "eos_id"),
     (dict(dtype="int32"), "dtype"),
+    (dict(attention_impl="flash"), "attention_impl"),
 ])
 def test_bad_configs_raise_value_error_naming_the_field(overrides, field):
     with pytest.raises(ValueError, match=field):

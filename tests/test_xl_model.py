@@ -209,7 +209,7 @@ def test_float64_under_x64():
 @pytest.mark.parametrize("field,value", [
     ("d_model", 0), ("n_layers", 0), ("mem_len", -1), ("dropout", 1.0), ("d_model", 31),
     ("cutoffs", (40, 20)), ("cutoffs", (10, 64)), ("tie_projs", (True,)),
-    ("same_length", True), ("remat", "sometimes"),
+    ("same_length", True), ("remat", "sometimes"), ("attention_impl", "flash"),
 ])
 def test_config_validation_names_the_field(field, value):
     kw = {field: value}
@@ -232,3 +232,24 @@ def test_presets_build():
                                                                             2048)
     TransformerXLConfig.ptb()
     hash(wt)   # static jit argument
+
+
+@pytest.mark.skipif(jax.default_backend() != "gpu", reason="the fused cuDNN kernel needs a GPU")
+def test_cudnn_attention_matches_xla_in_bf16_loss_and_gradients():
+    # The position term reaches cuDNN as a [B, H, T, S] bias; its gradient (through q and
+    # r_net) must flow as on the XLA path.
+    cfg = TransformerXLConfig.tiny(dtype="bfloat16", d_head=16, tgt_len=16, mem_len=16)
+    model, params, tokens = _setup(cfg, length=17)
+    memory = init_memory(cfg, 2)
+
+    def loss(impl):
+        m = TransformerXL(cfg.replace(attention_impl=impl))
+
+        def f(p):
+            nll, _ = m.apply({"params": p}, tokens[:, :16], memory, targets=tokens[:, 1:])
+            return jnp.mean(nll)
+        return jax.jit(jax.value_and_grad(f))(params)
+
+    (l_fused, g_fused), (l_xla, g_xla) = loss("cudnn"), loss("xla")
+    np.testing.assert_allclose(float(l_fused), float(l_xla), rtol=2e-2)
+    chex.assert_trees_all_close(g_fused, g_xla, atol=2e-2, rtol=1e-1)

@@ -268,7 +268,8 @@ def utilisation(flops: float, seconds: float, rate: float | None) -> float | Non
 # fusion's called computation (not the operands: a fusion reading a %dot is no matmul).
 OP_CATEGORIES = (
     ("attention (fused)", re.compile(r"fmha|flash|cudnn", re.IGNORECASE)),
-    ("matmul", re.compile(r"gemm|cublas|^dot|\bdot\b|matmul|xmma|gmma|convolution",
+    # nvjet_*: cuBLAS's newer GEMM kernels (seen with jax 0.11 on an H100).
+    ("matmul", re.compile(r"gemm|cublas|nvjet|^dot|\bdot\b|matmul|xmma|gmma|convolution",
                           re.IGNORECASE)),
     ("collective", re.compile(r"all-reduce|all-gather|reduce-scatter|nccl", re.IGNORECASE)),
     ("copy", re.compile(r"copy|memcpy|memset|transpose", re.IGNORECASE)),
@@ -394,7 +395,8 @@ def transformer_train_setup(config: BenchConfig) -> TrainBench:
         loss_fn=make_loss_fn(model, smoothing=0.1, pad_id=cfg.pad_id), init_state=init_state,
         batch={"src": tokens(), "tgt_in": tokens(), "tgt_out": tokens()},
         flops=transformer_flops(cfg, batch=b, src_len=length, tgt_len=length),
-        info=dict(batch=b, src_len=length, tgt_len=length, dtype=config.dtype))
+        info=dict(batch=b, src_len=length, tgt_len=length, dtype=config.dtype,
+                  attention_impl=cfg.attention_impl))
 
 
 def xl_train_setup(name: str, xl_config: TransformerXLConfig, batch_size: int,
@@ -422,7 +424,8 @@ def xl_train_setup(name: str, xl_config: TransformerXLConfig, batch_size: int,
         name=name, loss_fn=make_loss_fn(model), init_state=init_state,
         batch={"inputs": tokens(), "targets": tokens()},
         flops=xl_flops(cfg, batch=b, tgt_len=cfg.tgt_len, mem_len=cfg.mem_len),
-        info=dict(batch=b, tgt_len=cfg.tgt_len, mem_len=cfg.mem_len, dtype=config.dtype))
+        info=dict(batch=b, tgt_len=cfg.tgt_len, mem_len=cfg.mem_len, dtype=config.dtype,
+                  remat=cfg.remat, attention_impl=cfg.attention_impl))
 
 
 def bench_train_step(bench: TrainBench, *, steps: int, warmup: int,
@@ -939,6 +942,10 @@ def build_parser() -> argparse.ArgumentParser:
                              "(default: summarized, then deleted)")
     parser.add_argument("--no-profile", action="store_true",
                         help="do not profile the training benches")
+    parser.add_argument("--attention-impl", choices=("auto", "xla", "cudnn"), default=None,
+                        help="attention_impl of every model (default: the configs' 'auto')")
+    parser.add_argument("--xl-remat", choices=("attention", "full", "none"), default=None,
+                        help="remat mode of the Transformer-XL training benches")
     parser.add_argument("--append", action="store_true",
                         help="merge into OUT/bench.json (same device): the sections run now "
                              "replace theirs, the others are kept")
@@ -973,6 +980,14 @@ def config_from_args(args: argparse.Namespace) -> BenchConfig:
                              "wt103")
         for i in hits:
             xl[i] = (xl[i][0], xl[i][1], int(value))
+    if args.xl_remat:
+        xl = [(n, c.replace(remat=args.xl_remat), b) for n, c, b in xl]
+    if args.attention_impl:
+        impl = args.attention_impl
+        xl = [(n, c.replace(attention_impl=impl), b) for n, c, b in xl]
+        changes.update(transformer=config.transformer.replace(attention_impl=impl),
+                       decode_model=config.decode_model.replace(attention_impl=impl),
+                       xl_eval=config.xl_eval.replace(attention_impl=impl))
     changes["xl"] = tuple(xl)
     return config.replace(**changes)
 

@@ -144,6 +144,14 @@ PRESETS: dict[str, dict[str, Any]] = {
     "cpu": dict(vocab_size=4000, tokens_per_batch=512, steps=100_000, minutes=8.0,
                 optimizer="adam", learning_rate=1e-3, clip_norm=1.0, log_every=100,
                 checkpoint_every=1000),
+    # One GPU, one ten-minute command: 7 minutes of training, then evaluation. Few buckets
+    # (each shape compiles in tens of seconds; padding costs a GPU little), 8k-token batches,
+    # the family's optimizer (the Transformer's Noam: a 2,000-step warm-up, peak 1e-3 for
+    # D 512), bf16 (the model preset). Measured on one H100 shared with two other training
+    # runs: 6,462 steps, test_2016_flickr BLEU 40.10 (beam 4), 7 min 43 s in all.
+    "gpu": dict(vocab_size=8000, tokens_per_batch=8192, buckets=(16, 32, 64), steps=100_000,
+                minutes=7.0, warmup_steps=2000, lr_factor=1.0,
+                clip_norm=1.0, log_every=200, checkpoint_every=5000),
     # The paper's base recipe (~25k target tokens a batch, Noam factor 1, warm-up 4000).
     "base": dict(vocab_size=8000, tokens_per_batch=25_000, steps=100_000, warmup_steps=4000,
                  lr_factor=1.0, log_every=100, eval_every=1000, checkpoint_every=1000),

@@ -21,6 +21,8 @@ import jax
 import jax.numpy as jnp
 
 Array = jax.Array
+# The `implementation` choices of `dot_product_attention` (and of the configs' attention_impl).
+IMPLEMENTATIONS = ("auto", "xla", "cudnn")
 
 # A large finite negative instead of -inf: a row with every key masked (a pad query) then gets
 # uniform weights instead of NaN, and NaN never enters the backward pass.
@@ -110,15 +112,20 @@ def attend(
     return out, weights
 
 
-def _use_fused(query, dropout_rate, deterministic, return_weights, implementation) -> bool:
+def _use_fused(query, key, dropout_rate, deterministic, return_weights, implementation) -> bool:
     if implementation == "xla" or return_weights:
         return False
     if not deterministic and dropout_rate > 0.0:
         return False
     if implementation == "cudnn":
         return True
-    # "auto": the fused cuDNN kernel on a GPU in half precision only.
-    return jax.default_backend() == "gpu" and query.dtype in (jnp.bfloat16, jnp.float16)
+    # "auto": cuDNN's fused kernel where it is known to apply: a GPU, half precision, head
+    # width a multiple of 8 up to 128 (wt103_base's 41 is not), more than one query (a
+    # decoding step's single row gains nothing). `jax.nn.dot_product_attention` must be told
+    # so explicitly: its own default (implementation=None) is the XLA path.
+    k = query.shape[-1]
+    return (jax.default_backend() == "gpu" and query.dtype in (jnp.bfloat16, jnp.float16)
+            and key.dtype == query.dtype and k % 8 == 0 and k <= 128 and query.shape[1] > 1)
 
 
 def dot_product_attention(
@@ -147,24 +154,32 @@ def dot_product_attention(
       scale: defaults to K ** -0.5.
       dropout_rate, dropout_rng, deterministic: attention dropout (on the weights).
       implementation: "xla" computes here; "cudnn" forces `jax.nn.dot_product_attention`'s
-        fused kernel; "auto" takes the fused kernel on a GPU in bf16/fp16 when there is no
-        attention dropout and no weights are asked for.
+        fused cuDNN kernel; "auto" takes it on a GPU in bf16/fp16 when there is no attention
+        dropout, no weights are asked for, and the head width suits it (K % 8 == 0, K <= 128).
+        A fully masked row (a pad query) gets zero output from the XLA path and, from the
+        fused one, a mix of every key; neither is read by a model.
       return_weights: also return the [B, H, T, S] float32 weights.
     Returns:
       out [B, T, H, K] (and weights if asked).
     """
+    if implementation not in IMPLEMENTATIONS:
+        raise ValueError(f"implementation must be one of {IMPLEMENTATIONS}, got "
+                         f"{implementation!r}")
     if scale is None:
         scale = query.shape[-1] ** -0.5
-    if _use_fused(query, dropout_rate, deterministic, return_weights, implementation):
+    if _use_fused(query, key, dropout_rate, deterministic, return_weights, implementation):
         b, t, h, _ = query.shape
         s = key.shape[1]
         if mask is not None:
             mask = jnp.broadcast_to(mask, (b, h, t, s))
+            # A query with every key masked (a row of a padding-only sequence) gets all its
+            # keys back: its output is never read, and the fused kernel then has a finite
+            # softmax to differentiate (an all-masked row gave NaN losses on an H100).
+            mask = mask | ~jnp.any(mask, axis=-1, keepdims=True)
         if bias is not None:
             bias = jnp.broadcast_to(bias, (b, h, t, s)).astype(query.dtype)
-        return jax.nn.dot_product_attention(
-            query, key, value, bias=bias, mask=mask, scale=scale,
-            implementation=None if implementation == "auto" else implementation)
+        return jax.nn.dot_product_attention(query, key, value, bias=bias, mask=mask, scale=scale,
+                                            implementation="cudnn")
     scores = jnp.einsum("bthk,bshk->bhts", query, key,
                         preferred_element_type=jnp.promote_types(query.dtype, jnp.float32))
     scores = scores * scale

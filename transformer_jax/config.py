@@ -7,6 +7,8 @@ from typing import Any
 import jax.numpy as jnp
 import numpy as np
 
+from transformer_jax.attention import IMPLEMENTATIONS
+
 POSITIONAL = ("sinusoidal", "sinusoidal_concat", "learned")
 _DTYPES = (np.dtype(jnp.float32), np.dtype(jnp.bfloat16), np.dtype(jnp.float16))
 
@@ -33,7 +35,10 @@ class TransformerConfig:
       tie_output: the pre-softmax projection is the transposed target embedding.
       pad_id, bos_id, eos_id: special token ids, distinct and inside both vocabularies.
       dtype: compute dtype (float32, bfloat16 or float16). Parameters are always float32;
-        attention logits, softmax, output logits and the loss are float32.
+        attention logits, softmax, output logits and the loss are float32. In half precision
+        the output projection multiplies in `dtype` with float32 results (its gradient too).
+      attention_impl: "auto" (cuDNN's fused kernel on a GPU in half precision where it
+        applies, else XLA), "xla" or "cudnn"; see `transformer_jax.attention`.
     """
 
     src_vocab_size: int = 37000
@@ -54,6 +59,7 @@ class TransformerConfig:
     bos_id: int = 1
     eos_id: int = 2
     dtype: Any = jnp.float32
+    attention_impl: str = "auto"
 
     def __post_init__(self):
         for name in ("src_vocab_size", "tgt_vocab_size", "d_model", "n_heads", "d_ff",
@@ -68,6 +74,9 @@ class TransformerConfig:
             value = getattr(self, name)
             if not 0.0 <= value < 1.0:
                 raise ValueError(f"{name} must be in [0, 1), got {value!r}")
+        if self.attention_impl not in IMPLEMENTATIONS:
+            raise ValueError(f"attention_impl must be one of {IMPLEMENTATIONS}, got "
+                             f"{self.attention_impl!r}")
         if self.positional not in POSITIONAL:
             raise ValueError(f"positional must be one of {POSITIONAL}, got {self.positional!r}")
         if self.positional.startswith("sinusoidal") and self.d_model % 2:

@@ -7,8 +7,9 @@ Shape glossary:
 Follows the translation-model protocol (see `transformer_jax.decode`): `__call__(src, tgt)`,
 `init_decode_cache(src, *, max_len)`, `decode_step(tokens, cache, *, index)`.
 
-Dtype policy: parameters float32; activations in `config.dtype`; attention logits/softmax,
-the output projection and the logits in float32.
+Dtype policy: parameters float32; activations in `config.dtype`; attention logits/softmax
+and the logits in float32; the tied output projection multiplies in `config.dtype` with
+float32 accumulation (an untied one is float32).
 """
 from __future__ import annotations
 
@@ -22,7 +23,7 @@ from jax import lax
 
 from transformer_jax.attention import combine_masks, make_causal_mask, make_padding_mask
 from transformer_jax.config import TransformerConfig
-from transformer_jax.layers import DecoderLayer, EncoderLayer, dense, layer_norm
+from transformer_jax.layers import DecoderLayer, EncoderLayer, dense, layer_norm, output_logits
 from transformer_jax.positional import PositionalEncoding
 
 Array = jax.Array
@@ -147,9 +148,11 @@ class Transformer(nn.Module):
         return self.embed_dropout(x.astype(cfg.dtype), deterministic=deterministic)
 
     def _logits(self, y: Array) -> Array:
-        """[..., D] -> [..., V] float32."""
-        y = y.astype(jnp.float32)
-        return self.tgt_embed.attend(y) if self.config.tie_output else self.output(y)
+        """[..., D] -> [..., V] float32 (tied: multiplied in config.dtype, see
+        `output_logits`)."""
+        if self.config.tie_output:
+            return output_logits(y, self.tgt_embed.embedding, self.config.dtype)
+        return self.output(y.astype(jnp.float32))
 
     def encode(self, src: Array, *, deterministic: bool = True) -> Array:
         """src [B, S] int32 (pad_id padded) -> encoded [B, S, D]."""

@@ -12,6 +12,8 @@ from typing import Any, Literal
 
 import jax.numpy as jnp
 
+from transformer_jax.attention import IMPLEMENTATIONS
+
 REMAT_MODES = ("attention", "full", "none")
 
 
@@ -57,6 +59,9 @@ class TransformerXLConfig:
           score-sized tensors per layer).
       dtype: compute dtype. Parameters are float32, or float64 when dtype is float64 (which
         needs `jax_enable_x64`); attention logits, softmax and loss are at least float32.
+      attention_impl: "auto" (cuDNN's fused kernel, with the position term as its bias, on a
+        GPU in half precision where it applies, else XLA), "xla" or "cudnn"; see
+        `transformer_jax.attention.dot_product_attention`.
     """
 
     vocab_size: int
@@ -81,6 +86,7 @@ class TransformerXLConfig:
     layer_norm_eps: float = 1e-5
     remat: Literal["attention", "full", "none"] = "attention"
     dtype: Any = jnp.float32
+    attention_impl: Literal["auto", "xla", "cudnn"] = "auto"
 
     def __post_init__(self):
         # Lists are accepted for convenience but stored as tuples so the config stays hashable
@@ -118,6 +124,9 @@ class TransformerXLConfig:
                 "with width 0")
         if self.remat not in REMAT_MODES:
             raise ValueError(f"remat must be one of {REMAT_MODES}, got {self.remat!r}")
+        if self.attention_impl not in IMPLEMENTATIONS:
+            raise ValueError(f"attention_impl must be one of {IMPLEMENTATIONS}, got "
+                             f"{self.attention_impl!r}")
         if jnp.dtype(self.dtype) not in (jnp.dtype(jnp.float32), jnp.dtype(jnp.float64),
                                          jnp.dtype(jnp.bfloat16), jnp.dtype(jnp.float16)):
             raise ValueError(f"dtype must be a float type, got {self.dtype}")

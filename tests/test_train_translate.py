@@ -131,6 +131,16 @@ def test_flags_reach_run_and_model_fields():
     assert config.model_config.dtype.name == "bfloat16"
 
 
+def test_without_preset_a_gpu_gets_the_gpu_recipe_and_a_cpu_the_cpu_one(monkeypatch):
+    from train import lm
+    assert translate.config_from_args([])[0].preset == "cpu"  # the tests run on a CPU
+    monkeypatch.setattr(jax, "default_backend", lambda: "gpu")
+    assert translate.config_from_args([])[0].preset == "gpu"
+    assert lm.config_from_args(["--dataset", "ptb_char"])[0].preset == "gpu"
+    # An explicit --preset wins.
+    assert translate.config_from_args(["--preset", "cpu"])[0].preset == "cpu"
+
+
 @pytest.mark.parametrize("argv, message", [
     (["--no_such_flag", "1"], "unrecognized arguments: --no_such_flag"),
     (["--model.no_such_field", "1"], "unrecognized arguments: --model.no_such_field"),

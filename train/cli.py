@@ -173,13 +173,21 @@ def pre_parse(argv: Sequence[str] | None, choice_flag: str) -> argparse.Namespac
     return pre.parse_known_args(argv)[0]
 
 
+def default_preset() -> str:
+    """The preset a run without --preset gets: 'gpu' where JAX's default backend is a GPU
+    (a ten-minute recipe for one), else 'cpu' (ten minutes on a small CPU)."""
+    import jax
+    return "gpu" if jax.default_backend() == "gpu" else "cpu"
+
+
 def resolve_config(parser: argparse.ArgumentParser, args: argparse.Namespace, *,
                    saved: Mapping[str, Any] | None, choice_flag: str, default_choice: str,
                    run_cls: type, model_cls: type, make_config: Callable[..., Any],
                    config_from_dict: Callable[[Mapping[str, Any]], Any],
                    replace: Callable[..., Any]) -> Any:
     """The run config from the parsed flags: the saved config of --workdir with the given
-    fields changed, else make_config(choice, preset, ...). Errors are argparse errors."""
+    fields changed, else make_config(choice, preset or default_preset(), ...). Errors are
+    argparse errors."""
     try:
         run, model = split_given(args, run_cls=run_cls, model_cls=model_cls, sets=args.set)
         for key in (choice_flag, "preset", "model_config"):
@@ -189,7 +197,7 @@ def resolve_config(parser: argparse.ArgumentParser, args: argparse.Namespace, *,
         choice = getattr(args, choice_flag, None)
         preset = getattr(args, "preset", None)
         if saved is None:
-            return make_config(choice or default_choice, preset or "cpu",
+            return make_config(choice or default_choice, preset or default_preset(),
                                model_overrides=model, **run)
         config = config_from_dict(saved)
         if choice not in (None, getattr(config, choice_flag)) or preset not in (None,

@@ -1,6 +1,6 @@
 """Train and evaluate Transformer-XL on Penn Treebank (word or character level).
 
-    python -m train.lm                                   # word-level PTB, the CPU default
+    python -m train.lm                                   # word-level PTB: cpu, or gpu on a GPU
     python -m train.lm --dataset ptb_char --preset base --workdir runs/ptb_char
     python -m train.lm --workdir W                       # resume W with its saved config
 

@@ -1,6 +1,6 @@
 """Train and evaluate a translation model on Multi30k German -> English.
 
-    python -m train.translate                          # Transformer, the CPU default preset
+    python -m train.translate                          # Transformer: preset cpu, or gpu on a GPU
     python -m train.translate --preset base --workdir runs/base --dtype bfloat16
     python -m train.translate --model bahdanau --preset cpu
     python -m train.translate --workdir W              # resume W with its saved config

@@ -193,3 +193,29 @@ def test_beam_wider_than_hypotheses_leaves_dead_slots():
     np.testing.assert_array_equal(np.asarray(tokens[0, :, 0]), [3, 4, EOS, PAD, PAD])
     s = np.asarray(scores[0])
     assert np.all(np.isfinite(s[:3])) and np.all(s[3:] == -np.inf)
+
+
+@pytest.mark.parametrize("beam", [1, 3])
+def test_a_cache_leaf_returned_untouched_decodes_as_one_reordered(beam):
+    # search_beam skips reordering the leaves a step hands back unchanged (beam-invariant, like
+    # encoder keys/values). A step that READS such a per-example leaf must decode exactly like
+    # one returning a fresh copy of it (which the search reorders as usual).
+    bias = np.random.default_rng(1).normal(size=(3, V)).astype(np.float32) * 2.0
+
+    def step_fn(tokens, cache, index, *, copy):
+        code = (cache["code"] * 7 + tokens + 1) % P
+        logits = jnp.asarray(TABLE)[code] + cache["bias"]  # [N, V]: bias differs per example
+        return logits, {"bias": cache["bias"] + 0.0 if copy else cache["bias"], "code": code}
+
+    def run(copy):
+        cache = {"bias": jnp.asarray(bias), "code": jnp.arange(3, dtype=jnp.int32) + 1}
+        return jax.jit(lambda c: search_beam(functools.partial(step_fn, copy=copy), c,
+                                             batch_size=3, beam_size=beam, max_len=L,
+                                             length_penalty_alpha=0.6, **SPECIAL))(cache)
+
+    (tokens, scores), (ref_tokens, ref_scores) = run(False), run(True)
+    np.testing.assert_array_equal(np.asarray(tokens), np.asarray(ref_tokens))
+    np.testing.assert_array_equal(np.asarray(scores), np.asarray(ref_scores))
+    # The bias matters: without it the search would pick other hypotheses for some example.
+    plain, _ = _beam(3, beam, 0.6)
+    assert not np.array_equal(np.asarray(tokens), np.asarray(plain))

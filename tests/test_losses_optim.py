@@ -8,6 +8,7 @@ import optax
 import pytest
 
 from transformer_jax import label_smoothed_cross_entropy, make_optimizer, noam_schedule
+from transformer_jax.optim import find_params_ema, params_ema
 
 
 def _explicit_smoothed_ce(logits, targets, smoothing, pad_id):
@@ -110,3 +111,32 @@ def test_optimizer_is_adam_0_9_0_98_on_noam_with_optional_clipping(clip_norm):
         upd, state = tx.update(jnp.asarray(g, jnp.float32), state, params)
         chex.assert_trees_all_close(np.asarray(upd), want.astype(np.float32), rtol=1e-5)
         params = optax.apply_updates(params, upd)
+
+
+def test_params_ema_averages_the_updated_params_and_leaves_updates_alone():
+    decay = 0.6
+    params = {"w": jnp.array([1.0, -2.0]), "b": jnp.array(0.5)}
+    plain = optax.chain(optax.clip_by_global_norm(1.0), optax.adam(0.1))
+    tx = optax.chain(optax.clip_by_global_norm(1.0), optax.adam(0.1), params_ema(decay))
+    p_plain, p, s_plain, s = params, params, plain.init(params), tx.init(params)
+    ema = None
+    rng = np.random.default_rng(0)
+    for n in range(1, 6):
+        grads = {"w": jnp.asarray(rng.normal(size=2), jnp.float32),
+                 "b": jnp.asarray(rng.normal(), jnp.float32)}
+        u_plain, s_plain = plain.update(grads, s_plain, p_plain)
+        u, s = tx.update(grads, s, p)
+        p_plain, p = optax.apply_updates(p_plain, u_plain), optax.apply_updates(p, u)
+        chex.assert_trees_all_equal(p, p_plain)  # training is unchanged
+        # The recurrence written out: uniform average first, then forgetting at `decay`.
+        d = min(decay, (n - 1) / n)
+        new = {k: np.asarray(v, np.float64) for k, v in p.items()}
+        ema = new if ema is None else {k: d * ema[k] + (1 - d) * new[k] for k in new}
+        chex.assert_trees_all_close(find_params_ema(s), ema, rtol=1e-6)
+    assert find_params_ema(s_plain) is None
+
+
+def test_params_ema_rejects_a_decay_outside_0_1():
+    for bad in (0.0, 1.0, -0.5):
+        with pytest.raises(ValueError, match="decay"):
+            params_ema(bad)

@@ -83,6 +83,21 @@ def test_resume_repeats_the_uninterrupted_run_exactly(straight, tmp_path):
     assert second["val_loss"] == final["val_loss"]
 
 
+def test_ema_leaves_training_alone_evaluates_the_average_and_resumes_exactly(straight,
+                                                                              tmp_path):
+    config, workdir, final = straight
+    ema = translate.replace(config, ema_decay=0.5)
+    whole = translate.train_and_evaluate(ema, str(tmp_path / "whole"))
+    # The average is only read by evaluation: training is step for step the plain run's.
+    assert train_losses(tmp_path / "whole") == train_losses(workdir)
+    assert whole["val_loss"] != final["val_loss"]
+    translate.train_and_evaluate(translate.replace(ema, steps=3), str(tmp_path / "resumed"))
+    resumed = translate.train_and_evaluate(ema, str(tmp_path / "resumed"))
+    assert train_losses(tmp_path / "resumed") == train_losses(tmp_path / "whole")
+    assert resumed["val_loss"] == whole["val_loss"]  # the average was checkpointed too
+    assert resumed["test_bleu"] == whole["test_bleu"]
+
+
 def test_a_mismatched_config_is_an_error_and_changes_nothing(straight):
     config, workdir, _ = straight
     before = file_hashes(workdir)

@@ -135,8 +135,8 @@ def search_beam(
         return (i < max_len) & ~jnp.all(finished)
 
     def body(state):
-        i, tokens, last, log_prob, lengths, finished, cache = state
-        logits, cache = step_fn(last.reshape(b_ * w_), cache, i)
+        i, tokens, last, log_prob, lengths, finished, old_cache = state
+        logits, cache = step_fn(last.reshape(b_ * w_), old_cache, i)
         v_ = logits.shape[-1]
         step_lp = _allowed_log_probs(logits, pad_id=pad_id, bos_id=bos_id).reshape(b_, w_, v_)
         # A finished hypothesis offers one candidate: itself, followed by pad.
@@ -157,7 +157,12 @@ def search_beam(
         tokens = lax.dynamic_update_slice(tokens, token[..., None], (0, 0, i))
         finished = parent_finished | dead | (token == eos_id)
         rows = (batch_offsets + parent).reshape(b_ * w_)
-        cache = jax.tree_util.tree_map(lambda x: x[rows], cache)
+        # A leaf the step function hands back untouched (the very same traced value: encoder
+        # keys/values, the source mask) was repeated per beam and has only ever been permuted
+        # within its sentence, so all W copies are equal and reordering it is the identity.
+        # Skipping that gather is exact and saves moving [B*W, S, ...] every step.
+        cache = jax.tree_util.tree_map(lambda new, old: new if new is old else new[rows],
+                                       cache, old_cache)
         return i + 1, tokens, token, log_prob, lengths, finished, cache
 
     # Every slot starts from the same BOS; only slot 0 may expand at step 0, else the first

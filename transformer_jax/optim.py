@@ -1,6 +1,10 @@
-"""The paper's optimiser: Adam(0.9, 0.98, 1e-9) on the Noam warm-up schedule (section 5.3)."""
+"""The paper's optimiser: Adam(0.9, 0.98, 1e-9) on the Noam warm-up schedule (section 5.3),
+and `params_ema`, an exponential moving average of the parameters kept in the optimizer state."""
 from __future__ import annotations
 
+from typing import Any, NamedTuple
+
+import jax
 import jax.numpy as jnp
 import optax
 
@@ -39,3 +43,56 @@ def make_optimizer(
     if clip_norm is None:
         return adam
     return optax.chain(optax.clip_by_global_norm(clip_norm), adam)
+
+
+class ParamsEmaState(NamedTuple):
+    """count: int32 scalar, updates seen; ema: the averaged parameters (same tree as params)."""
+
+    count: jax.Array
+    ema: Any
+
+
+def params_ema(decay: float) -> optax.GradientTransformation:
+    """Tracks an exponential moving average of the parameters AFTER each update (Polyak
+    averaging); passes the updates through unchanged, so training is not affected. Chain it
+    last, after every transformation that changes the updates.
+
+    ema_n = d_n * ema_{n-1} + (1 - d_n) * params_n with d_n = min(decay, (n - 1) / n): the
+    first updates are averaged uniformly (no bias toward the initialisation, which a plain
+    EMA started at the initial params would keep for ~1 / (1 - decay) steps), then the
+    average forgets at the rate `decay`. It lives in the optimizer state, so checkpoints
+    store it and a resumed run continues it exactly.
+    """
+    if not 0.0 < decay < 1.0:
+        raise ValueError(f"decay: must be in (0, 1), got {decay}")
+
+    def init(params):
+        # A copy: the train step donates the state, and one buffer must not appear twice.
+        return ParamsEmaState(count=jnp.zeros((), jnp.int32),
+                              ema=jax.tree.map(jnp.copy, params))
+
+    def update(updates, state, params=None):
+        if params is None:
+            raise ValueError("params_ema needs the params: call tx.update(grads, state, params)")
+        new_params = optax.apply_updates(params, updates)  # what the caller will apply
+        count = state.count + 1
+        n = count.astype(jnp.float32)
+        d = jnp.minimum(decay, (n - 1.0) / n)
+        ema = jax.tree.map(lambda e, p: (d * e + (1.0 - d) * p).astype(e.dtype), state.ema,
+                           new_params)
+        return updates, ParamsEmaState(count=count, ema=ema)
+
+    return optax.GradientTransformation(init, update)
+
+
+def find_params_ema(opt_state: Any) -> Any | None:
+    """The averaged parameters of the first `params_ema` found in `opt_state` (a chain's tuple
+    of states, searched depth first), or None when there is none."""
+    if isinstance(opt_state, ParamsEmaState):
+        return opt_state.ema
+    if isinstance(opt_state, (tuple, list)):
+        for inner in opt_state:
+            found = find_params_ema(inner)
+            if found is not None:
+                return found
+    return None

@@ -85,7 +85,13 @@ def test_attention_dropout_only_when_not_deterministic():
     np.testing.assert_allclose(w_drop[kept], 2.0 * ref_w[kept], rtol=1e-5)
 
 
-@pytest.mark.skipif(jax.default_backend() != "gpu", reason="the fused cuDNN kernel needs a GPU")
+# The fused cuDNN kernel needs a GPU; under tests/conftest.py that takes
+# JAX_PLATFORMS=cuda,cpu (the default is the 8 fake CPU devices).
+needs_gpu = pytest.mark.skipif(jax.default_backend() != "gpu",
+                               reason="the fused cuDNN kernel needs a GPU")
+
+
+@needs_gpu
 def test_cudnn_and_xla_paths_agree_in_bf16():
     q, k, v = (jnp.asarray(x, jnp.bfloat16) for x in _qkv(seed=3, b=2, t=16, s=16, h=2, k=64))
     mask = make_causal_mask(16)
@@ -144,7 +150,7 @@ def test_unknown_implementation_is_refused():
         dot_product_attention(q, k, v, implementation="flash")
 
 
-@pytest.mark.skipif(jax.default_backend() != "gpu", reason="the fused cuDNN kernel needs a GPU")
+@needs_gpu
 def test_auto_takes_the_fused_kernel_on_a_gpu_in_bf16_only_where_it_applies():
     def lowered(q, k, v, **kw):
         return jax.jit(lambda q, k, v: dot_product_attention(q, k, v, **kw)).lower(
@@ -160,7 +166,7 @@ def test_auto_takes_the_fused_kernel_on_a_gpu_in_bf16_only_where_it_applies():
     assert "cudnn" not in lowered(q41, k41, v41)
 
 
-@pytest.mark.skipif(jax.default_backend() != "gpu", reason="the fused cuDNN kernel needs a GPU")
+@needs_gpu
 def test_cudnn_and_xla_gradients_agree_with_a_bias_in_bf16():
     # Transformer-XL hands its position term to the core as a [B, H, T, S] bias: the fused
     # kernel must return its gradient too.
@@ -179,7 +185,7 @@ def test_cudnn_and_xla_gradients_agree_with_a_bias_in_bf16():
                                     atol=5e-2, rtol=5e-2)
 
 
-@pytest.mark.skipif(jax.default_backend() != "gpu", reason="the fused cuDNN kernel needs a GPU")
+@needs_gpu
 def test_cudnn_with_fully_masked_rows_stays_finite_and_agrees_on_the_others():
     # A padding-only sequence in the batch masks every key of its rows.
     q, k, v = (jnp.asarray(x, jnp.bfloat16) for x in _qkv(seed=9, b=2, t=16, s=16, h=2, k=64))

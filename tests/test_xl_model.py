@@ -10,6 +10,7 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
+from test_attention import needs_gpu
 from xl_jax import TransformerXL, TransformerXLConfig, init_memory, update_memory
 
 
@@ -234,7 +235,7 @@ def test_presets_build():
     hash(wt)   # static jit argument
 
 
-@pytest.mark.skipif(jax.default_backend() != "gpu", reason="the fused cuDNN kernel needs a GPU")
+@needs_gpu
 def test_cudnn_attention_matches_xla_in_bf16_loss_and_gradients():
     # The position term reaches cuDNN as a [B, H, T, S] bias; its gradient (through q and
     # r_net) must flow as on the XLA path.

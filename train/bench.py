@@ -65,7 +65,8 @@ from train.parallel import DataParallel
 from train.state import TrainState, count_params
 from train.step import make_train_step
 from transformer_jax.config import TransformerConfig
-from xl_jax.config import TransformerXLConfig
+from transformer_jax.attention import IMPLEMENTATIONS
+from xl_jax.config import REMAT_MODES, TransformerXLConfig
 
 PROFILED_STEPS = 3
 SECTIONS = ("matmul", "train_transformer", "train_xl_enwik8", "train_xl_wt103", "decode",
@@ -942,9 +943,9 @@ def build_parser() -> argparse.ArgumentParser:
                              "(default: summarized, then deleted)")
     parser.add_argument("--no-profile", action="store_true",
                         help="do not profile the training benches")
-    parser.add_argument("--attention-impl", choices=("auto", "xla", "cudnn"), default=None,
+    parser.add_argument("--attention-impl", choices=IMPLEMENTATIONS, default=None,
                         help="attention_impl of every model (default: the configs' 'auto')")
-    parser.add_argument("--xl-remat", choices=("attention", "full", "none"), default=None,
+    parser.add_argument("--xl-remat", choices=REMAT_MODES, default=None,
                         help="remat mode of the Transformer-XL training benches")
     parser.add_argument("--append", action="store_true",
                         help="merge into OUT/bench.json (same device): the sections run now "

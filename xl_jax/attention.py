@@ -131,7 +131,8 @@ class RelativeMultiHeadAttention(nn.Module):
         attn = dot_product_attention(
             q + r_w_bias.astype(q.dtype), k, v, mask=mask, bias=pos_bias, scale=scale,
             dropout_rate=cfg.dropatt, dropout_rng=dropout_rng,
-            deterministic=deterministic, implementation=cfg.attention_impl)                                  # [B, T, H, K]
+            deterministic=deterministic,
+            implementation=cfg.attention_impl)                            # [B, T, H, K]
         out = nn.DenseGeneral(cfg.d_model, axis=(-2, -1), name="o_net", **dense)(attn)
         out = nn.Dropout(cfg.dropout)(out, deterministic=deterministic)
         if cfg.norm_first:

@@ -27,8 +27,8 @@ from train.flops import (
     xl_flops,
     xla_flops,
 )
-from train.state import TrainState
-from train.step import make_train_step
+from train.core.state import TrainState
+from train.core.step import make_train_step
 from train.translate import make_loss_fn
 from transformer_jax import Transformer, TransformerConfig
 from xl_jax import TransformerXL, TransformerXLConfig, init_memory

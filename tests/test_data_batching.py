@@ -11,7 +11,7 @@ import itertools
 import numpy as np
 import pytest
 
-from train.batching import TokenBatcher, eval_batches, pair_length
+from train.data.batching import TokenBatcher, eval_batches, pair_length
 
 BUCKETS = (8, 12, 16, 24)
 PAD, BOS, EOS = 0, 1, 2

@@ -13,11 +13,11 @@ from pathlib import Path
 import pytest
 import tensorflow_datasets as tfds
 
-from train import datasets
-from train.datasets import DatasetSourceError, Multi30k, Ptb, load_multi30k, load_ptb
-from train.datasets import multi30k as multi30k_lib
-from train.datasets import ptb as ptb_lib
-from train.datasets import sources
+from train.data import datasets
+from train.data.datasets import DatasetSourceError, Multi30k, Ptb, load_multi30k, load_ptb
+from train.data.datasets import multi30k as multi30k_lib
+from train.data.datasets import ptb as ptb_lib
+from train.data.datasets import sources
 
 DATA = Path(datasets.__file__).parent / 'data'
 

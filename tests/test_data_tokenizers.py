@@ -13,8 +13,8 @@ from pathlib import Path
 import numpy as np
 import pytest
 
-from train import datasets, tokenizers
-from train.tokenizers import CharVocab, SentencePieceTokenizer, StreamVocab, WordVocab
+from train.data import datasets, tokenizers
+from train.data.tokenizers import CharVocab, SentencePieceTokenizer, StreamVocab, WordVocab
 
 DATA = Path(datasets.__file__).parent / 'data'
 

@@ -23,12 +23,12 @@ import numpy as np
 import optax
 import pytest
 
-from train.batching import TokenBatcher
+from train.data.batching import TokenBatcher
 from train.lm import make_loss_fn as lm_loss_fn
-from train.loop import LoopConfig, fit, train_loop
-from train.metrics import MetricsWriter
-from train.parallel import DataParallel
-from train.state import TrainState
+from train.core.loop import LoopConfig, fit, train_loop
+from train.core.metrics import MetricsWriter
+from train.core.parallel import DataParallel
+from train.core.state import TrainState
 from train.translate import make_loss_fn
 from transformer_jax import Transformer, TransformerConfig
 from xl_jax import TransformerXL, TransformerXLConfig, init_memory

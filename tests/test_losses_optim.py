@@ -7,7 +7,8 @@ import numpy as np
 import optax
 import pytest
 
-from transformer_jax import label_smoothed_cross_entropy, make_optimizer, noam_schedule
+from transformer_jax import (OptimizerConfig, label_smoothed_cross_entropy, make_optimizer,
+                             noam_schedule)
 from transformer_jax.optim import find_params_ema, params_ema
 
 
@@ -100,7 +101,8 @@ def _numpy_adam(grads, lrs, b1=0.9, b2=0.98, eps=1e-9):
 @pytest.mark.parametrize("clip_norm", [None, 1.0])
 def test_optimizer_is_adam_0_9_0_98_on_noam_with_optional_clipping(clip_norm):
     d_model, warmup = 16, 4
-    tx = make_optimizer(d_model, warmup, clip_norm=clip_norm)
+    tx, _ = make_optimizer(OptimizerConfig(schedule="noam", d_model=d_model,
+                                           warmup_steps=warmup, clip_norm=clip_norm))
     grads = [np.array([3.0, -4.0]), np.array([0.1, 0.2]), np.array([-0.3, 0.05])]
     clipped = [g * min(1.0, clip_norm / np.linalg.norm(g)) if clip_norm else g for g in grads]
     lrs = [float(noam_schedule(d_model, warmup)(i)) for i in range(3)]

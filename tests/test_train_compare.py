@@ -14,7 +14,7 @@ import numpy as np
 import pytest
 import sacrebleu
 
-from train import compare
+from train.translate import compare
 
 MODELS = ["gru", "transformer"]
 STEPS, EVAL_EVERY, SENTENCES = 4, 2, 16

@@ -14,7 +14,8 @@ import numpy as np
 import pytest
 
 from train import lm
-from train.metrics import read_metrics
+from train.core.metrics import read_metrics
+from transformer_jax.optim import make_schedule
 
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
@@ -82,7 +83,7 @@ def test_char_level_reports_bits_per_character(data_dir, tmp_path):
 def test_schedule_is_linear_warmup_then_cosine(data_dir):
     config = lm.make_config("ptb", "tiny", learning_rate=0.1, warmup_steps=4, steps=10,
                             decay_steps=20, min_learning_rate=0.01, data_dir=str(data_dir))
-    schedule = lm.warmup_cosine(config)
+    schedule = make_schedule(config.optimizer_config())
     for count in range(25):
         t = count + 1
         expected = (0.1 * t / 4 if t < 4 else
@@ -96,7 +97,7 @@ def test_bad_configs_are_clear_errors(data_dir, capsys):
     with pytest.raises(SystemExit):
         lm.config_from_args(["--dataset", "wikitext103"])
     assert "invalid choice: 'wikitext103'" in capsys.readouterr().err
-    config, _ = lm.config_from_args(["--preset", "tiny", "--model.d_inner", "40",
+    config, _, _ = lm.config_from_args(["--preset", "tiny", "--model.d_inner", "40",
                                      "--set", "eval_mem_len=5", "--dtype", "bfloat16"])
     assert config.model_config.d_inner == 40 and config.eval_mem_len == 5
     assert config.model_config.dtype == np.dtype("bfloat16")

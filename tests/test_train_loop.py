@@ -17,11 +17,11 @@ import numpy as np
 import optax
 import pytest
 
-from train.checkpoint import CheckpointError, Checkpoints
-from train.loop import LoopConfig, StopFlag, TrainingDiverged, stop_on_sigterm, train_loop
-from train.metrics import MetricsWriter, read_metrics
-from train.parallel import DataParallel
-from train.state import TrainState
+from train.core.checkpoint import CheckpointError, Checkpoints
+from train.core.loop import LoopConfig, StopFlag, TrainingDiverged, stop_on_sigterm, train_loop
+from train.core.metrics import MetricsWriter, read_metrics
+from train.core.parallel import DataParallel
+from train.core.state import TrainState
 
 D = 4
 ROWS = 8  # divisible by the 8 test devices

@@ -11,8 +11,8 @@ import numpy as np
 import optax
 import pytest
 
-from train.parallel import DataParallel
-from train.state import TrainState
+from train.core.parallel import DataParallel
+from train.core.state import TrainState
 from train.translate import make_loss_fn
 from transformer_jax.config import TransformerConfig
 from transformer_jax.model import Transformer

@@ -15,8 +15,8 @@ import jax
 import pytest
 
 from train import translate
-from train.checkpoint import CheckpointError, Checkpoints
-from train.metrics import read_metrics
+from train.core.checkpoint import CheckpointError, Checkpoints
+from train.core.metrics import read_metrics
 
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 SMALL_MODEL = dict(d_model=32, n_heads=2, d_ff=64, n_encoder_layers=1, n_decoder_layers=1)
@@ -220,8 +220,8 @@ def test_cli_sigterm_saves_then_workdir_alone_resumes_then_translates(tmp_path, 
 def test_translate_pairs_returns_outputs_in_input_order(monkeypatch):
     """Decoding runs in order of source length, over several batches and buckets; each output
     still lands at its input's position. The "model" here returns its source unchanged."""
-    from train.parallel import DataParallel
-    from train.tokenizers import PAD_ID
+    from train.core.parallel import DataParallel
+    from train.data.tokenizers import PAD_ID
     from transformer_jax import decode
 
     monkeypatch.setattr(decode, "greedy_decode", lambda model, params, src, *, max_len: src)
@@ -240,7 +240,7 @@ def test_translate_pairs_returns_outputs_in_input_order(monkeypatch):
 
 def test_gpu_preset_builds_for_every_model_with_its_own_optimizer():
     import jax.numpy as jnp
-    from train import registry
+    from train.translate import registry
     config = translate.make_config("transformer", "gpu")
     cfg = config.model_config
     # The measured ten-minute recipe: IWSLT widths, dropout 0.3, pre-LN, bf16, Noam.

@@ -3,7 +3,7 @@ from __future__ import annotations
 
 import numpy as np
 
-from train.copy_task import EOS, copy_config, decode_copy, random_batch, train_copy_task
+from train.translate.copy_task import EOS, copy_config, decode_copy, random_batch, train_copy_task
 
 
 def test_copy_task_converges():

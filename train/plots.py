@@ -15,7 +15,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from train.metrics import read_metrics
+from train.core.metrics import read_metrics
 
 PLOTS_DIR = "plots"
 

@@ -16,7 +16,7 @@ from transformer_jax.layers import (
 )
 from transformer_jax.losses import label_smoothed_cross_entropy
 from transformer_jax.model import Transformer
-from transformer_jax.optim import make_optimizer, noam_schedule
+from transformer_jax.optim import OptimizerConfig, make_optimizer, noam_schedule, params_ema
 from transformer_jax.positional import PositionalEncoding, sinusoidal_positions, sinusoids_at
 from transformer_jax.decode import (
     beam_search,

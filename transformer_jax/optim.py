@@ -1,12 +1,68 @@
-"""The paper's optimiser: Adam(0.9, 0.98, 1e-9) on the Noam warm-up schedule (section 5.3),
-and `params_ema`, an exponential moving average of the parameters kept in the optimizer state."""
+"""One optimizer module: the learning-rate schedules (the paper's Noam warm-up, a constant rate,
+Transformer-XL's linear warm-up + cosine), Adam, global-norm clipping and `params_ema`, an
+exponential moving average of the parameters kept in the optimizer state, all behind one
+`make_optimizer(OptimizerConfig)`.
+"""
 from __future__ import annotations
 
+import dataclasses
 from typing import Any, NamedTuple
 
 import jax
 import jax.numpy as jnp
 import optax
+
+SCHEDULES = ("noam", "constant", "cosine")
+
+
+@dataclasses.dataclass(frozen=True)
+class OptimizerConfig:
+    """Adam on one of three schedules, with optional clipping and parameter averaging.
+
+    Attributes:
+      schedule: 'noam' (section 5.3 of the paper: Adam 0.9 / 0.98 / 1e-9 on
+        lr_factor * d_model^-0.5 * min(t^-0.5, t * warmup^-1.5)), 'constant' (Adam with its
+        usual betas at learning_rate) or 'cosine' (the Transformer-XL reference: Adam with
+        its usual betas, linear warm-up over warmup_steps, then cosine from learning_rate to
+        min_learning_rate over decay_steps).
+      learning_rate: the rate of 'constant', the peak of 'cosine' (unused by 'noam').
+      d_model, lr_factor: the model width and factor of 'noam'.
+      warmup_steps: 'noam' and 'cosine' warm-up (0: none, 'cosine' only).
+      decay_steps, min_learning_rate: the cosine horizon and floor.
+      clip_norm: clip the gradient to this global norm first (None: no clipping).
+      ema_decay: keep an average of the parameters at this decay (0: none); see `params_ema`.
+    """
+
+    schedule: str = "constant"
+    learning_rate: float = 1e-3
+    d_model: int | None = None
+    lr_factor: float = 1.0
+    warmup_steps: int = 0
+    decay_steps: int = 0
+    min_learning_rate: float = 0.0
+    clip_norm: float | None = None
+    ema_decay: float = 0.0
+
+    def __post_init__(self):
+        if self.schedule not in SCHEDULES:
+            raise ValueError(f"schedule: expected one of {SCHEDULES}, got {self.schedule!r}")
+        if self.schedule == "noam":
+            if not self.d_model or self.d_model <= 0 or self.warmup_steps <= 0:
+                raise ValueError("noam: d_model and warmup_steps must be positive, got "
+                                 f"{self.d_model}, {self.warmup_steps}")
+        elif not (self.learning_rate > 0 and jnp.isfinite(self.learning_rate)):
+            # `> 0` is False for NaN too, but say so: a NaN rate would train to NaN.
+            raise ValueError(f"learning_rate: must be a finite number > 0, got "
+                             f"{self.learning_rate}")
+        if self.schedule == "cosine" and self.decay_steps <= 0:
+            raise ValueError(f"decay_steps: the cosine horizon must be > 0, got "
+                             f"{self.decay_steps}")
+        if self.warmup_steps < 0 or self.min_learning_rate < 0:
+            raise ValueError("warmup_steps and min_learning_rate: must be >= 0")
+        if self.clip_norm is not None and not self.clip_norm > 0:
+            raise ValueError(f"clip_norm: must be > 0 or None, got {self.clip_norm}")
+        if not 0.0 <= self.ema_decay < 1.0:
+            raise ValueError(f"ema_decay: must be in [0, 1) (0 = off), got {self.ema_decay}")
 
 
 def noam_schedule(d_model: int, warmup_steps: int, factor: float = 1.0) -> optax.Schedule:
@@ -27,22 +83,50 @@ def noam_schedule(d_model: int, warmup_steps: int, factor: float = 1.0) -> optax
     return schedule
 
 
-def make_optimizer(
-    d_model: int,
-    warmup_steps: int,
-    factor: float = 1.0,
-    clip_norm: float | None = None,
-) -> optax.GradientTransformation:
-    """Adam(b1=0.9, b2=0.98, eps=1e-9) on `noam_schedule`, after optional global-norm clipping.
+def warmup_cosine_schedule(learning_rate: float, *, warmup_steps: int, decay_steps: int,
+                           min_learning_rate: float = 0.0) -> optax.Schedule:
+    """The Transformer-XL reference's schedule with 1-based step t: lr * t / warmup while
+    t < warmup, then min_lr + (lr - min_lr) * (1 + cos(pi * t / decay_steps)) / 2, t capped
+    at decay_steps."""
+    lr, floor, total = learning_rate, min_learning_rate, max(decay_steps, 1)
 
-    Args:
-      d_model, warmup_steps, factor: as in `noam_schedule` (paper: factor 1, warm-up 4000).
-      clip_norm: clip gradients to this global norm first; None (the paper) does not clip.
+    def schedule(count):
+        t = jnp.asarray(count, jnp.float32) + 1.0
+        cosine = floor + (lr - floor) * 0.5 * (1.0 + jnp.cos(jnp.pi * jnp.minimum(t, total)
+                                                             / total))
+        return jnp.where(t < warmup_steps, lr * t / max(warmup_steps, 1), cosine)
+
+    return schedule
+
+
+def make_schedule(config: OptimizerConfig) -> optax.Schedule:
+    if config.schedule == "noam":
+        return noam_schedule(config.d_model, config.warmup_steps, config.lr_factor)
+    if config.schedule == "cosine":
+        return warmup_cosine_schedule(config.learning_rate, warmup_steps=config.warmup_steps,
+                                      decay_steps=config.decay_steps,
+                                      min_learning_rate=config.min_learning_rate)
+    return optax.constant_schedule(config.learning_rate)
+
+
+def make_optimizer(config: OptimizerConfig) -> tuple[optax.GradientTransformation,
+                                                     optax.Schedule]:
+    """-> (tx, the learning-rate schedule): [clip] -> Adam -> [params_ema].
+
+    A single transformation is returned unchained, so the optimizer state's tree (and with it
+    every checkpoint) is the same as that transformation's own.
     """
-    adam = optax.adam(noam_schedule(d_model, warmup_steps, factor), b1=0.9, b2=0.98, eps=1e-9)
-    if clip_norm is None:
-        return adam
-    return optax.chain(optax.clip_by_global_norm(clip_norm), adam)
+    schedule = make_schedule(config)
+    if config.schedule == "noam":
+        adam = optax.adam(schedule, b1=0.9, b2=0.98, eps=1e-9)
+    else:
+        adam = optax.adam(schedule)
+    parts = [adam]
+    if config.clip_norm is not None:
+        parts.insert(0, optax.clip_by_global_norm(config.clip_norm))
+    if config.ema_decay:
+        parts.append(params_ema(config.ema_decay))  # last: it averages the updated params
+    return (parts[0] if len(parts) == 1 else optax.chain(*parts)), schedule
 
 
 class ParamsEmaState(NamedTuple):

@@ -18,7 +18,7 @@ from __future__ import annotations
 import tensorflow_datasets as tfds
 from etils import epath
 
-from train.datasets import sources
+from train.data.datasets import sources
 
 LEVELS = ('word', 'char')
 SPLITS = ('train', 'validation', 'test')

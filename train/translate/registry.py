@@ -11,6 +11,10 @@ from __future__ import annotations
 import dataclasses
 from typing import Any, Callable, Mapping
 
+from transformer_jax.baselines import BASELINES
+from transformer_jax.config import TransformerConfig
+from transformer_jax.model import Transformer
+
 PRESETS = ("tiny", "cpu", "gpu", "base")
 
 
@@ -21,14 +25,11 @@ class TranslationModel:
     module_cls: type
     # run preset -> (vocab_size, **overrides) -> config
     presets: Mapping[str, Callable[..., Any]]
-    # The run defaults this family trains with (see train.translate.TranslateConfig).
+    # The run defaults this family trains with (see train.translate.config.TranslateConfig).
     run_defaults: Mapping[str, Any]
 
 
 def _transformer() -> TranslationModel:
-    from transformer_jax.config import TransformerConfig
-    from transformer_jax.model import Transformer
-
     def sized(base: Callable, **fields):
         def make(vocab_size: int, **overrides):
             kw = dict(fields, src_vocab_size=vocab_size, tgt_vocab_size=vocab_size)
@@ -39,20 +40,15 @@ def _transformer() -> TranslationModel:
         name="transformer", config_cls=TransformerConfig, module_cls=Transformer,
         presets={
             "tiny": sized(TransformerConfig.tiny, dropout=0.0),
-            # Small enough for a 2-core CPU to see about 1.9 epochs of Multi30k in 8 minutes.
-            # Pre-LN: it trains stably at a constant 1e-3 from step 0, which learned fastest
-            # in short runs (see train.translate.PRESETS). d_ff 512: fewer FLOPs a step.
-            # No dropout: in under 2 epochs it only slows learning (at step 1850, evaluated
-            # with the EMA: validation ppl 10.67 and test BLEU 27.14 without, 11.89 and 25.85
-            # with dropout 0.1).
+            # Small enough for a 2-core CPU to see about two epochs of Multi30k in 8 minutes;
+            # pre-LN trains stably at a constant 1e-3 from step 0; no dropout: in under two
+            # epochs it only slows learning (benchmarks/README.md).
             "cpu": sized(TransformerConfig.base, d_model=256, n_heads=4, d_ff=512,
                          n_encoder_layers=3, n_decoder_layers=3, dropout=0.0,
                          norm_first=True),
-            # One GPU, ten minutes: the IWSLT-sized Transformer (fairseq's transformer_iwslt_de_en
-            # widths) for a corpus of 29k pairs, heavily regularised (dropout 0.3) because a
-            # GPU sees ~100 epochs in the time; pre-LN, bf16. XLA attention: at these lengths
-            # cuDNN's fused kernel gains nothing (Transformer base, L 32, H100: 53.0 ms a step
-            # fused, 51.7 XLA).
+            # One GPU, ten minutes: IWSLT widths for a corpus of 29k pairs, dropout 0.3 (a GPU
+            # sees ~100 epochs in the time), pre-LN, bf16; XLA attention (cuDNN's fused kernel
+            # gains nothing at these lengths: benchmarks/README.md).
             "gpu": sized(TransformerConfig.base, d_ff=1024, n_heads=4, dropout=0.3,
                          norm_first=True, dtype="bfloat16", attention_impl="xla"),
             "base": sized(TransformerConfig.base),
@@ -61,8 +57,6 @@ def _transformer() -> TranslationModel:
 
 
 def _baseline(name: str) -> TranslationModel:
-    from transformer_jax.baselines import BASELINES
-
     entry = BASELINES[name]
     # The tiny run pads to 64 and decodes 8 positions more; ConvS2S's unit-test table (32
     # positions) is too short for that.
@@ -85,12 +79,7 @@ def _baseline(name: str) -> TranslationModel:
 
 
 def names() -> list[str]:
-    try:
-        from transformer_jax.baselines import BASELINES
-        baselines = sorted(BASELINES)
-    except ImportError:  # the baselines are optional for the Transformer's own runs
-        baselines = []
-    return ["transformer", *baselines]
+    return ["transformer", *sorted(BASELINES)]
 
 
 def get(name: str) -> TranslationModel:

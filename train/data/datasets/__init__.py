@@ -14,9 +14,9 @@ import os
 
 import tensorflow_datasets as tfds
 
-from train.datasets.multi30k import Multi30k
-from train.datasets.ptb import Ptb
-from train.datasets.sources import DatasetSourceError
+from train.data.datasets.multi30k import Multi30k
+from train.data.datasets.ptb import Ptb
+from train.data.datasets.sources import DatasetSourceError
 
 __all__ = ['DatasetSourceError', 'Multi30k', 'Ptb', 'load_multi30k', 'load_ptb']
 

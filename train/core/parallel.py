@@ -22,10 +22,11 @@ from typing import Any, Callable, Literal, Sequence
 
 import jax
 import numpy as np
+from jax.experimental import multihost_utils
 from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
 
-from train.state import TrainState
-from train.step import LossFn, make_eval_step, make_train_step
+from train.core.state import TrainState
+from train.core.step import LossFn, make_eval_step, make_train_step
 
 PyTree = Any
 DATA_AXIS = "data"
@@ -186,6 +187,14 @@ class DataParallel:
         return jax.jit(make_eval_step(loss_fn),
                        in_shardings=(state_sh.params, self.batch_sharding, self.batch_sharding),
                        out_shardings=(self.replicated, self.batch_sharding))
+
+    def fetch_rows(self, x) -> np.ndarray:
+        """A global array split on its rows (decoded tokens, ...) -> all of it on this host.
+        Past one process the rows of other hosts' devices are gathered (a collective: every
+        process must call it)."""
+        if isinstance(x, jax.Array) and not x.is_fully_addressable:
+            return np.asarray(multihost_utils.process_allgather(x, tiled=True))
+        return np.asarray(jax.device_get(x))
 
     def fetch(self, metrics: Sequence[PyTree]) -> list[dict[str, float]]:
         """Device metrics (a list of per-step dicts) -> host floats, in ONE transfer."""

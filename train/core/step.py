@@ -23,7 +23,7 @@ import jax.numpy as jnp
 import optax
 from jax import lax
 
-from train.state import TrainState
+from train.core.state import TrainState
 
 PyTree = Any
 Array = jax.Array

@@ -32,7 +32,7 @@ from typing import Iterator, Sequence
 
 import numpy as np
 
-from train.tokenizers import BOS_ID, EOS_ID, PAD_ID
+from train.data.tokenizers import BOS_ID, EOS_ID, PAD_ID
 
 # Multi30k pieces per sentence (8k joint BPE): median 14, 99th percentile 32, max 55. Steps of
 # 4 where most pairs are keep ~83% of the batch real tokens (uniform steps of 8: ~75%), and

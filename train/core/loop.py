@@ -16,6 +16,7 @@ import contextlib
 import dataclasses
 import math
 import signal
+import sys
 import threading
 import time
 from typing import Any, Callable, Iterator, Mapping
@@ -23,10 +24,10 @@ from typing import Any, Callable, Iterator, Mapping
 import jax
 from tqdm.auto import tqdm
 
-from train.checkpoint import BEST_METRIC, Checkpoints, save_run_config
-from train.metrics import MetricsWriter, summarize_interval
-from train.parallel import DataParallel
-from train.state import TrainState
+from train.core.checkpoint import BEST_METRIC, Checkpoints, save_run_config
+from train.core.metrics import MetricsWriter, summarize_interval
+from train.core.parallel import DataParallel
+from train.core.state import TrainState
 
 
 class TrainingDiverged(RuntimeError):
@@ -114,6 +115,7 @@ def train_loop(
     elapsed: float = 0.0,
     stop: StopFlag | None = None,
     on_log: Callable[[dict[str, Any]], None] | None = None,
+    log: Callable[[str], None] | None = None,
 ) -> LoopResult:
     """Runs `train_step` from state.step to config.steps.
 
@@ -125,8 +127,12 @@ def train_loop(
     stop = stop or StopFlag()
     step = int(jax.device_get(state.step).reshape(-1)[0])  # pmap: one copy per device
     start_step, pending, reason, last_eval = step, [], "steps", None
-    bar = tqdm(total=config.steps, initial=step, disable=not config.progress or
-               jax.process_index() != 0, dynamic_ncols=True, desc="train")
+    # A bar on a terminal; elsewhere (CI, nohup, a log file) its carriage-return stream would
+    # flood the log, so a plain line per logging interval instead.
+    interactive = config.progress and sys.stderr.isatty()
+    bar = tqdm(total=config.steps, initial=step, dynamic_ncols=True, desc="train",
+               disable=not interactive or jax.process_index() != 0)
+    log = log or printer()
     t_log = time.monotonic()
     t_run = t_log
 
@@ -151,6 +157,10 @@ def train_loop(
         record = writer.write(step, "train", line)
         bar.set_postfix(loss=f"{line['loss']:.3f}", lr=f"{line.get('lr', 0):.2e}",
                         tok_s=f"{line['tokens_per_sec']:.0f}", refresh=False)
+        if config.progress and not interactive:
+            log(f"step {step}/{config.steps}: loss {line['loss']:.4f}, lr "
+                f"{line.get('lr', 0):.3g}, {line['tokens_per_sec']:.0f} tokens/s, "
+                f"{line['elapsed']:.0f}s")
         if on_log:
             on_log(record)
         pending, t_log = [], now
@@ -256,8 +266,8 @@ def fit(
     batches: start step -> the batch stream from that step on.
     """
     checkpoints = Checkpoints(workdir, keep=keep_checkpoints)
+    writer = MetricsWriter(workdir)
     try:
-        writer = MetricsWriter(workdir)
         elapsed = 0.0
         if checkpoints.latest_step() is not None:
             state, meta = checkpoints.restore(state)
@@ -265,6 +275,7 @@ def fit(
             writer.rewind(int(jax.device_get(state.step)))
             log(f"resumed from {checkpoints.path(checkpoints.latest_step())}")
         save_run_config(workdir, run_config)
+        writer.hparams(run_config)
         start = int(jax.device_get(state.step))
         dstate = dp.put_state(state)
         train_step = dp.compile_train_step(loss_fn, dstate, lr_schedule=lr_schedule)
@@ -275,8 +286,9 @@ def fit(
                 + "; SIGTERM saves a checkpoint and stops")
             result = train_loop(dstate, dp=dp, train_step=train_step, batches=batches(start),
                                 config=config, writer=writer, checkpoints=checkpoints,
-                                evaluate=evaluate, elapsed=elapsed, stop=stop)
+                                evaluate=evaluate, elapsed=elapsed, stop=stop, log=log)
     finally:
+        writer.close()
         checkpoints.close()
     compiled = getattr(train_step, "_cache_size", lambda: None)()
     state = dp.get_state(result.state)

@@ -1,4 +1,4 @@
-"""Command-line flags generated from config dataclasses, shared by train.translate and train.lm.
+"""Command-line flags generated from config dataclasses, shared by every entry point.
 
 Every field of a run config becomes `--field VALUE`; every field of the model config becomes
 `--model.field VALUE`; `--set field=VALUE` (or `--set model.field=VALUE`) reaches either one.
@@ -11,10 +11,15 @@ from __future__ import annotations
 
 import argparse
 import ast
-import dataclasses
 import types
 import typing
 from typing import Any, Callable, Iterable, Literal, Mapping, Sequence
+
+import jax
+
+from train.core.checkpoint import load_run_config
+from train.core.config import field_hints, replace
+from train.core.task import config_from_saved
 
 MODEL_PREFIX = "model."
 
@@ -66,15 +71,6 @@ def converter(hint: Any) -> Callable[[str], Any]:
     return _literal_or_text
 
 
-def field_hints(cls: type) -> dict[str, Any]:
-    """{field name: resolved type hint} of a dataclass (Any where a hint cannot be resolved)."""
-    try:
-        hints = typing.get_type_hints(cls)
-    except Exception:  # a hint naming something not importable here: treat loosely
-        hints = {}
-    return {f.name: hints.get(f.name, Any) for f in dataclasses.fields(cls)}
-
-
 def add_dataclass_flags(parser: argparse.ArgumentParser, cls: type, *, prefix: str = "",
                         exclude: Iterable[str] = (), group_title: str | None = None) -> None:
     """Adds `--{prefix}{field}` for each field of `cls` (not given -> absent from the args)."""
@@ -124,21 +120,6 @@ def split_given(args: argparse.Namespace, *, run_cls: type, model_cls: type | No
     return run, model
 
 
-def from_dict(cls: type, values: Mapping[str, Any]) -> Any:
-    """A dataclass from a JSON dict: lists become tuples where the field is a tuple; unknown
-    keys are an error naming them."""
-    hints = field_hints(cls)
-    unknown = set(values) - set(hints)
-    if unknown:
-        raise ValueError(f"{cls.__name__} has no field(s) {sorted(unknown)}")
-    fixed = {}
-    for k, v in values.items():
-        if isinstance(v, list) and typing.get_origin(hints[k]) is tuple:
-            v = tuple(v)
-        fixed[k] = v
-    return cls(**fixed)
-
-
 # ------------------------------------------------------------------- entry-point flow
 def base_parser(prog: str, description: str, *, choice_flag: str, choices: Sequence[str],
                 presets: Sequence[str], run_cls: type, model_cls: type,
@@ -176,35 +157,51 @@ def pre_parse(argv: Sequence[str] | None, choice_flag: str) -> argparse.Namespac
 def default_preset() -> str:
     """The preset a run without --preset gets: 'gpu' where JAX's default backend is a GPU
     (a ten-minute recipe for one), else 'cpu' (ten minutes on a small CPU)."""
-    import jax
     return "gpu" if jax.default_backend() == "gpu" else "cpu"
 
 
+def task_parser(task: Any, argv: Sequence[str] | None, *, description: str
+                ) -> tuple[argparse.ArgumentParser, dict[str, Any] | None]:
+    """The full parser of `task`'s entry point (its model flags are those of the chosen or
+    saved model) and the saved config of --workdir, if any."""
+    known = pre_parse(argv, task.choice_flag)
+    saved = load_run_config(known.workdir) if known.workdir else None
+    choice = getattr(known, task.choice_flag) or (saved or {}).get(task.choice_flag,
+                                                                   task.default_choice)
+    if choice not in task.choices():
+        choice = task.default_choice  # the full parser reports the bad choice
+    parser = base_parser(
+        f"python -m train.{task.name}", description, choice_flag=task.choice_flag,
+        choices=task.choices(), presets=list(task.presets), run_cls=task.config_cls,
+        model_cls=task.model_config_cls(choice), model_title=f"model ({choice})")
+    return parser, saved
+
+
 def resolve_config(parser: argparse.ArgumentParser, args: argparse.Namespace, *,
-                   saved: Mapping[str, Any] | None, choice_flag: str, default_choice: str,
-                   run_cls: type, model_cls: type, make_config: Callable[..., Any],
-                   config_from_dict: Callable[[Mapping[str, Any]], Any],
-                   replace: Callable[..., Any]) -> Any:
+                   saved: Mapping[str, Any] | None, task: Any) -> Any:
     """The run config from the parsed flags: the saved config of --workdir with the given
-    fields changed, else make_config(choice, preset or default_preset(), ...). Errors are
-    argparse errors."""
+    fields changed, else task.make_config(choice, preset or default_preset(), ...). Errors
+    are argparse errors naming the field."""
+    flag = task.choice_flag
     try:
-        run, model = split_given(args, run_cls=run_cls, model_cls=model_cls, sets=args.set)
-        for key in (choice_flag, "preset", "model_config"):
+        choice = getattr(args, flag, None)
+        model_cls = task.model_config_cls(choice or (saved or {}).get(flag,
+                                                                      task.default_choice))
+        run, model = split_given(args, run_cls=task.config_cls, model_cls=model_cls,
+                                 sets=args.set)
+        for key in (flag, "preset", "model_config"):
             run.pop(key, None)  # chosen by their own flags, not overridden as fields
         if "dtype" in args:
             model["dtype"] = args.dtype
-        choice = getattr(args, choice_flag, None)
         preset = getattr(args, "preset", None)
         if saved is None:
-            return make_config(choice or default_choice, preset or default_preset(),
-                               model_overrides=model, **run)
-        config = config_from_dict(saved)
-        if choice not in (None, getattr(config, choice_flag)) or preset not in (None,
-                                                                                config.preset):
-            raise ValueError(f"{args.workdir} holds a {getattr(config, choice_flag)} "
+            return task.make_config(choice or task.default_choice, preset or default_preset(),
+                                    model_overrides=model, **run)
+        config = config_from_saved(task, saved)
+        if choice not in (None, getattr(config, flag)) or preset not in (None, config.preset):
+            raise ValueError(f"{args.workdir} holds a {getattr(config, flag)} "
                              f"({config.preset}) run; use a new --workdir for another "
-                             f"{choice_flag} or preset")
+                             f"{flag} or preset")
         return replace(config, model_overrides=model, **run)
     except (ValueError, TypeError) as e:
         parser.error(str(e))

@@ -159,7 +159,7 @@ def multi30k_tokenizer(
     data_dir: str | os.PathLike | None = None,
 ) -> SentencePieceTokenizer:
     """The joint de+en tokenizer of the Multi30k train split, cached in `workdir`."""
-    from train.datasets import load_multi30k  # local: importing TFDS is not free
+    from train.data.datasets import load_multi30k  # local: importing TFDS is not free
 
     pairs = load_multi30k('train', data_dir=data_dir)
     sentences = [s for de, en in pairs for s in (de, en)]
@@ -199,7 +199,7 @@ class StreamVocab:
     @classmethod
     def from_ptb(cls, *, data_dir: str | os.PathLike | None = None) -> StreamVocab:
         """The standard vocabulary of the PTB train split at this class's level."""
-        from train.datasets import load_ptb  # local: importing TFDS is not free
+        from train.data.datasets import load_ptb  # local: importing TFDS is not free
 
         vocab = cls.from_lines(load_ptb(cls.LEVEL, 'train', data_dir=data_dir))
         if vocab.vocab_size != cls.PTB_SIZE:

@@ -11,17 +11,16 @@ overwritten to get past it.
 """
 from __future__ import annotations
 
-import dataclasses
 import json
 import logging
 import os
-from typing import Any, Mapping
+from typing import Any, Callable, Mapping
 
 import jax
 import orbax.checkpoint as ocp
 from orbax.checkpoint.checkpoint_managers import preservation_policy as ocp_keep
 
-from train.state import TrainState
+from train.core.state import TrainState
 
 CONFIG_FILE = "config.json"
 CHECKPOINT_DIR = "checkpoints"
@@ -124,19 +123,6 @@ def _best_key(metrics: Mapping[str, float]) -> float:
 
 
 # ------------------------------------------------------------------------- run config
-def config_to_dict(config: Any) -> dict[str, Any]:
-    """A (nested) config dataclass -> JSON-able dict (dtypes and tuples made plain)."""
-    return json.loads(json.dumps(dataclasses.asdict(config), default=_json_default))
-
-
-def _json_default(x: Any):
-    if hasattr(x, "dtype") and hasattr(x, "name"):  # a numpy/jax dtype or scalar type
-        return str(x.name)
-    if isinstance(x, type):
-        return x.__name__
-    return str(x)
-
-
 def save_run_config(workdir: str, config: Mapping[str, Any]) -> None:
     if jax.process_index() != 0:
         return
@@ -177,12 +163,24 @@ def config_mismatches(saved: Mapping[str, Any], given: Mapping[str, Any], *,
 
 
 def check_run_config(workdir: str, config: Mapping[str, Any], *,
-                     may_change: tuple[str, ...]) -> None:
+                     may_change: tuple[str, ...],
+                     normalize: Callable[[Mapping[str, Any]], Mapping[str, Any]] | None = None
+                     ) -> None:
     """An existing run config in `workdir` must match `config` except in `may_change` fields;
-    else ValueError listing the differences. Writes nothing (see `save_run_config`)."""
+    else ValueError listing the differences. `normalize` maps the saved JSON to today's form
+    of the same config (fields added since then at their defaults). Writes nothing (see
+    `save_run_config`)."""
     saved = load_run_config(workdir)
     if saved is None:
         return
+    if normalize is not None:
+        try:
+            saved = normalize(saved)
+        except (ValueError, TypeError, KeyError) as e:
+            raise CheckpointError(
+                f"run config {os.path.join(workdir, CONFIG_FILE)} does not describe a run this "
+                f"version can resume ({e}). Start a new --workdir, or edit that file to today's "
+                "fields (see the README's 'Reliability' section).") from e
     diff = config_mismatches(saved, config, may_change=may_change)
     if diff:
         raise ValueError(

@@ -17,7 +17,7 @@ from __future__ import annotations
 import tensorflow_datasets as tfds
 from etils import epath
 
-from train.datasets import sources
+from train.data.datasets import sources
 
 # Snapshot of multi30k/dataset whose data/task1/raw/*.gz are byte-identical to the shipped files.
 _UPSTREAM = ('https://raw.githubusercontent.com/multi30k/dataset/'

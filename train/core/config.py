@@ -1,0 +1,150 @@
+"""The run config every task shares, and its round trip through W/config.json.
+
+A task's config (`train.translate.TranslateConfig`, `train.lm.LMConfig`) is a frozen dataclass
+that extends `RunConfig` with its own fields and holds the model's own frozen config in
+`model_config`. Everything here is written once for every task: validation of the shared
+fields, which fields a resumed run may change, the JSON form saved in the work directory and
+the way back, and `replace` with model-field overrides.
+"""
+from __future__ import annotations
+
+import dataclasses
+import json
+import math
+import typing
+from typing import Any, ClassVar, Mapping
+
+
+PARALLEL_MODES = ("jit", "pmap")
+
+
+@dataclasses.dataclass(frozen=True)
+class RunConfig:
+    """The fields of every training run.
+
+    Attributes:
+      preset: the named recipe this config started from (each task lists its own).
+      model_config: the model's frozen config.
+      steps: stop after this many optimizer steps (a resumed run may change it).
+      minutes: also stop when this much wall time has passed since the start, data
+        preparation included (0 = no limit); evaluation follows.
+      seed: parameters, dropout and batch order all derive from it.
+      parallel: 'jit' (Mesh + NamedSharding) or 'pmap'. distributed: initialise JAX's
+        distributed runtime first (several processes).
+      log_every, eval_every, checkpoint_every: in steps; eval_every 0 = at the end only (a
+        checkpoint is saved at each evaluation, and at checkpoint_every).
+      keep_checkpoints: the last N are kept (and the best by validation loss).
+      data_dir: TFDS data directory (None: TFDS's default).
+      progress: a progress bar on a terminal (a line per log interval otherwise).
+      plots: write W/plots/ at the end.
+    """
+
+    preset: str = "cpu"
+    model_config: Any = None
+    steps: int = 100_000
+    minutes: float = 0.0
+    seed: int = 0
+    parallel: str = "jit"
+    distributed: bool = False
+    log_every: int = 100
+    eval_every: int = 0
+    checkpoint_every: int = 1000
+    keep_checkpoints: int = 3
+    data_dir: str | None = None
+    progress: bool = True
+    plots: bool = True
+
+    # Fields a resumed run may change: they do not alter the training trajectory. A task
+    # adds its own (evaluation settings) with `RunConfig.MAY_CHANGE + (...)`.
+    MAY_CHANGE: ClassVar[tuple[str, ...]] = (
+        "steps", "minutes", "parallel", "distributed", "log_every", "eval_every",
+        "checkpoint_every", "keep_checkpoints", "data_dir", "progress", "plots")
+
+    def __post_init__(self):
+        if self.model_config is None:
+            raise ValueError("model_config: build configs with the task's make_config(...)")
+        if self.parallel not in PARALLEL_MODES:
+            raise ValueError(f"parallel: expected one of {PARALLEL_MODES}, got "
+                             f"{self.parallel!r}")
+        for name in ("log_every", "keep_checkpoints"):
+            _check(name, getattr(self, name), minimum=1)
+        for name in ("steps", "eval_every", "checkpoint_every", "seed"):
+            _check(name, getattr(self, name), minimum=0)
+        if not (math.isfinite(self.minutes) and self.minutes >= 0):
+            raise ValueError(f"minutes: must be a finite number >= 0, got {self.minutes}")
+
+
+def _check(name: str, value: Any, *, minimum: int) -> None:
+    if not isinstance(value, int) or isinstance(value, bool) or value < minimum:
+        raise ValueError(f"{name}: must be an integer >= {minimum}, got {value!r}")
+
+
+def check_positive(config: Any, names: tuple[str, ...], *, minimum: int = 1) -> None:
+    """Each integer field in `names` must be >= `minimum` (ValueError naming the field)."""
+    for name in names:
+        _check(name, getattr(config, name), minimum=minimum)
+
+
+def check_finite(config: Any, names: tuple[str, ...], *, positive: bool) -> None:
+    """Each float field in `names` must be finite and > 0 (positive) or >= 0."""
+    for name in names:
+        value = getattr(config, name)
+        ok = isinstance(value, (int, float)) and math.isfinite(value) and (
+            value > 0 if positive else value >= 0)
+        if not ok:
+            raise ValueError(f"{name}: must be a finite number {'>' if positive else '>='} 0, "
+                             f"got {value!r}")
+
+
+# ------------------------------------------------------------------------- round trip
+def field_hints(cls: type) -> dict[str, Any]:
+    """{field name: resolved type hint} of a dataclass (Any where a hint cannot be resolved)."""
+    try:
+        hints = typing.get_type_hints(cls)
+    except Exception:  # a hint naming something not importable here: treat loosely
+        hints = {}
+    return {f.name: hints.get(f.name, Any) for f in dataclasses.fields(cls)}
+
+
+def from_dict(cls: type, values: Mapping[str, Any]) -> Any:
+    """A dataclass from a JSON dict: lists become tuples where the field is a tuple; unknown
+    keys are an error naming them."""
+    hints = field_hints(cls)
+    unknown = set(values) - set(hints)
+    if unknown:
+        raise ValueError(f"{cls.__name__} has no field(s) {sorted(unknown)}")
+    fixed = {}
+    for k, v in values.items():
+        if isinstance(v, list) and typing.get_origin(hints[k]) is tuple:
+            v = tuple(v)
+        fixed[k] = v
+    return cls(**fixed)
+
+
+def config_to_dict(config: Any) -> dict[str, Any]:
+    """A (nested) config dataclass -> JSON-able dict (dtypes and tuples made plain)."""
+    return json.loads(json.dumps(dataclasses.asdict(config), default=_json_default))
+
+
+def _json_default(x: Any):
+    if hasattr(x, "dtype") and hasattr(x, "name"):  # a numpy/jax dtype or scalar type
+        return str(x.name)
+    if isinstance(x, type):
+        return x.__name__
+    return str(x)
+
+
+def config_from_dict(run_cls: type, model_cls: type, values: Mapping[str, Any]) -> Any:
+    """`run_cls` from its JSON form (model_config: a dict of `model_cls` fields). Fields the
+    JSON lacks (a config saved before they existed) take their defaults."""
+    values = dict(values)
+    values["model_config"] = from_dict(model_cls, values["model_config"])
+    return from_dict(run_cls, values)
+
+
+def replace(config: Any, *, model_overrides: Mapping[str, Any] = (), **run_overrides) -> Any:
+    """`config` with some run and model fields changed (validated again)."""
+    model_config = config.model_config
+    if model_overrides:
+        model_config = dataclasses.replace(model_config, **dict(model_overrides))
+    return dataclasses.replace(config, model_config=model_config, **run_overrides)

@@ -1,0 +1,185 @@
+"""The `Task` protocol and the one run every task shares.
+
+A task (translation, language modelling) says how to build its model, its data, its loss and
+its evaluation; `train_and_evaluate(task, config, workdir)` does the rest once for all of them:
+distributed start-up, the work-directory config check, placement, fresh state from the seed,
+resume, the training loop, checkpoints and the final evaluation hand-off.
+
+    train_and_evaluate(TRANSLATION, config, "runs/x")   # what train.translate.train_and_evaluate is
+"""
+from __future__ import annotations
+
+import os
+import time
+from typing import Any, Callable, Iterator, Mapping, Protocol, Sequence
+
+import flax.linen as nn
+import jax
+
+from train.core.checkpoint import (Checkpoints, check_run_config, load_run_config,
+                                   save_run_config)
+from train.core.config import RunConfig, config_from_dict, config_to_dict
+from train.core.loop import FitResult, LoopConfig, fit, printer
+from train.core.parallel import DataParallel, maybe_initialize_distributed
+from train.core.state import TrainState, count_params
+from train.core.step import LossFn
+from transformer_jax.optim import OptimizerConfig, find_params_ema, make_optimizer
+
+PyTree = Any
+
+
+class TaskData(Protocol):
+    """What a task prepared for one run: the training stream and its evaluations."""
+
+    def batches(self, start_step: int) -> Iterator[Mapping[str, Any]]:
+        """The global batch of step `start_step`, then the next, ... (host arrays)."""
+
+    def evaluate(self, dp: DataParallel, eval_step: Callable, params: PyTree) -> dict[str, float]:
+        """Validation figures ('loss' ranks the checkpoints) of `params` (global layout)."""
+
+    def finish(self, *, workdir: str, dp: DataParallel, eval_step: Callable, model: nn.Module,
+               state: TrainState, params: PyTree, validation: dict[str, float],
+               start: float) -> dict[str, Any]:
+        """The final evaluation after training (test figures, files, plots) -> the entries it
+        adds to the run's final metrics."""
+
+
+class Task(Protocol):
+    """A kind of training run. `choice_flag` names what the run trains on or with (the
+    translation model, the LM dataset); `config_cls` is the task's RunConfig subclass."""
+
+    name: str
+    choice_flag: str
+    default_choice: str
+    config_cls: type
+    presets: Sequence[str]
+
+    def choices(self) -> list[str]: ...
+
+    def model_config_cls(self, choice: str) -> type: ...
+
+    def make_config(self, choice: str, preset: str, *, model_overrides: Mapping[str, Any] = (),
+                    **run_overrides) -> RunConfig: ...
+
+    def build_model(self, config: RunConfig) -> nn.Module: ...
+
+    def optimizer_config(self, config: RunConfig) -> OptimizerConfig: ...
+
+    def init_params(self, config: RunConfig, model: nn.Module, rng: jax.Array
+                    ) -> tuple[PyTree, PyTree]:
+        """-> (params, the initial carried state `extra` or None), traceable under jit."""
+
+    def loss_fn(self, config: RunConfig, model: nn.Module) -> LossFn: ...
+
+    def prepare(self, config: RunConfig, workdir: str, dp: DataParallel,
+                log: Callable[[str], None]) -> TaskData: ...
+
+    def describe(self, config: RunConfig) -> str:
+        """The model's name in log lines."""
+
+
+def config_from_saved(task: Task, values: Mapping[str, Any]) -> RunConfig:
+    """A task's config from its saved JSON form."""
+    choice = values.get(task.choice_flag, task.default_choice)
+    return config_from_dict(task.config_cls, task.model_config_cls(choice), values)
+
+
+def normal_form(task: Task, values: Mapping[str, Any]) -> dict[str, Any]:
+    """Saved JSON -> config -> JSON: fields added since it was saved get their defaults, so an
+    older work directory compares equal to the same run described today."""
+    return config_to_dict(config_from_saved(task, values))
+
+
+def init_state(task: Task, config: RunConfig, model: nn.Module, tx,
+               dp: DataParallel) -> TrainState:
+    """Fresh float32 params, optimizer state and carried state from the seed, in the global
+    layout."""
+
+    def create(seed):
+        init_rng, train_rng = jax.random.split(jax.random.PRNGKey(seed))
+        params, extra = task.init_params(config, model, init_rng)
+        return TrainState.create(params=params, tx=tx, rng=train_rng, extra=extra)
+
+    return dp.init_state(create, config.seed)
+
+
+def eval_params(state: TrainState) -> PyTree:
+    """The parameters to evaluate and decode with: the moving average when the optimizer
+    keeps one (ema_decay > 0), else the trained parameters themselves."""
+    ema = find_params_ema(state.opt_state)
+    return state.params if ema is None else ema
+
+
+def restore_for_inference(task: Task, workdir: str, *, step: int | None = None,
+                          dp: DataParallel | None = None):
+    """-> (config, model, state, dp) of a trained work directory's checkpoint `step`
+    (default: the best by validation loss, else the latest)."""
+    saved = load_run_config(workdir)
+    if saved is None:
+        raise FileNotFoundError(f"{workdir} has no config.json: not a train.{task.name} work "
+                                "directory")
+    config = config_from_saved(task, saved)
+    checkpoints = Checkpoints(workdir, keep=config.keep_checkpoints)
+    try:
+        if checkpoints.latest_step() is None:
+            raise FileNotFoundError(f"no checkpoint in {checkpoints.directory}: train first")
+        step = checkpoints.best_step() if step is None else step
+        dp = dp or DataParallel("jit")
+        model = task.build_model(config)
+        tx, _ = make_optimizer(task.optimizer_config(config))
+        template = init_state(task, config, model, tx, dp)  # what to restore into
+        state, _ = checkpoints.restore(template, step)
+    finally:
+        checkpoints.close()
+    return config, model, state, dp
+
+
+def train_and_evaluate(task: Task, config: RunConfig, workdir: str) -> dict[str, Any]:
+    """Trains (or resumes) `config` in `workdir`, then evaluates; returns the final metrics:
+    step, stop reason, params (count), train_seconds (summed over resumed runs), and what the
+    task's evaluation adds (val_/test_ figures, ...)."""
+    t0 = time.monotonic()
+    maybe_initialize_distributed(config.distributed)
+    run_config = config_to_dict(config)
+    check_run_config(workdir, run_config, may_change=config.MAY_CHANGE,
+                     normalize=lambda saved: normal_form(task, saved))
+    if load_run_config(workdir) is None:
+        # First thing on disk: a run killed during data preparation or before its first
+        # checkpoint resumes as itself with --workdir alone.
+        save_run_config(workdir, run_config)
+    log = printer()
+    dp = DataParallel(config.parallel)
+    eval_dp = dp if dp.mode == "jit" else DataParallel("jit")
+    data = task.prepare(config, workdir, dp, log)
+    log(f"prepared in {time.monotonic() - t0:.1f}s")
+
+    model = task.build_model(config)
+    tx, schedule = make_optimizer(task.optimizer_config(config))
+    state = init_state(task, config, model, tx, eval_dp)
+    log(f"model: {task.describe(config)} ({config.preset}), {count_params(state.params):,} "
+        "parameters")
+    loss_fn = task.loss_fn(config, model)
+    eval_step = eval_dp.compile_eval_step(loss_fn, state)
+
+    def evaluate(global_state: TrainState) -> dict[str, float]:
+        return data.evaluate(eval_dp, eval_step, eval_params(global_state))
+
+    fitted: FitResult = fit(
+        state, workdir=workdir, run_config=run_config, dp=dp, loss_fn=loss_fn,
+        lr_schedule=schedule, batches=data.batches, keep_checkpoints=config.keep_checkpoints,
+        config=LoopConfig.from_run(config, start=t0), evaluate=evaluate, log=log)
+    state, final = fitted.state, fitted.summary()
+    final.update(params=count_params(state.params), train_seconds=fitted.elapsed)
+    if fitted.reason == "sigterm":
+        return final
+    validation = fitted.last_eval or evaluate(state)
+    final.update(data.finish(workdir=workdir, dp=eval_dp, eval_step=eval_step, model=model,
+                             state=state, params=eval_params(state), validation=validation,
+                             start=t0))
+    return final
+
+
+def default_workdir(task: Task, config: RunConfig) -> str:
+    """runs/<task>-<choice>-<preset>-<time>: a new directory for a run given no --workdir."""
+    return os.path.join("runs", f"{task.name}-{getattr(config, task.choice_flag)}-"
+                                f"{config.preset}-{time.strftime('%Y%m%d-%H%M%S')}")

@@ -1,0 +1,40 @@
+"""The command line of `python -m train.lm` (flags from the config dataclasses)."""
+from __future__ import annotations
+
+import argparse
+import sys
+from typing import Sequence
+
+from train.core import cli
+from train.core.task import default_workdir, train_and_evaluate
+from train.lm.config import LMConfig
+from train.lm.task import TASK
+
+DESCRIPTION = """Train and evaluate Transformer-XL on Penn Treebank (word or character level).
+
+    python -m train.lm                                   # word-level PTB: cpu, or gpu on a GPU
+    python -m train.lm --dataset ptb_char --preset base --workdir runs/ptb_char
+    python -m train.lm --workdir W                       # resume W with its saved config
+
+Word level reports perplexity, character level bits per character.
+"""
+
+
+def config_from_args(argv: Sequence[str] | None
+                     ) -> tuple[LMConfig, str, argparse.Namespace]:
+    """-> (config, workdir, the parsed args)."""
+    parser, saved = cli.task_parser(TASK, argv, description=DESCRIPTION)
+    args = parser.parse_args(argv)
+    config = cli.resolve_config(parser, args, saved=saved, task=TASK)
+    return config, args.workdir or default_workdir(TASK, config), args
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    config, workdir, _ = config_from_args(sys.argv[1:] if argv is None else argv)
+    print(f"workdir: {workdir}", flush=True)
+    final = train_and_evaluate(TASK, config, workdir)
+    if final["reason"] != "sigterm":
+        figure = "bpc" if "test_bpc" in final else "ppl"
+        print(f"final: step {final['step']}, test {figure} {final['test_' + figure]:.3f}",
+              flush=True)
+    return 0

@@ -1,0 +1,195 @@
+"""Language modelling as a `train.core.task.Task`: Transformer-XL on Penn Treebank.
+
+The training memory is part of the TrainState (checkpointed, so a resumed run continues the
+same stream with the same memory); evaluation runs the validation and test streams in order
+with a fresh memory of its own length (eval_mem_len, longer than in training as the reference
+evaluates) and segments of eval_tgt_len. Word level reports perplexity, character level bits
+per character (nats / ln 2, over every symbol including the `<eos>` that ends each line).
+"""
+from __future__ import annotations
+
+import dataclasses
+import math
+import os
+import time
+from typing import Any, Callable, Mapping
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+from train import plots
+from train.core.metrics import MetricsWriter, add_sums, read_metrics, summarize
+from train.core.parallel import DataParallel
+from train.core.state import TrainState
+from train.data.tokenizers import CharVocab, WordVocab
+from train.lm.config import DATASETS, PRESETS, LMConfig, make_config
+from xl_jax.config import TransformerXLConfig
+from xl_jax.data import lm_batches
+from xl_jax.memory import init_memory
+from xl_jax.model import TransformerXL
+
+
+def load_vocab(config: LMConfig):
+    level = DATASETS[config.dataset]
+    return (WordVocab if level == "word" else CharVocab).from_ptb(data_dir=config.data_dir)
+
+
+def load_stream(config: LMConfig, split: str) -> np.ndarray:
+    """The int32 token stream of a PTB split, `<eos>` after every line."""
+    from train.data.datasets import load_ptb  # lazy: importing TFDS is not free
+    stream = load_vocab(config).encode_lines(
+        load_ptb(DATASETS[config.dataset], split, data_dir=config.data_dir))
+    return stream[:config.eval_tokens] if config.eval_tokens and split != "train" else stream
+
+
+def make_loss_fn(model: TransformerXL):
+    """train.core.step's loss protocol on {'inputs', 'targets'} [B, T]; `extra` is the
+    memory."""
+
+    def loss_fn(params, batch, *, rng, extra, deterministic):
+        rngs = None if deterministic else {"dropout": rng}
+        nll, memory = model.apply({"params": params}, batch["inputs"], extra,
+                                  targets=batch["targets"], deterministic=deterministic,
+                                  rngs=rngs)
+        n_tokens = jnp.float32(nll.shape[0] * nll.shape[1])
+        return nll.astype(jnp.float32).sum(), {"n_tokens": n_tokens}, memory
+
+    return loss_fn
+
+
+def as_batch(pair) -> dict[str, np.ndarray]:
+    inputs, targets = pair
+    return {"inputs": inputs, "targets": targets}
+
+
+def train_batches(stream: np.ndarray, config: LMConfig):
+    """-> (the epoch's batches, start step -> the endless batch stream from there): step k
+    reads batch k mod (batches per epoch), so a resumed run reads exactly what an
+    uninterrupted one would."""
+    batches = lm_batches(stream, batch_size=config.batch_size,
+                         tgt_len=config.model_config.tgt_len, drop_last=True)
+
+    def from_step(start: int):
+        step = start
+        while True:
+            yield as_batch(batches[step % len(batches)])
+            step += 1
+
+    return batches, from_step
+
+
+def evaluate_stream(dp: DataParallel, eval_step, params, stream: np.ndarray,
+                    config: LMConfig) -> dict[str, float]:
+    """Per-token nll over a whole stream, in order, memory carried from segment to segment."""
+    rows = dp.round_rows(config.eval_batch_size)
+    memory = dp.put_global(jax.device_get(
+        init_memory(config.model_config, rows, mem_len=config.eval_mem_len)))
+    total = None
+    for pair in lm_batches(stream, batch_size=rows, tgt_len=config.eval_tgt_len):
+        sums, memory = eval_step(params, dp.put_global(as_batch(pair)), memory)
+        total = add_sums(total, sums)
+    return with_bpc(summarize({k: float(v) for k, v in jax.device_get(total).items()}),
+                    config)
+
+
+def with_bpc(values: dict[str, float], config: LMConfig) -> dict[str, float]:
+    if DATASETS[config.dataset] == "char":
+        values["bpc"] = values["nll"] / math.log(2.0)
+    return values
+
+
+@dataclasses.dataclass
+class LMData:
+    """The token streams of one run (TaskData)."""
+
+    config: LMConfig
+    batches_per_epoch: int
+    from_step: Callable
+    valid: np.ndarray
+    test: np.ndarray
+    log: Callable[[str], None] = print
+
+    def batches(self, start_step: int):
+        return self.from_step(start_step)
+
+    def evaluate(self, dp: DataParallel, eval_step: Callable, params) -> dict[str, float]:
+        return evaluate_stream(dp, eval_step, params, self.valid, self.config)
+
+    def finish(self, *, workdir: str, dp: DataParallel, eval_step: Callable, model,
+               state: TrainState, params, validation: Mapping[str, float],
+               start: float) -> dict[str, Any]:
+        config, step = self.config, int(jax.device_get(state.step))
+        test = evaluate_stream(dp, eval_step, params, self.test, config)
+        test["total_seconds"] = time.monotonic() - start
+        with MetricsWriter(workdir) as metrics:
+            metrics.write_final(step, "test", test)
+        out = {f"val_{k}": v for k, v in validation.items()}
+        out.update({f"test_{k}": v for k, v in test.items()})
+        figure = "bpc" if "bpc" in test else "ppl"
+        self.log(f"test {figure} {test[figure]:.3f}, validation {figure} "
+                 f"{validation[figure]:.3f} (eval segments {config.eval_tgt_len}, memory "
+                 f"{config.eval_mem_len})")
+        if config.plots and jax.process_index() == 0:
+            path = plots.plot_losses(read_metrics(workdir),
+                                     os.path.join(workdir, plots.PLOTS_DIR, "loss.png"))
+            self.log(f"plots: {path}")
+        return out
+
+
+class LMTask:
+    """`train.core.task.Task` for Transformer-XL on PTB (word or character level)."""
+
+    name = "lm"
+    choice_flag = "dataset"
+    default_choice = "ptb"
+    config_cls = LMConfig
+    presets = tuple(PRESETS)
+
+    def choices(self) -> list[str]:
+        return sorted(DATASETS)
+
+    def model_config_cls(self, choice: str) -> type:
+        return TransformerXLConfig  # one model for every dataset
+
+    def make_config(self, choice: str, preset: str, *, model_overrides: Mapping[str, Any] = (),
+                    **run_overrides) -> LMConfig:
+        return make_config(choice, preset, model_overrides=model_overrides, **run_overrides)
+
+    def build_model(self, config: LMConfig) -> TransformerXL:
+        return TransformerXL(config.model_config)
+
+    def optimizer_config(self, config: LMConfig):
+        return config.optimizer_config()
+
+    def init_params(self, config: LMConfig, model: TransformerXL, rng):
+        mc = config.model_config
+        memory = init_memory(mc, config.batch_size)
+        tokens = jnp.zeros((config.batch_size, mc.tgt_len), jnp.int32)
+        params = model.init({"params": rng}, tokens, memory, targets=tokens)["params"]
+        return params, memory
+
+    def loss_fn(self, config: LMConfig, model: TransformerXL):
+        return make_loss_fn(model)
+
+    def describe(self, config: LMConfig) -> str:
+        return "Transformer-XL"
+
+    def prepare(self, config: LMConfig, workdir: str, dp: DataParallel,
+                log: Callable[[str], None]) -> LMData:
+        if config.batch_size % dp.n_devices:
+            raise ValueError(f"batch_size: {config.batch_size} rows do not split over "
+                             f"{dp.n_devices} devices")
+        train_stream = load_stream(config, "train")
+        batches, from_step = train_batches(train_stream, config)
+        data = LMData(config=config, batches_per_epoch=len(batches), from_step=from_step,
+                      valid=load_stream(config, "valid"), test=load_stream(config, "test"),
+                      log=log)
+        log(f"data: {config.dataset}, {len(train_stream):,} training tokens, {len(batches)} "
+            f"batches of {config.batch_size} x {config.model_config.tgt_len} an epoch (1 "
+            f"compiled shape), {len(data.valid):,} valid / {len(data.test):,} test tokens; "
+            f"{dp.n_devices} device(s), {config.parallel}")
+        return data
+
+
+TASK = LMTask()

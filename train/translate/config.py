@@ -1,0 +1,137 @@
+"""TranslateConfig: one translation run on Multi30k, its presets and how it is made.
+
+The model's own sizes per preset are in `train.translate.registry`; how each preset was chosen
+is in benchmarks/README.md.
+"""
+from __future__ import annotations
+
+import dataclasses
+from typing import Any, ClassVar, Mapping
+
+from train.core.config import RunConfig, check_finite, check_positive
+from train.translate import registry
+from transformer_jax.optim import OptimizerConfig
+
+SPLITS = ("validation", "test_2016_flickr", "test_2017_flickr", "test_2017_mscoco",
+          "test_2018_flickr")
+OPTIMIZERS = ("noam", "adam")
+
+
+@dataclasses.dataclass(frozen=True)
+class TranslateConfig(RunConfig):
+    """One translation run (the shared fields are `train.core.config.RunConfig`'s).
+
+    Attributes:
+      model: a name of `train.translate.registry` ('transformer', 'gru', 'bahdanau', ...);
+        model_config is that model's own config, resolved from the preset.
+      preset: 'tiny' | 'cpu' | 'gpu' | 'base' (see PRESETS).
+      vocab_size: joint German+English SentencePiece pieces.
+      tokens_per_batch: token budget N * L of each padded batch array (src or tgt).
+      buckets: the allowed padded lengths L (one compiled shape per bucket in use).
+      optimizer: 'noam' (Adam 0.9/0.98/1e-9 on lr_factor * D^-0.5 * min(s^-0.5,
+        s * warmup^-1.5)) or 'adam' (constant learning_rate).
+      clip_norm: clip the gradient to this global norm (None: no clipping).
+      label_smoothing: of the training loss (validation perplexity is unsmoothed).
+      ema_decay: evaluate (validation, test, beam search, --translate) with an exponential
+        moving average of the parameters at this decay (0 = off: the raw parameters). It is
+        kept in the optimizer state, so it is checkpointed and resumes exactly.
+      beam_size, length_penalty, decode_margin: beam search on the test split; outputs are at
+        most (source bucket length + decode_margin) pieces.
+      eval_sentences: evaluate on the first N sentences of each split (0 = all).
+      tokenizer_dir: where the trained SentencePiece model is cached (None: W/tokenizer); the
+        file name encodes the options and a hash of the text, so runs can share a directory.
+    """
+
+    model: str = "transformer"
+    vocab_size: int = 8000
+    tokens_per_batch: int = 4096
+    buckets: tuple[int, ...] = (12, 16, 20, 24, 32, 48, 64, 96)
+    optimizer: str = "noam"
+    warmup_steps: int = 4000
+    lr_factor: float = 1.0
+    learning_rate: float = 1e-3
+    clip_norm: float | None = None
+    label_smoothing: float = 0.1
+    ema_decay: float = 0.0
+    beam_size: int = 4
+    length_penalty: float = 0.6
+    decode_margin: int = 16
+    eval_batch_size: int = 128
+    eval_sentences: int = 0
+    test_split: str = "test_2016_flickr"
+    tokenizer_dir: str | None = None
+
+    MAY_CHANGE: ClassVar[tuple[str, ...]] = RunConfig.MAY_CHANGE + (
+        "beam_size", "length_penalty", "decode_margin", "eval_batch_size", "eval_sentences",
+        "test_split", "tokenizer_dir")
+
+    def __post_init__(self):
+        super().__post_init__()
+        if self.optimizer not in OPTIMIZERS:
+            raise ValueError(f"optimizer: expected one of {OPTIMIZERS}, got {self.optimizer!r}")
+        if self.optimizer == "noam" and not hasattr(self.model_config, "d_model"):
+            raise ValueError(f"optimizer: 'noam' needs a model with d_model; {self.model} has "
+                             "none (use 'adam')")
+        if self.test_split not in SPLITS:
+            raise ValueError(f"test_split: expected one of {SPLITS}, got {self.test_split!r}")
+        check_positive(self, ("vocab_size", "tokens_per_batch", "warmup_steps", "beam_size",
+                              "eval_batch_size"))
+        check_positive(self, ("eval_sentences", "decode_margin"), minimum=0)
+        check_finite(self, ("learning_rate", "lr_factor"), positive=True)
+        check_finite(self, ("length_penalty",), positive=False)
+        if not 0.0 <= self.label_smoothing < 1.0:
+            raise ValueError(f"label_smoothing: must be in [0, 1), got {self.label_smoothing}")
+        if not self.buckets or any(not isinstance(b, int) or b < 2 for b in self.buckets):
+            raise ValueError(f"buckets: expected one or more lengths >= 2 (each a padded "
+                             f"length: BOS/EOS and at least one piece), got {self.buckets!r}")
+        self.optimizer_config()  # clip_norm, ema_decay and the schedule, validated there
+
+    def optimizer_config(self) -> OptimizerConfig:
+        if self.optimizer == "noam":
+            return OptimizerConfig(schedule="noam", d_model=self.model_config.d_model,
+                                   warmup_steps=self.warmup_steps, lr_factor=self.lr_factor,
+                                   clip_norm=self.clip_norm, ema_decay=self.ema_decay)
+        return OptimizerConfig(schedule="constant", learning_rate=self.learning_rate,
+                               clip_norm=self.clip_norm, ema_decay=self.ema_decay)
+
+
+# Run presets: TranslateConfig fields per preset (the model's own sizes are in registry.py).
+# Why each is what it is: benchmarks/README.md ("How the presets were chosen").
+PRESETS: dict[str, dict[str, Any]] = {
+    # Tests and smoke runs: seconds. One bucket: one compiled shape each for training,
+    # evaluation and decoding.
+    "tiny": dict(vocab_size=1000, tokens_per_batch=1024, buckets=(64,), steps=20,
+                 warmup_steps=10, lr_factor=2.0, log_every=5, checkpoint_every=10,
+                 eval_sentences=64, eval_batch_size=32, decode_margin=8),
+    # The CPU default, under ten minutes on 2 cores: small batches (the number of updates
+    # matters most in a run this short), constant Adam with clipping, an EMA of the
+    # parameters for evaluation, no 96 bucket (it held one training pair).
+    "cpu": dict(vocab_size=4000, tokens_per_batch=512, buckets=(12, 16, 20, 24, 32, 48, 64),
+                steps=100_000, minutes=8.0, optimizer="adam", learning_rate=1e-3,
+                clip_norm=1.0, ema_decay=0.99, log_every=100, checkpoint_every=1000),
+    # One GPU, one ten-minute command: 7 minutes of training in bf16, then evaluation. Few
+    # buckets (each shape compiles in tens of seconds), 8k-token batches, Noam.
+    "gpu": dict(vocab_size=8000, tokens_per_batch=8192, buckets=(16, 32, 64), steps=100_000,
+                minutes=7.0, warmup_steps=2000, lr_factor=1.0,
+                clip_norm=1.0, log_every=200, checkpoint_every=5000),
+    # The paper's base recipe (~25k target tokens a batch, Noam factor 1, warm-up 4000).
+    "base": dict(vocab_size=8000, tokens_per_batch=25_000, steps=100_000, warmup_steps=4000,
+                 lr_factor=1.0, log_every=100, eval_every=1000, checkpoint_every=1000),
+}
+
+
+def make_config(model: str = "transformer", preset: str = "cpu", *,
+                model_overrides: Mapping[str, Any] = (), **run_overrides) -> TranslateConfig:
+    """The config of `preset` for `model`, with field overrides (validated)."""
+    if preset not in PRESETS:
+        raise ValueError(f"preset: expected one of {sorted(PRESETS)}, got {preset!r}")
+    spec = registry.get(model)
+    fields = {**spec.run_defaults, **PRESETS[preset], **run_overrides}
+    bad = {"model", "preset", "model_config"} & set(run_overrides)
+    if bad:
+        raise ValueError(f"{sorted(bad)}: pass model/preset as arguments and model fields as "
+                         "model_overrides")
+    model_config = registry.build_model_config(
+        model, preset, vocab_size=fields.get("vocab_size", TranslateConfig.vocab_size),
+        overrides=model_overrides)
+    return TranslateConfig(model=model, preset=preset, model_config=model_config, **fields)

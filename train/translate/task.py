@@ -1,0 +1,194 @@
+"""Translation as a `train.core.task.Task`: Multi30k German -> English with any model of the
+registry. Data: a joint SentencePiece tokenizer, length-bucketed token batches, the evaluation
+splits; loss: label-smoothed cross-entropy; evaluation: teacher-forced perplexity on
+validation, then on the test split perplexity and the sacreBLEU of beam search, with the
+translations written to W/translations/ and plots to W/plots/.
+"""
+from __future__ import annotations
+
+import dataclasses
+import os
+import time
+from typing import Any, Callable, Mapping, Sequence
+
+import flax.linen as nn
+import jax
+import jax.numpy as jnp
+
+from train import plots
+from train.core.metrics import MetricsWriter
+from train.core.parallel import DataParallel
+from train.core.state import TrainState
+from train.data.batching import TokenBatcher, eval_batches
+from train.data.tokenizers import multi30k_tokenizer
+from train.translate import registry
+from train.translate.config import PRESETS, TranslateConfig, make_config
+from train.translate.evaluate import bleu, teacher_forced, translate_pairs, write_translations
+from transformer_jax.losses import label_smoothed_cross_entropy
+
+
+@dataclasses.dataclass
+class Split:
+    """One evaluation split: raw sentences and their encoded pairs (src ids end with eos)."""
+
+    name: str
+    sources: list[str]
+    references: list[str]
+    pairs: list[tuple[list[int], list[int]]]
+
+
+def load_tokenizer(config: TranslateConfig, workdir: str):
+    return multi30k_tokenizer(config.tokenizer_dir or os.path.join(workdir, "tokenizer"),
+                              vocab_size=config.vocab_size, data_dir=config.data_dir)
+
+
+def encode_source(tokenizer, sentences: Sequence[str]) -> list[list[int]]:
+    # The source ends with eos, so the encoder sees where the sentence stops (as fairseq does).
+    return [ids + [tokenizer.eos_id] for ids in tokenizer.encode_batch(list(sentences))]
+
+
+def encode_pairs(tokenizer, pairs: Sequence[tuple[str, str]]) -> list[tuple[list[int],
+                                                                         list[int]]]:
+    return list(zip(encode_source(tokenizer, [p[0] for p in pairs]),
+                    tokenizer.encode_batch([p[1] for p in pairs])))
+
+
+def load_split(config: TranslateConfig, tokenizer, name: str) -> Split:
+    from train.data.datasets import load_multi30k  # lazy: importing TFDS is not free
+    pairs = load_multi30k(name, data_dir=config.data_dir)
+    if config.eval_sentences:
+        pairs = pairs[:config.eval_sentences]
+    return Split(name, [p[0] for p in pairs], [p[1] for p in pairs],
+                 encode_pairs(tokenizer, pairs))
+
+
+def make_loss_fn(model: nn.Module, *, smoothing: float, pad_id: int):
+    """The train.core.step loss protocol for a translation model on {'src','tgt_in','tgt_out'}:
+    label-smoothed cross-entropy summed over real target tokens, plus the unsmoothed nll."""
+
+    def loss_fn(params, batch, *, rng, extra, deterministic):
+        rngs = None if deterministic else {"dropout": rng}
+        logits = model.apply({"params": params}, batch["src"], batch["tgt_in"],
+                             deterministic=deterministic, rngs=rngs)
+        loss_sum, n_tokens = label_smoothed_cross_entropy(
+            logits, batch["tgt_out"], smoothing=smoothing, pad_id=pad_id)
+        if smoothing:
+            nll_sum, _ = label_smoothed_cross_entropy(logits, batch["tgt_out"], smoothing=0.0,
+                                                      pad_id=pad_id)
+        else:
+            nll_sum = loss_sum
+        return loss_sum, {"n_tokens": n_tokens.astype(jnp.float32), "nll_sum": nll_sum}, extra
+
+    return loss_fn
+
+
+@dataclasses.dataclass
+class TranslationData:
+    """The data of one run: the training batcher, validation and test splits (TaskData)."""
+
+    config: TranslateConfig
+    tokenizer: Any
+    batcher: TokenBatcher
+    validation: Split
+    test: Split
+    eval_rows: int
+    log: Callable[[str], None] = print
+
+    def batches(self, start_step: int):
+        return self.batcher.iterate(start_step)
+
+    def _eval_batches(self, split: Split, dp: DataParallel):
+        return eval_batches(split.pairs, batch_size=self.eval_rows, buckets=self.config.buckets,
+                            num_devices=dp.n_devices)
+
+    def evaluate(self, dp: DataParallel, eval_step: Callable, params) -> dict[str, float]:
+        return teacher_forced(dp, eval_step, params, self._eval_batches(self.validation, dp))
+
+    def finish(self, *, workdir: str, dp: DataParallel, eval_step: Callable, model: nn.Module,
+               state: TrainState, params, validation: Mapping[str, float],
+               start: float) -> dict[str, Any]:
+        config, test, log = self.config, self.test, self.log
+        step = int(jax.device_get(state.step))
+        out = {f"val_{k}": v for k, v in validation.items() if k in ("loss", "nll", "ppl")}
+        t_eval = time.monotonic()
+        test_tf = teacher_forced(dp, eval_step, params, self._eval_batches(test, dp))
+        hypotheses = translate_pairs(model, params, dp, config, self.tokenizer, test.pairs)
+        score = bleu(hypotheses, test.references)
+        path = write_translations(workdir, config.test_split, step, sources=test.sources,
+                                  references=test.references, hypotheses=hypotheses)
+        record = {"loss": test_tf["loss"], "nll": test_tf["nll"], "ppl": test_tf["ppl"],
+                  "bleu": score, "sentences": len(hypotheses), "beam_size": config.beam_size,
+                  "eval_seconds": time.monotonic() - t_eval,
+                  "total_seconds": time.monotonic() - start}
+        with MetricsWriter(workdir) as metrics:
+            metrics.write_final(step, config.test_split, record)
+        out.update({f"test_{k}": v for k, v in record.items()})
+        out["hypotheses"] = path
+        log(f"{config.test_split}: BLEU {score:.2f} (sacreBLEU, cased, 13a, beam "
+            f"{config.beam_size}), ppl {test_tf['ppl']:.2f}; validation ppl "
+            f"{validation['ppl']:.2f}; translations in {path}")
+        if config.plots and jax.process_index() == 0:
+            made = plots.make_translation_plots(workdir, model, params, self.tokenizer,
+                                                source=test.sources[0],
+                                                hypothesis=hypotheses[0])
+            log(f"plots: {', '.join(os.path.basename(p) for p in made)} in "
+                f"{os.path.join(workdir, plots.PLOTS_DIR)}")
+        return out
+
+
+class TranslationTask:
+    """`train.core.task.Task` for Multi30k translation."""
+
+    name = "translate"
+    choice_flag = "model"
+    default_choice = "transformer"
+    config_cls = TranslateConfig
+    presets = tuple(PRESETS)
+
+    def choices(self) -> list[str]:
+        return registry.names()
+
+    def model_config_cls(self, choice: str) -> type:
+        return registry.get(choice).config_cls
+
+    def make_config(self, choice: str, preset: str, *, model_overrides: Mapping[str, Any] = (),
+                    **run_overrides) -> TranslateConfig:
+        return make_config(choice, preset, model_overrides=model_overrides, **run_overrides)
+
+    def build_model(self, config: TranslateConfig) -> nn.Module:
+        return registry.get(config.model).module_cls(config.model_config)
+
+    def optimizer_config(self, config: TranslateConfig):
+        return config.optimizer_config()
+
+    def init_params(self, config: TranslateConfig, model: nn.Module, rng):
+        dummy = jnp.ones((1, 8), jnp.int32)
+        return model.init({"params": rng}, dummy, dummy)["params"], None
+
+    def loss_fn(self, config: TranslateConfig, model: nn.Module):
+        return make_loss_fn(model, smoothing=config.label_smoothing,
+                            pad_id=config.model_config.pad_id)
+
+    def describe(self, config: TranslateConfig) -> str:
+        return config.model
+
+    def prepare(self, config: TranslateConfig, workdir: str, dp: DataParallel,
+                log: Callable[[str], None]) -> TranslationData:
+        from train.data.datasets import load_multi30k  # lazy: importing TFDS is not free
+        tokenizer = load_tokenizer(config, workdir)
+        train_pairs = encode_pairs(tokenizer, load_multi30k("train", data_dir=config.data_dir))
+        batcher = TokenBatcher(train_pairs, tokens_per_batch=config.tokens_per_batch,
+                               buckets=config.buckets, num_devices=dp.n_devices,
+                               seed=config.seed)
+        data = TranslationData(config=config, tokenizer=tokenizer, batcher=batcher,
+                               validation=load_split(config, tokenizer, "validation"),
+                               test=load_split(config, tokenizer, config.test_split),
+                               eval_rows=dp.round_rows(config.eval_batch_size), log=log)
+        log(f"data: {batcher.num_examples} training pairs ({batcher.num_dropped} too long), "
+            f"{batcher.num_batches} batches an epoch; vocabulary {tokenizer.vocab_size}; "
+            f"{len(batcher.shape_set())} batch shapes to compile: {batcher.shape_set()}; "
+            f"{dp.n_devices} device(s), {config.parallel}")
+        return data
+
+
+TASK = TranslationTask()

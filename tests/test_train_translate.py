@@ -196,7 +196,8 @@ def test_cli_sigterm_saves_then_workdir_alone_resumes_then_translates(tmp_path, 
         lines.append(line)
         if "SIGTERM saves a checkpoint" in line:
             proc.send_signal(signal.SIGTERM)
-    assert proc.wait(timeout=300) == 0, "".join(lines)
+    # A stop by signal is not a completion: the documented EXIT_INTERRUPTED, after the save.
+    assert proc.wait(timeout=300) == 75, "".join(lines)
     out = "".join(lines)
     assert "SIGTERM: checkpoint saved" in out
     saved = Checkpoints(workdir).latest_step()

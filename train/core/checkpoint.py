@@ -4,6 +4,7 @@
   W/checkpoints/<step> orbax checkpoints: item 'state' (the TrainState pytree, global layout)
                        and item 'meta' (JSON: elapsed training seconds, ...), plus the
                        validation metrics orbax ranks by
+  W/checksums/<step>.json  the sha256 of every file of that checkpoint, checked on restore
 
 The last `keep` checkpoints are kept, and the best one by validation loss on top of those.
 A checkpoint that cannot be read is an error naming its path; nothing is ever deleted or
@@ -11,6 +12,7 @@ overwritten to get past it.
 """
 from __future__ import annotations
 
+import hashlib
 import json
 import logging
 import os
@@ -24,6 +26,7 @@ from train.core.state import TrainState
 
 CONFIG_FILE = "config.json"
 CHECKPOINT_DIR = "checkpoints"
+CHECKSUM_DIR = "checksums"
 BEST_METRIC = "val_loss"
 
 
@@ -87,7 +90,59 @@ class Checkpoints:
             state=ocp.args.StandardSave(state), meta=ocp.args.JsonSave(dict(meta))),
             metrics=None if metrics is None else {k: float(v) for k, v in metrics.items()})
         self.manager.wait_until_finished()
+        if jax.process_index() == 0:
+            self._write_checksums(step)
         return True
+
+    # ----------------------------------------------------------------- checksums
+    # orbax checks a checkpoint's structure, not its bytes: a flipped bit in a data file
+    # loads silently. So every file of a saved step gets a sha256, verified on restore.
+    def checksum_path(self, step: int) -> str:
+        return os.path.join(os.path.dirname(self.directory), CHECKSUM_DIR, f"{step}.json")
+
+    def _file_hashes(self, step: int) -> dict[str, str]:
+        root = self.path(step)
+        out = {}
+        for parent, _, files in os.walk(root):
+            for name in files:
+                full = os.path.join(parent, name)
+                digest = hashlib.sha256()
+                with open(full, "rb") as f:
+                    for chunk in iter(lambda: f.read(1 << 20), b""):
+                        digest.update(chunk)
+                out[os.path.relpath(full, root)] = digest.hexdigest()
+        return out
+
+    def _write_checksums(self, step: int) -> None:
+        path = self.checksum_path(step)
+        os.makedirs(os.path.dirname(path), exist_ok=True)
+        tmp = path + ".tmp"
+        with open(tmp, "w") as f:
+            json.dump(self._file_hashes(step), f, indent=0, sort_keys=True)
+        os.replace(tmp, path)
+        kept = {str(s) for s in self.all_steps()}
+        for name in os.listdir(os.path.dirname(path)):  # steps the policy has deleted
+            if name.endswith(".json") and name[:-len(".json")] not in kept:
+                os.remove(os.path.join(os.path.dirname(path), name))
+
+    def verify(self, step: int) -> str | None:
+        """None if checkpoint `step`'s files match the checksums saved with it (or it predates
+        checksums), else what differs."""
+        path = self.checksum_path(step)
+        if not os.path.exists(path):
+            return None
+        try:
+            with open(path) as f:
+                expected = json.load(f)
+        except (OSError, json.JSONDecodeError) as e:
+            return f"its checksum file {path} is unreadable ({e})"
+        actual = self._file_hashes(step)
+        for name, digest in sorted(expected.items()):
+            if name not in actual:
+                return f"{name} is missing"
+            if actual[name] != digest:
+                return f"{name} does not match the sha256 saved with it"
+        return None
 
     def restore(self, template: TrainState, step: int | None = None
                 ) -> tuple[TrainState, dict[str, Any]]:
@@ -98,14 +153,24 @@ class Checkpoints:
         if step is None:
             raise CheckpointError(f"no checkpoint in {self.directory}")
         path = self.path(step)
+        damage = self.verify(step)
+        if damage is not None:
+            others = [s for s in self.all_steps() if s < step and self.verify(s) is None]
+            raise CheckpointError(
+                f"checkpoint {path} is damaged: {damage}. Nothing was changed in "
+                f"{self.directory}. "
+                + (f"The newest earlier checkpoint that verifies is step {others[-1]}: move "
+                   f"{path} out of {self.directory} to resume from it."
+                   if others else "No earlier checkpoint verifies; start a new workdir."))
         abstract = jax.tree.map(ocp.utils.to_shape_dtype_struct, template)
         try:
             restored = self.manager.restore(step, args=ocp.args.Composite(
                 state=ocp.args.StandardRestore(abstract), meta=ocp.args.JsonRestore()))
         except Exception as e:  # orbax raises many types; all mean "unusable" here
             others = [s for s in self.all_steps() if s != step]
+            cause = str(e).strip().splitlines()[0][:300] if str(e).strip() else ""
             raise CheckpointError(
-                f"checkpoint {path} could not be restored ({type(e).__name__}: {e}). "
+                f"checkpoint {path} could not be restored ({type(e).__name__}: {cause}). "
                 f"Nothing was changed in {self.directory}; move that step directory away to "
                 f"resume from an earlier one ({others or 'none left'}), or use a new workdir."
             ) from e
@@ -165,14 +230,14 @@ def config_mismatches(saved: Mapping[str, Any], given: Mapping[str, Any], *,
 def check_run_config(workdir: str, config: Mapping[str, Any], *,
                      may_change: tuple[str, ...],
                      normalize: Callable[[Mapping[str, Any]], Mapping[str, Any]] | None = None
-                     ) -> None:
+                     ) -> list[str]:
     """An existing run config in `workdir` must match `config` except in `may_change` fields;
     else ValueError listing the differences. `normalize` maps the saved JSON to today's form
     of the same config (fields added since then at their defaults). Writes nothing (see
-    `save_run_config`)."""
+    `save_run_config`). Returns the may-change fields that differ ('field: saved -> given')."""
     saved = load_run_config(workdir)
     if saved is None:
-        return
+        return []
     if normalize is not None:
         try:
             saved = normalize(saved)
@@ -187,3 +252,5 @@ def check_run_config(workdir: str, config: Mapping[str, Any], *,
             f"{workdir} holds a run with a different config:\n  " + "\n  ".join(diff) +
             "\nResume it with --workdir alone (changing at most "
             f"{', '.join(may_change)}), or pick a new --workdir.")
+    return [f"{k}: {saved.get(k)!r} -> {config.get(k)!r}" for k in may_change
+            if saved.get(k) != config.get(k)]

@@ -11,6 +11,11 @@ from __future__ import annotations
 
 import argparse
 import ast
+import math
+import os
+import sys
+import time
+import traceback
 import types
 import typing
 from typing import Any, Callable, Iterable, Literal, Mapping, Sequence
@@ -19,6 +24,7 @@ import jax
 
 from train.core.checkpoint import load_run_config
 from train.core.config import field_hints, replace
+from train.core.loop import TrainingDiverged
 from train.core.task import config_from_saved
 
 MODEL_PREFIX = "model."
@@ -112,12 +118,19 @@ def split_given(args: argparse.Namespace, *, run_cls: type, model_cls: type | No
             name = key[len(MODEL_PREFIX):] if key.startswith(MODEL_PREFIX) else key
             if name not in model_fields:
                 raise ValueError(f"--set {key}: the model config has no field {name!r}")
-            model[name] = converter(model_fields[name])(text)
+            model[name] = _convert(model_fields[name], text, f"--set {key}")
         elif key in run_fields:
-            run[key] = converter(run_fields[key])(text)
+            run[key] = _convert(run_fields[key], text, f"--set {key}")
         else:
             raise ValueError(f"--set {key}: no run or model config field of that name")
     return run, model
+
+
+def _convert(hint: Any, text: str, flag: str) -> Any:
+    try:
+        return converter(hint)(text)
+    except (ValueError, argparse.ArgumentTypeError) as e:
+        raise ValueError(f"{flag}: expected {_hint_name(hint)}, got {text!r} ({e})") from e
 
 
 # ------------------------------------------------------------------- entry-point flow
@@ -205,3 +218,73 @@ def resolve_config(parser: argparse.ArgumentParser, args: argparse.Namespace, *,
         return replace(config, model_overrides=model, **run)
     except (ValueError, TypeError) as e:
         parser.error(str(e))
+
+
+# ------------------------------------------------------------------- exit codes and errors
+EXIT_OK = 0
+EXIT_ERROR = 1        # a clear error: bad input, unusable checkpoint or data, disk, ...
+EXIT_USAGE = 2        # bad flags (argparse)
+EXIT_DIVERGED = 3     # the loss or gradient became NaN / infinite, or the result is infinite
+EXIT_INTERRUPTED = 75  # stopped by SIGTERM / SIGINT after saving (EX_TEMPFAIL: run again)
+ERROR_LOG = "error.log"
+# What these mean is known: one message says what went wrong and where.
+EXPECTED_ERRORS = (ValueError, OSError, RuntimeError)
+
+
+def finished(final: Mapping[str, Any], figure: str) -> int:
+    """The exit code of a run that returned `final`: EXIT_INTERRUPTED after a signal,
+    EXIT_DIVERGED when the test `figure` is not finite (a loss that blew up without a NaN)."""
+    if final["reason"] in ("sigterm", "sigint"):
+        return EXIT_INTERRUPTED
+    value = final.get(f"test_{figure}")
+    if value is not None and not math.isfinite(value):
+        print(f"training diverged: test {figure} is {value} (final training loss "
+              "too large); lower the learning rate", file=sys.stderr)
+        return EXIT_DIVERGED
+    return EXIT_OK
+
+
+def run_command(body: Callable[[], int], *, workdir: str | None) -> int:
+    """Runs an entry point's body -> its exit code. An expected error prints one message
+    (the cause and the path it names) to stderr and its traceback to W/error.log, instead of a
+    page of library internals; a training divergence exits with EXIT_DIVERGED."""
+    _quiet_closed_event_loops()
+    try:
+        return body()
+    except KeyboardInterrupt:
+        print("interrupted (a second Ctrl-C: no checkpoint was saved after the first)",
+              file=sys.stderr)
+        return 130
+    except EXPECTED_ERRORS as e:
+        where = _log_traceback(workdir)
+        kind = "training diverged" if isinstance(e, TrainingDiverged) else "error"
+        print(f"{kind}: {e}" + (f"\n(traceback in {where})" if where else ""),
+              file=sys.stderr, flush=True)
+        return EXIT_DIVERGED if isinstance(e, TrainingDiverged) else EXIT_ERROR
+
+
+def _log_traceback(workdir: str | None) -> str | None:
+    if not workdir or not os.path.isdir(workdir):
+        return None
+    path = os.path.join(workdir, ERROR_LOG)
+    try:
+        with open(path, "a") as f:
+            f.write(f"--- {time.strftime('%Y-%m-%d %H:%M:%S')}\n{traceback.format_exc()}\n")
+    except OSError:  # a full or read-only disk: the message on stderr is what is left
+        return None
+    return path
+
+
+def _quiet_closed_event_loops() -> None:
+    """orbax's readers leave asyncio callbacks that fire after their loop closed; at exit each
+    prints an 'Event loop is closed' traceback (a hundred after one failed restore), burying
+    the one message that matters. They are harmless: drop exactly those."""
+    previous = sys.unraisablehook
+
+    def hook(unraisable):
+        if isinstance(unraisable.exc_value, RuntimeError) and \
+                "Event loop is closed" in str(unraisable.exc_value):
+            return
+        previous(unraisable)
+
+    sys.unraisablehook = hook

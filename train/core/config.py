@@ -37,6 +37,8 @@ class RunConfig:
       data_dir: TFDS data directory (None: TFDS's default).
       progress: a progress bar on a terminal (a line per log interval otherwise).
       plots: write W/plots/ at the end.
+      on_nonfinite: what a step with a NaN or infinite loss or gradient does (its update is
+        never applied): 'stop' the run naming the step, or 'skip' it and go on.
     """
 
     preset: str = "cpu"
@@ -53,12 +55,13 @@ class RunConfig:
     data_dir: str | None = None
     progress: bool = True
     plots: bool = True
+    on_nonfinite: str = "stop"
 
     # Fields a resumed run may change: they do not alter the training trajectory. A task
     # adds its own (evaluation settings) with `RunConfig.MAY_CHANGE + (...)`.
     MAY_CHANGE: ClassVar[tuple[str, ...]] = (
         "steps", "minutes", "parallel", "distributed", "log_every", "eval_every",
-        "checkpoint_every", "keep_checkpoints", "data_dir", "progress", "plots")
+        "checkpoint_every", "keep_checkpoints", "data_dir", "progress", "plots", "on_nonfinite")
 
     def __post_init__(self):
         if self.model_config is None:
@@ -70,6 +73,9 @@ class RunConfig:
             _check(name, getattr(self, name), minimum=1)
         for name in ("steps", "eval_every", "checkpoint_every", "seed"):
             _check(name, getattr(self, name), minimum=0)
+        if self.on_nonfinite not in ("stop", "skip"):
+            raise ValueError(f"on_nonfinite: expected 'stop' or 'skip', got "
+                             f"{self.on_nonfinite!r}")
         if not (math.isfinite(self.minutes) and self.minutes >= 0):
             raise ValueError(f"minutes: must be a finite number >= 0, got {self.minutes}")
 

@@ -35,7 +35,8 @@ def make_train_step(loss_fn: LossFn, *, lr_schedule: optax.Schedule | None = Non
     """-> train_step(state, batch) -> (state, metrics).
 
     metrics: the summed `sums` plus 'loss_sum', 'grad_norm' (of the normalised gradient, before
-    clipping) and 'lr' (the rate this step used); all scalars, left on device.
+    clipping), 'lr' (the rate this step used) and 'nonfinite' (1.0 when the loss or the
+    gradient was NaN or infinite: that update was not applied); all scalars, left on device.
     axis_name: set under `pmap`: gradients and sums are psummed over that axis.
     """
 
@@ -60,8 +61,16 @@ def make_train_step(loss_fn: LossFn, *, lr_schedule: optax.Schedule | None = Non
         # count of every device together, identical to a single-device step.
         n_tokens = jnp.maximum(sums["n_tokens"], 1.0)
         grads = jax.tree.map(lambda g: g / n_tokens, grads)
-        new_state = state.apply_gradients(grads, extra=extra)
-        metrics = dict(sums, grad_norm=optax.tree.norm(grads))
+        grad_norm = optax.tree.norm(grads)
+        # A non-finite loss or gradient never reaches the parameters: the step counter moves
+        # on (the next step reads the next batch), everything else stays as it was. The flag
+        # travels with the metrics, so the host learns of it without an extra transfer.
+        finite = jnp.isfinite(loss_sum) & jnp.isfinite(grad_norm)
+        updated = state.apply_gradients(grads, extra=extra)
+        new_state = jax.tree.map(lambda new, old: jnp.where(finite, new, old), updated,
+                                 state.replace(step=updated.step))
+        metrics = dict(sums, grad_norm=grad_norm,
+                       nonfinite=jnp.float32(1.0) - finite.astype(jnp.float32))
         if lr_schedule is not None:
             metrics["lr"] = jnp.asarray(lr_schedule(state.step), jnp.float32)
         return new_state, metrics

@@ -19,7 +19,8 @@ import jax
 from train.core.checkpoint import (Checkpoints, check_run_config, load_run_config,
                                    save_run_config)
 from train.core.config import RunConfig, config_from_dict, config_to_dict
-from train.core.loop import FitResult, LoopConfig, fit, printer
+from train.core.loop import FitResult, LoopConfig, fit, printer, stop_on_signals
+from train.core.workdir import WorkdirLock
 from train.core.parallel import DataParallel, maybe_initialize_distributed
 from train.core.state import TrainState, count_params
 from train.core.step import LossFn
@@ -140,18 +141,29 @@ def train_and_evaluate(task: Task, config: RunConfig, workdir: str) -> dict[str,
     task's evaluation adds (val_/test_ figures, ...)."""
     t0 = time.monotonic()
     maybe_initialize_distributed(config.distributed)
+    # From here on SIGTERM / SIGINT only set a flag (after JAX's own start-up, whose
+    # preemption notifier would otherwise take SIGTERM): a signal during data preparation or
+    # compilation stops the run cleanly after its first step, with a checkpoint.
+    with stop_on_signals() as stop, WorkdirLock(workdir):
+        return _train_and_evaluate(task, config, workdir, start=t0, stop=stop)
+
+
+def _train_and_evaluate(task: Task, config: RunConfig, workdir: str, *, start: float,
+                        stop) -> dict[str, Any]:
     run_config = config_to_dict(config)
-    check_run_config(workdir, run_config, may_change=config.MAY_CHANGE,
-                     normalize=lambda saved: normal_form(task, saved))
+    changed = check_run_config(workdir, run_config, may_change=config.MAY_CHANGE,
+                               normalize=lambda saved: normal_form(task, saved))
     if load_run_config(workdir) is None:
         # First thing on disk: a run killed during data preparation or before its first
         # checkpoint resumes as itself with --workdir alone.
         save_run_config(workdir, run_config)
     log = printer()
+    if changed:
+        log("resuming with changed settings: " + "; ".join(changed))
     dp = DataParallel(config.parallel)
     eval_dp = dp if dp.mode == "jit" else DataParallel("jit")
     data = task.prepare(config, workdir, dp, log)
-    log(f"prepared in {time.monotonic() - t0:.1f}s")
+    log(f"prepared in {time.monotonic() - start:.1f}s")
 
     model = task.build_model(config)
     tx, schedule = make_optimizer(task.optimizer_config(config))
@@ -167,15 +179,16 @@ def train_and_evaluate(task: Task, config: RunConfig, workdir: str) -> dict[str,
     fitted: FitResult = fit(
         state, workdir=workdir, run_config=run_config, dp=dp, loss_fn=loss_fn,
         lr_schedule=schedule, batches=data.batches, keep_checkpoints=config.keep_checkpoints,
-        config=LoopConfig.from_run(config, start=t0), evaluate=evaluate, log=log)
+        config=LoopConfig.from_run(config, start=start), evaluate=evaluate, log=log,
+        stop=stop, changes=changed)
     state, final = fitted.state, fitted.summary()
     final.update(params=count_params(state.params), train_seconds=fitted.elapsed)
-    if fitted.reason == "sigterm":
+    if fitted.interrupted:
         return final
     validation = fitted.last_eval or evaluate(state)
     final.update(data.finish(workdir=workdir, dp=eval_dp, eval_step=eval_step, model=model,
                              state=state, params=eval_params(state), validation=validation,
-                             start=t0))
+                             start=start))
     return final
 
 

@@ -30,11 +30,17 @@ def config_from_args(argv: Sequence[str] | None
 
 
 def main(argv: Sequence[str] | None = None) -> int:
-    config, workdir, _ = config_from_args(sys.argv[1:] if argv is None else argv)
+    """-> the exit code (train.core.cli: 0 done, 1 error, 2 bad flags, 3 diverged, 75
+    stopped by a signal after saving)."""
+    config, workdir, args = config_from_args(sys.argv[1:] if argv is None else argv)
+    return cli.run_command(lambda: _run(config, workdir, args), workdir=workdir)
+
+
+def _run(config: LMConfig, workdir: str, args: argparse.Namespace) -> int:
     print(f"workdir: {workdir}", flush=True)
     final = train_and_evaluate(TASK, config, workdir)
-    if final["reason"] != "sigterm":
-        figure = "bpc" if "test_bpc" in final else "ppl"
+    figure = "bpc" if "test_bpc" in final else "ppl"
+    if f"test_{figure}" in final:
         print(f"final: step {final['step']}, test {figure} {final['test_' + figure]:.3f}",
               flush=True)
-    return 0
+    return cli.finished(final, figure)

@@ -46,7 +46,9 @@ class LMConfig(RunConfig):
     eval_tokens: int = 0
 
     MAY_CHANGE: ClassVar[tuple[str, ...]] = RunConfig.MAY_CHANGE + (
-        "eval_batch_size", "eval_tgt_len", "eval_mem_len", "eval_tokens")
+        "eval_batch_size", "eval_tgt_len", "eval_mem_len", "eval_tokens",
+        # The rate may change (say, after a divergence); the optimizer state's tree does not.
+        "learning_rate", "min_learning_rate")
 
     def __post_init__(self):
         if self.dataset not in DATASETS:

@@ -41,14 +41,20 @@ def config_from_args(argv: Sequence[str] | None
 
 
 def main(argv: Sequence[str] | None = None) -> int:
+    """-> the exit code (train.core.cli: 0 done, 1 error, 2 bad flags, 3 diverged, 75
+    stopped by a signal after saving)."""
     config, workdir, args = config_from_args(sys.argv[1:] if argv is None else argv)
+    return cli.run_command(lambda: _run(config, workdir, args), workdir=workdir)
+
+
+def _run(config: TranslateConfig | None, workdir: str, args: argparse.Namespace) -> int:
     if config is None:
         for line in translate_text(workdir, args.translate):
             print(line)
-        return 0
+        return cli.EXIT_OK
     print(f"workdir: {workdir}", flush=True)
     final = train_and_evaluate(TASK, config, workdir)
-    if final["reason"] != "sigterm":
+    if "test_bleu" in final:
         print(f"final: step {final['step']}, test BLEU {final['test_bleu']:.2f}, "
               f"test ppl {final['test_ppl']:.2f}", flush=True)
-    return 0
+    return cli.finished(final, "ppl")

@@ -63,7 +63,9 @@ class TranslateConfig(RunConfig):
 
     MAY_CHANGE: ClassVar[tuple[str, ...]] = RunConfig.MAY_CHANGE + (
         "beam_size", "length_penalty", "decode_margin", "eval_batch_size", "eval_sentences",
-        "test_split", "tokenizer_dir")
+        "test_split", "tokenizer_dir",
+        # The rate may change (say, after a divergence); the optimizer state's tree does not.
+        "learning_rate", "lr_factor")
 
     def __post_init__(self):
         super().__post_init__()

@@ -18,7 +18,11 @@ from train.data.datasets.multi30k import Multi30k
 from train.data.datasets.ptb import Ptb
 from train.data.datasets.sources import DatasetSourceError
 
-__all__ = ['DatasetSourceError', 'Multi30k', 'Ptb', 'load_multi30k', 'load_ptb']
+
+class DatasetError(RuntimeError):
+    """A prepared dataset on disk is damaged (it can be deleted and rebuilt)."""
+
+__all__ = ['DatasetError', 'DatasetSourceError', 'Multi30k', 'Ptb', 'load_multi30k', 'load_ptb']
 
 # Accepted spellings of the PTB validation split: the upstream files say 'valid'.
 _PTB_SPLIT_ALIASES = {'valid': 'validation'}
@@ -30,8 +34,15 @@ def _read_split(builder: tfds.core.DatasetBuilder, split: str) -> list[dict]:
     if split not in builder.info.splits:
         raise ValueError(f'{builder.name} has no split {split!r}; '
                          f'splits: {sorted(builder.info.splits)}')
-    source = builder.as_data_source(split=split)
-    return source.__getitems__(list(range(len(source))))
+    try:
+        source = builder.as_data_source(split=split)
+        return source.__getitems__(list(range(len(source))))
+    except Exception as e:  # array_record / TFDS raise many types for a damaged file
+        cause = str(e).strip().splitlines()[0][:200] if str(e).strip() else type(e).__name__
+        raise DatasetError(
+            f'the prepared dataset {builder.data_dir} cannot be read ({cause}). It is built '
+            f'from the files shipped with the package: delete that directory and run again to '
+            f'rebuild it.') from e
 
 
 def load_multi30k(split: str, *, data_dir: str | os.PathLike | None = None

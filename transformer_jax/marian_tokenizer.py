@@ -15,7 +15,7 @@ from __future__ import annotations
 import json
 import re
 from pathlib import Path
-from typing import Mapping, Sequence
+from typing import Sequence
 
 import numpy as np
 import sentencepiece
@@ -146,7 +146,8 @@ class MarianTokenizer:
         return out
 
     def decode_one(self, ids: Sequence[int]) -> str:
-        """Target ids [T] -> text: stops at the first EOS, drops pad and <unk>."""
+        """Target ids [T] -> text: stops at the first EOS, drops pad, <unk> and ids outside
+        the target vocabulary, and joins the pieces with the target SentencePiece model."""
         pieces = []
         for i in map(int, ids):
             if i == self.eos_id:

@@ -208,8 +208,8 @@ class Transformer(nn.Module):
         """Encodes src [B, S] once -> the cache for `decode_step` (every leaf leads with B).
 
         Holds src_valid [B, S] bool, tgt_valid [B, L] bool (which target positions written so
-        far may be attended to: not pad, see `_target_keys`) and, per decoder layer, self-attention keys/values [B, L, H, K] and
-        cross-attention keys/values [B, S, H, K].
+        far may be attended to: not pad, see `_target_keys`) and, per decoder layer,
+        self-attention keys/values [B, L, H, K] and cross-attention keys/values [B, S, H, K].
         """
         self._check_length(max_len, "max_len")
         encoded = self.encode(src)

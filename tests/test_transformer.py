@@ -1,6 +1,8 @@
 """The Transformer model: a NumPy re-implementation, invariants, configuration and positions."""
 from __future__ import annotations
 
+import math
+
 import chex
 import jax
 import jax.numpy as jnp
@@ -41,62 +43,75 @@ def _init(cfg, seed=0):
 
 # ------------------------------------------------------------------ NumPy reference model
 
-def _np_layer_norm(x, p):
+def _np_layer_norm(x, p, eps=1e-6):
     mu = x.mean(-1, keepdims=True)
     var = ((x - mu) ** 2).mean(-1, keepdims=True)
-    return (x - mu) / np.sqrt(var + 1e-6) * np.asarray(p["scale"]) + np.asarray(p["bias"])
+    return (x - mu) / np.sqrt(var + eps) * np.asarray(p["scale"]) + np.asarray(p["bias"])
 
 
-def _np_sublayer(x, p_norm, fn, norm_first):
+def _np_sublayer(x, p_norm, fn, norm_first, eps=1e-6):
     if norm_first:
-        return x + fn(_np_layer_norm(x, p_norm))
-    return _np_layer_norm(x + fn(x), p_norm)
+        return x + fn(_np_layer_norm(x, p_norm, eps))
+    return _np_layer_norm(x + fn(x), p_norm, eps)
 
 
-def _np_ffn(x, p):
-    return _np_dense(np.maximum(_np_dense(x, p["inner"]), 0.0), p["outer"])
+_NP_ACTIVATIONS = {"relu": lambda x: np.maximum(x, 0.0), "swish": lambda x: x / (1 + np.exp(-x)),
+                   "gelu": lambda x: 0.5 * x * (1 + np.vectorize(math.erf)(x / np.sqrt(2.0)))}
 
 
-def _np_positions(length, d):
+def _np_ffn(x, p, activation="relu"):
+    return _np_dense(_NP_ACTIVATIONS[activation](_np_dense(x, p["inner"])), p["outer"])
+
+
+def _np_positions(length, d, layout="interleaved"):
     pe = np.zeros((length, d))
     for pos in range(length):
         for i in range(d // 2):
-            pe[pos, 2 * i] = np.sin(pos / 10000 ** (2 * i / d))
-            pe[pos, 2 * i + 1] = np.cos(pos / 10000 ** (2 * i / d))
+            sin_at, cos_at = (i, d // 2 + i) if layout == "concat" else (2 * i, 2 * i + 1)
+            pe[pos, sin_at] = np.sin(pos / 10000 ** (2 * i / d))
+            pe[pos, cos_at] = np.cos(pos / 10000 ** (2 * i / d))
     return pe
 
 
 def np_transformer(params, cfg, src, tgt):
-    """Section 3 of the paper, written directly (sinusoidal positions, tied embeddings)."""
+    """Section 3 of the paper, written directly (sinusoidal positions, tied embeddings), and
+    the options Marian needs: activation, LayerNorm epsilon, unscaled embeddings, the concat
+    sinusoid, a logits bias and decoding from pad (then no target pad is masked)."""
     src, tgt = np.asarray(src), np.asarray(tgt)
     emb = np.asarray(params["tgt_embed"]["embedding"], np.float64)
-    d, nf = cfg.d_model, cfg.norm_first
+    d, nf, eps = cfg.d_model, cfg.norm_first, cfg.layer_norm_eps
+    scale = np.sqrt(d) if cfg.scale_embeddings else 1.0
+    layout = "concat" if cfg.positional == "sinusoidal_concat" else "interleaved"
     src_mask = (src != cfg.pad_id)[:, None, None, :]
     t_ = tgt.shape[1]
-    tgt_mask = np.tril(np.ones((t_, t_), bool))[None, None] & (tgt != cfg.pad_id)[:, None,
-                                                                                   None, :]
-    x = emb[src] * np.sqrt(d) + _np_positions(src.shape[1], d)
+    tgt_keys = (tgt != cfg.pad_id) | (cfg.bos_id == cfg.pad_id)
+    tgt_mask = np.tril(np.ones((t_, t_), bool))[None, None] & tgt_keys[:, None, None, :]
+
+    def ffn(h, p):
+        return _np_ffn(h, p, cfg.activation.replace("silu", "swish"))
+
+    x = emb[src] * scale + _np_positions(src.shape[1], d, layout)
     for i in range(cfg.n_encoder_layers):
         p = params["encoder"][f"layers_{i}"]
         x = _np_sublayer(x, p["self_attn_residual"]["norm"],
                          lambda h: np_multi_head_attention(h, h, p["self_attn"], src_mask,
-                                                           cfg.n_heads), nf)
-        x = _np_sublayer(x, p["ffn_residual"]["norm"], lambda h: _np_ffn(h, p["ffn"]), nf)
+                                                           cfg.n_heads), nf, eps)
+        x = _np_sublayer(x, p["ffn_residual"]["norm"], lambda h: ffn(h, p["ffn"]), nf, eps)
     if nf:
-        x = _np_layer_norm(x, params["encoder"]["final_norm"])
-    y = emb[tgt] * np.sqrt(d) + _np_positions(t_, d)
+        x = _np_layer_norm(x, params["encoder"]["final_norm"], eps)
+    y = emb[tgt] * scale + _np_positions(t_, d, layout)
     for i in range(cfg.n_decoder_layers):
         p = params["decoder"][f"layers_{i}"]
         y = _np_sublayer(y, p["self_attn_residual"]["norm"],
                          lambda h: np_multi_head_attention(h, h, p["self_attn"], tgt_mask,
-                                                           cfg.n_heads), nf)
+                                                           cfg.n_heads), nf, eps)
         y = _np_sublayer(y, p["cross_attn_residual"]["norm"],
                          lambda h: np_multi_head_attention(h, x, p["cross_attn"], src_mask,
-                                                           cfg.n_heads), nf)
-        y = _np_sublayer(y, p["ffn_residual"]["norm"], lambda h: _np_ffn(h, p["ffn"]), nf)
+                                                           cfg.n_heads), nf, eps)
+        y = _np_sublayer(y, p["ffn_residual"]["norm"], lambda h: ffn(h, p["ffn"]), nf, eps)
     if nf:
-        y = _np_layer_norm(y, params["decoder"]["final_norm"])
-    return y @ emb.T
+        y = _np_layer_norm(y, params["decoder"]["final_norm"], eps)
+    return y @ emb.T + (np.asarray(params["output_bias"]) if cfg.output_bias else 0.0)
 
 
 @pytest.mark.parametrize("norm_first", [False, True])
@@ -110,6 +125,25 @@ def test_forward_matches_numpy_reference(norm_first):
     ref = np_transformer(params, cfg, src, tgt)
     chex.assert_trees_all_close(np.asarray(logits), ref.astype(np.float32), atol=1e-4,
                                 rtol=1e-4)
+
+
+@pytest.mark.parametrize("activation", ["swish", "gelu"])
+def test_marian_options_match_numpy_reference(activation):
+    """Every option a Marian checkpoint needs, at once, against the reference above."""
+    cfg = _config(activation=activation, layer_norm_eps=1e-5, scale_embeddings=False,
+                  positional="sinusoidal_concat", output_bias=True, bos_id=0)
+    model, params = _init(cfg)
+    params = {**params, "output_bias": jax.random.normal(jax.random.PRNGKey(1), (V,))}
+    src, tgt = _batch(1)
+    tgt = tgt.at[:, 0].set(cfg.pad_id)   # decoding starts from pad
+    logits = model.apply({"params": params}, src, tgt)
+    ref = np_transformer(params, cfg, src, tgt)
+    chex.assert_trees_all_close(np.asarray(logits), ref.astype(np.float32), atol=1e-4,
+                                rtol=1e-4)
+    # The options change the output (so the comparison above can fail).
+    paper = {k: v for k, v in params.items() if k != "output_bias"}
+    assert not np.allclose(logits, Transformer(_config()).apply({"params": paper}, src, tgt),
+                           atol=1e-3)
 
 
 def test_encode_then_decode_equals_call():
@@ -301,9 +335,13 @@ def test_presets():
     (dict(positional="rotary"), "positional"),
     (dict(d_model=27, n_heads=3, positional="sinusoidal"), "d_model must be even"),
     (dict(src_vocab_size=10, tgt_vocab_size=12, share_embeddings=True), "share_embeddings"),
-    (dict(bos_id=0), "pad_id, bos_id and eos_id"),
+    (dict(bos_id=2), "pad_id, bos_id and eos_id"),
+    (dict(eos_id=0), "pad_id, bos_id and eos_id"),
     (dict(eos_id=32), "eos_id"),
     (dict(dtype="int32"), "dtype"),
+    (dict(activation="tanh"), "activation"),
+    (dict(layer_norm_eps=0.0), "layer_norm_eps"),
+    (dict(output_bias=True, tie_output=False), "output_bias"),
     (dict(attention_impl="flash"), "attention_impl"),
 ])
 def test_bad_configs_raise_value_error_naming_the_field(overrides, field):

@@ -27,11 +27,15 @@ def _model(seed=0, **overrides):
     dict(norm_first=True),
     dict(positional="learned"),
     dict(positional="sinusoidal_concat", share_embeddings=False, tie_output=False),
+    # Marian's options: decoding starts from pad, so no target position is masked as pad.
+    dict(bos_id=PAD, activation="swish", layer_norm_eps=1e-5, scale_embeddings=False,
+         positional="sinusoidal_concat", output_bias=True),
 ])
 def test_cached_steps_equal_full_forward_at_every_step(overrides):
     model, params, src = _model(**overrides)
     tgt = jnp.array([[1, 7, 8, 9, 3, 2, 0, 0], [1, 3, 3, 2, 0, 0, 0, 0],
                      [1, 10, 11, 12, 3, 4, 5, 6]], jnp.int32)  # pad inside too
+    tgt = tgt.at[:, 0].set(model.config.bos_id)
     full = model.apply({"params": params}, src, tgt)  # [B, T, V]
     step = jax.jit(lambda tok, cache, i: model.apply({"params": params}, tok, cache, index=i,
                                                      method="decode_step"))

@@ -34,3 +34,12 @@ from transformer_jax.seq2seq import (
 )
 from transformer_jax.convs2s import ConvS2S, ConvS2SConfig
 from transformer_jax.baselines import BASELINES, make_baseline
+from transformer_jax.marian_tokenizer import MarianTokenizer
+from transformer_jax.marian import (
+    GenerationDefaults,
+    load_marian,
+    marian_config,
+    marian_generation_defaults,
+    marian_params,
+    read_marian_weights,
+)

@@ -2,14 +2,24 @@
 from __future__ import annotations
 
 import dataclasses
-from typing import Any
+import functools
+from typing import Any, Callable
 
+import jax
 import jax.numpy as jnp
 import numpy as np
 
 from transformer_jax.attention import IMPLEMENTATIONS
 
 POSITIONAL = ("sinusoidal", "sinusoidal_concat", "learned")
+# config.activation -> the FFN's function. gelu is the exact (erf) form, as PyTorch's and
+# Marian's; "swish" and "silu" are one function, x * sigmoid(x), under its two names.
+ACTIVATIONS: dict[str, Callable[[jax.Array], jax.Array]] = {
+    "relu": jax.nn.relu,
+    "gelu": functools.partial(jax.nn.gelu, approximate=False),
+    "swish": jax.nn.silu,
+    "silu": jax.nn.silu,
+}
 _DTYPES = (np.dtype(jnp.float32), np.dtype(jnp.bfloat16), np.dtype(jnp.float16))
 
 
@@ -21,19 +31,31 @@ class TransformerConfig:
       src_vocab_size, tgt_vocab_size: V of each side. The default 37000 is the paper's shared
         WMT14 En-De BPE vocabulary.
       d_model: D.  n_heads: H (K = D / H).  d_ff: inner width of the position-wise FFN.
+      activation: the FFN's nonlinearity: "relu" (the paper), "gelu" (exact, erf-based) or
+        "swish" / "silu" (x * sigmoid(x), OPUS-MT's Marian models).
       n_encoder_layers, n_decoder_layers: stack depths (N in the paper).
       dropout: residual dropout on every sublayer output and on the embedding + position sums.
       attention_dropout: dropout on the attention weights (the paper uses none; the Annotated
         Transformer and tensor2tensor do).
       norm_first: False is the paper's post-LN, LayerNorm(x + Sublayer(x)); True is pre-LN,
         x + Sublayer(LayerNorm(x)) with a final LayerNorm on each stack.
+      layer_norm_eps: the LayerNorms' epsilon (tensor2tensor's 1e-6; PyTorch's and Marian's
+        is 1e-5).
       positional: "sinusoidal" (sin/cos interleaved, the paper's formula), "sinusoidal_concat"
         (all sines then all cosines, tensor2tensor's layout) or "learned" (max_len rows).
       max_len: rows of the learned table, the longest sequence "learned" accepts; sinusoidal
         positions work at any length.
+      scale_embeddings: multiply token embeddings by sqrt(D) before adding positions (section
+        3.4); False adds them unscaled.
       share_embeddings: one table for source and target tokens (needs equal vocab sizes).
       tie_output: the pre-softmax projection is the transposed target embedding.
-      pad_id, bos_id, eos_id: special token ids, distinct and inside both vocabularies.
+      output_bias: add a learned [V] bias to the tied logits (Marian's `final_logits_bias`);
+        an untied projection always has its own bias.
+      pad_id, bos_id, eos_id: special token ids inside both vocabularies. bos_id is the token
+        decoding starts from. eos_id differs from both; bos_id may equal pad_id, as in Marian,
+        which starts decoding from pad. Then the decoder's self-attention masks no target
+        position as padding (it could not tell the start from a pad): it is causal only, which
+        with right-padded targets still keeps every pad out of what a real position sees.
       dtype: compute dtype (float32, bfloat16 or float16). Parameters are always float32;
         attention logits, softmax, output logits and the loss are float32. In half precision
         the output projection multiplies in `dtype` with float32 results (its gradient too).
@@ -46,15 +68,19 @@ class TransformerConfig:
     d_model: int = 512
     n_heads: int = 8
     d_ff: int = 2048
+    activation: str = "relu"
     n_encoder_layers: int = 6
     n_decoder_layers: int = 6
     dropout: float = 0.1
     attention_dropout: float = 0.0
     norm_first: bool = False
+    layer_norm_eps: float = 1e-6
     positional: str = "sinusoidal"
     max_len: int = 512
+    scale_embeddings: bool = True
     share_embeddings: bool = True
     tie_output: bool = True
+    output_bias: bool = False
     pad_id: int = 0
     bos_id: int = 1
     eos_id: int = 2
@@ -74,6 +100,14 @@ class TransformerConfig:
             value = getattr(self, name)
             if not 0.0 <= value < 1.0:
                 raise ValueError(f"{name} must be in [0, 1), got {value!r}")
+        if self.activation not in ACTIVATIONS:
+            raise ValueError(f"activation must be one of {tuple(ACTIVATIONS)}, got "
+                             f"{self.activation!r}")
+        if not self.layer_norm_eps > 0.0:
+            raise ValueError(f"layer_norm_eps must be positive, got {self.layer_norm_eps!r}")
+        if self.output_bias and not self.tie_output:
+            raise ValueError("output_bias applies to the tied output projection; with "
+                             "tie_output=False the projection has its own bias")
         if self.attention_impl not in IMPLEMENTATIONS:
             raise ValueError(f"attention_impl must be one of {IMPLEMENTATIONS}, got "
                              f"{self.attention_impl!r}")
@@ -89,8 +123,9 @@ class TransformerConfig:
         for name, value in specials.items():
             if not 0 <= value < min(self.src_vocab_size, self.tgt_vocab_size):
                 raise ValueError(f"{name} ({value}) must be a token id in both vocabularies")
-        if len(set(specials.values())) != 3:
-            raise ValueError(f"pad_id, bos_id and eos_id must be distinct, got {specials}")
+        if self.eos_id in (self.pad_id, self.bos_id):
+            raise ValueError(f"pad_id, bos_id and eos_id: eos_id must differ from the other two "
+                             f"(bos_id may equal pad_id), got {specials}")
         try:
             dtype = np.dtype(self.dtype)
         except TypeError:

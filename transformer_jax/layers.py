@@ -18,7 +18,7 @@ import jax.numpy as jnp
 from jax import lax
 
 from transformer_jax.attention import dot_product_attention
-from transformer_jax.config import TransformerConfig
+from transformer_jax.config import ACTIVATIONS, TransformerConfig
 
 Array = jax.Array
 DecoderLayerCache = dict[str, Array]
@@ -69,8 +69,9 @@ _half_logits.defvjp(_half_logits_fwd, _half_logits_bwd)
 
 
 def layer_norm(config: TransformerConfig, **kwargs) -> nn.LayerNorm:
-    # tensor2tensor's epsilon; flax upcasts the statistics to float32 for half dtypes.
-    return nn.LayerNorm(epsilon=1e-6, dtype=config.dtype, param_dtype=jnp.float32, **kwargs)
+    # flax upcasts the statistics to float32 for half dtypes.
+    return nn.LayerNorm(epsilon=config.layer_norm_eps, dtype=config.dtype,
+                        param_dtype=jnp.float32, **kwargs)
 
 
 class MultiHeadAttention(nn.Module):
@@ -139,7 +140,7 @@ class MultiHeadAttention(nn.Module):
 
 
 class FeedForward(nn.Module):
-    """Position-wise FFN: Dense(d_ff), ReLU, Dense(D) (section 3.3)."""
+    """Position-wise FFN: Dense(d_ff), ReLU (or `config.activation`), Dense(D) (section 3.3)."""
 
     config: TransformerConfig
 
@@ -147,7 +148,7 @@ class FeedForward(nn.Module):
     def __call__(self, x: Array) -> Array:
         """[B, T, D] -> [B, T, D]."""
         cfg = self.config
-        h = nn.relu(dense(cfg.d_ff, dtype=cfg.dtype, name="inner")(x))
+        h = ACTIVATIONS[cfg.activation](dense(cfg.d_ff, dtype=cfg.dtype, name="inner")(x))
         return dense(cfg.d_model, dtype=cfg.dtype, name="outer")(h)
 
 

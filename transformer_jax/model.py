@@ -109,8 +109,9 @@ class Transformer(nn.Module):
       logits = model.apply({"params": params}, src, tgt, deterministic=False,
                            rngs={"dropout": key})                           # training
 
-    Token embeddings are scaled by sqrt(D) (section 3.4) and summed with the positions, then
-    dropped out. With `tie_output` the logits are y @ E^T with the target embedding E.
+    Token embeddings are scaled by sqrt(D) (section 3.4; `scale_embeddings`) and summed with
+    the positions, then dropped out. With `tie_output` the logits are y @ E^T with the target
+    embedding E (plus a learned bias with `output_bias`).
     """
 
     config: TransformerConfig
@@ -133,6 +134,9 @@ class Transformer(nn.Module):
         self.decoder = Decoder(cfg)
         if not cfg.tie_output:
             self.output = dense(cfg.tgt_vocab_size, dtype=jnp.float32)
+        elif cfg.output_bias:
+            self.output_bias = self.param("output_bias", nn.initializers.zeros,
+                                          (cfg.tgt_vocab_size,), jnp.float32)
 
     def _check_length(self, length: int, what: str) -> None:
         cfg = self.config
@@ -144,15 +148,32 @@ class Transformer(nn.Module):
                deterministic: bool) -> Array:
         """tokens [B, T], positions [T] -> [B, T, D] in config.dtype."""
         cfg = self.config
-        x = table(tokens) * math.sqrt(cfg.d_model) + self.positions(positions)
+        x = table(tokens)
+        if cfg.scale_embeddings:
+            x = x * math.sqrt(cfg.d_model)
+        x = x + self.positions(positions)
         return self.embed_dropout(x.astype(cfg.dtype), deterministic=deterministic)
 
     def _logits(self, y: Array) -> Array:
         """[..., D] -> [..., V] float32 (tied: multiplied in config.dtype, see
         `output_logits`)."""
-        if self.config.tie_output:
-            return output_logits(y, self.tgt_embed.embedding, self.config.dtype)
-        return self.output(y.astype(jnp.float32))
+        cfg = self.config
+        if not cfg.tie_output:
+            return self.output(y.astype(jnp.float32))
+        logits = output_logits(y, self.tgt_embed.embedding, cfg.dtype)
+        return logits + self.output_bias if cfg.output_bias else logits
+
+    def _target_keys(self, tgt: Array) -> Array:
+        """tgt [B, T] -> [B, T] bool: which target positions the decoder may attend to.
+
+        Pad is masked, unless decoding starts from pad (bos_id == pad_id, Marian): the start
+        token must stay visible, and a pad elsewhere could not be told from it. Causal masking
+        alone then suffices, since right-padding puts every pad after the real positions.
+        """
+        cfg = self.config
+        if cfg.bos_id == cfg.pad_id:
+            return jnp.ones(tgt.shape, bool)
+        return tgt != cfg.pad_id
 
     def encode(self, src: Array, *, deterministic: bool = True) -> Array:
         """src [B, S] int32 (pad_id padded) -> encoded [B, S, D]."""
@@ -172,7 +193,7 @@ class Transformer(nn.Module):
                         deterministic=deterministic)
         # The decoder's self-attention sees neither future positions nor pad.
         self_mask = combine_masks(make_causal_mask(tgt.shape[1]),
-                                  make_padding_mask(tgt, cfg.pad_id))
+                                  self._target_keys(tgt)[:, None, None, :])
         y = self.decoder(y, encoded, self_mask=self_mask,
                          src_mask=make_padding_mask(src, cfg.pad_id),
                          deterministic=deterministic)
@@ -187,8 +208,8 @@ class Transformer(nn.Module):
         """Encodes src [B, S] once -> the cache for `decode_step` (every leaf leads with B).
 
         Holds src_valid [B, S] bool, tgt_valid [B, L] bool (which target positions written so
-        far are not pad) and, per decoder layer, self-attention keys/values [B, L, H, K] and
-        cross-attention keys/values [B, S, H, K].
+        far may be attended to: not pad, see `_target_keys`) and, per decoder layer,
+        self-attention keys/values [B, L, H, K] and cross-attention keys/values [B, S, H, K].
         """
         self._check_length(max_len, "max_len")
         encoded = self.encode(src)
@@ -204,7 +225,7 @@ class Transformer(nn.Module):
         -> next-token logits [B, V] float32 and the updated cache. Cost O(L), not O(L^2)."""
         max_len = cache["tgt_valid"].shape[1]
         tgt_valid = lax.dynamic_update_slice(
-            cache["tgt_valid"], (tokens != self.config.pad_id)[:, None], (0, index))
+            cache["tgt_valid"], self._target_keys(tokens[:, None]), (0, index))
         # Same keys as the full pass's causal & padding mask, restricted to row `index`.
         self_mask = (tgt_valid & (jnp.arange(max_len) <= index))[:, None, None, :]
         y = self._embed(self.tgt_embed, tokens[:, None], jnp.reshape(index, (1,)),

@@ -258,6 +258,7 @@ def _xl_arms(config: BenchConfig, cpu, tr, reference) -> dict[str, Any]:
         tie_projs=cfg.tie_projs, pre_lnorm=cfg.norm_first, mem_len=cfg.mem_len,
         cutoffs=cfg.cutoffs, same_length=cfg.same_length, clamp_len=cfg.clamp_len,
         untie_r=cfg.untie_r).train()
+    _official_init(eager)
     compiled = copy.deepcopy(eager)
     opt = dict(learning_rate=run.learning_rate, clip_norm=run.clip_norm)
     # Time-major, as the official code: [T, B].
@@ -274,3 +275,19 @@ def _xl_arms(config: BenchConfig, cpu, tr, reference) -> dict[str, Any]:
             "tokens_per_step": b * t, "n_params": _check_params(name, n_project, eager),
             "arms": {"project": project, **arms},
             "losses": lambda: {"project": project_loss(), **torch_losses()}}
+
+
+def _official_init(model) -> None:
+    """The official train.py's `weights_init` (init_std 0.02; LayerNorm scales around 1):
+    the port leaves biases and projections at zero and embeddings at N(0, 1), which after the
+    sqrt(D) scaling starts the loss near 48 instead of log V."""
+    import torch
+
+    with torch.no_grad():
+        for name, p in model.named_parameters():
+            if name.endswith("layer_norm.weight"):
+                p.normal_(1.0, 0.02)
+            elif name.endswith(".bias"):      # not r_w_bias, r_r_bias (u, v): normal
+                p.zero_()
+            else:
+                p.normal_(0.0, 0.02)

@@ -140,11 +140,9 @@ def _cpu_vs_torch_lines(cmp: Mapping[str, Any] | None) -> list[str]:
                      f"{ms('torch_eager')} | {ms('torch_compile')} | "
                      f"{_num(r['project_over_eager'], '.2f')} | "
                      f"{_num(r.get('project_over_compile'), '.2f')} |")
-    lines.append("")
-    lines += [f"- {r['name']}: torch.compile failed: {r['compile_error']}"
-              for r in cmp["rows"] if r.get("compile_error")]
-    lines += [f"- {note}" for note in cmp.get("notes", [])]
-    return lines + [""]
+    notes = [f"{r['name']}: torch.compile failed: {r['compile_error']}"
+             for r in cmp["rows"] if r.get("compile_error")] + cmp["notes"]
+    return lines + [""] + [f"- {note}" for note in notes] + ([""] if notes else [])
 
 
 def _gib(n: int | None) -> str:

@@ -19,9 +19,22 @@ import numpy as np
 import optax
 import pytest
 
-from train import bench
+from train.bench import train_steps
+from train.bench.config import BenchConfig
+from train.bench.decode import decode_bench
+from train.bench.options import BenchOptions, build_parser, config_from_options, parse_options
+from train.bench.profile import summarize_trace_events
+from train.bench.run import run_and_report, run_benchmarks
+from train.bench.timing import (
+    compiled_memory,
+    measure_matmul_rate,
+    nominal_bf16_peak,
+    time_calls,
+    utilisation,
+)
+from train.bench.train_steps import transformer_train_setup, xl_train_setup
 from train.lm import make_loss_fn as lm_loss_fn
-from train.flops import (
+from train.bench.flops import (
     jaxpr_matmul_flops,
     transformer_flops,
     xl_flops,
@@ -227,18 +240,18 @@ def test_compiled_memory_sums_the_buffers_and_tolerates_missing_analysis():
     stats = types.SimpleNamespace(argument_size_in_bytes=100, output_size_in_bytes=80,
                                   temp_size_in_bytes=50, alias_size_in_bytes=60,
                                   generated_code_size_in_bytes=0, peak_memory_in_bytes=0)
-    mem = bench.compiled_memory(types.SimpleNamespace(memory_analysis=lambda: stats))
+    mem = compiled_memory(types.SimpleNamespace(memory_analysis=lambda: stats))
     assert mem["footprint"] == 100 + 80 + 50 - 60
     assert "peak_reported" not in mem
-    assert bench.compiled_memory(types.SimpleNamespace(memory_analysis=lambda: None)) is None
+    assert compiled_memory(types.SimpleNamespace(memory_analysis=lambda: None)) is None
     # A real compiled donating program: the donated argument aliases the output.
     f = jax.jit(lambda x: x * 2, donate_argnums=0)
-    mem = bench.compiled_memory(f.lower(jnp.ones((256,), jnp.float32)).compile())
+    mem = compiled_memory(f.lower(jnp.ones((256,), jnp.float32)).compile())
     assert mem["argument"] == mem["output"] == mem["alias"] == 1024
 
 
 def test_matmul_rate_is_two_n_cubed_over_the_median_time():
-    r = bench.measure_matmul_rate(32, "float32", repeats=3, warmup=1)
+    r = measure_matmul_rate(32, "float32", repeats=3, warmup=1)
     assert len(r["times_s"]) == 3
     assert r["median_s"] == statistics.median(r["times_s"])
     assert r["rate"] == 2 * 32 ** 3 / r["median_s"]
@@ -246,17 +259,17 @@ def test_matmul_rate_is_two_n_cubed_over_the_median_time():
 
 def test_time_calls_warms_up_then_times_each_call():
     calls = []
-    times = bench.time_calls(lambda: calls.append(1) or jnp.zeros(()), warmup=2, repeats=3)
+    times = time_calls(lambda: calls.append(1) or jnp.zeros(()), warmup=2, repeats=3)
     assert len(calls) == 5 and len(times) == 3 and all(x >= 0 for x in times)
 
 
 def test_nominal_peak_tells_the_h100_variants_apart():
-    assert bench.nominal_bf16_peak("NVIDIA H100 80GB HBM3") == 989.4e12
-    assert bench.nominal_bf16_peak("NVIDIA H100 PCIe") == 756e12
-    assert bench.nominal_bf16_peak("NVIDIA H200") == 989.4e12
-    assert bench.nominal_bf16_peak("cpu") is None
-    assert bench.utilisation(50.0, 2.0, 100.0) == 0.25
-    assert bench.utilisation(50.0, 2.0, None) is None
+    assert nominal_bf16_peak("NVIDIA H100 80GB HBM3") == 989.4e12
+    assert nominal_bf16_peak("NVIDIA H100 PCIe") == 756e12
+    assert nominal_bf16_peak("NVIDIA H200") == 989.4e12
+    assert nominal_bf16_peak("cpu") is None
+    assert utilisation(50.0, 2.0, 100.0) == 0.25
+    assert utilisation(50.0, 2.0, None) is None
 
 
 def _meta_events(pid, process, threads):
@@ -286,7 +299,7 @@ def test_trace_summary_reads_the_xla_ops_line_of_the_device():
         _op(1, 10, "sm90_kernel_ignored_when_xla_ops_exist", 500.0),
         _op(2, 20, "PjitFunction(step)", 900.0),          # host side: not device time
     ]
-    summary = bench.summarize_trace_events(events, steps=2)
+    summary = summarize_trace_events(events, steps=2)
     assert summary["source"] == "device: XLA Ops"
     assert summary["busy_us_per_step"] == (20 + 20 + 60 + 20) / 2
     assert [(op["name"], op["us_per_step"], op["calls_per_step"], op["category"])
@@ -303,22 +316,22 @@ def test_trace_summary_falls_back_to_streams_then_to_host_threads():
     gpu += [_op(1, 10, "sm90_xmma_gemm_bf16", 20.0), _op(1, 12, "memcpy_d2d", 10.0),
             # cuBLAS's nvjet GEMM kernels (jax 0.11, H100) are matrix products too.
             _op(1, 10, "nvjet_sm90_tst_128x160_64x5_2x1_v_bz_NNT", 10.0)]
-    summary = bench.summarize_trace_events(gpu, steps=1)
+    summary = summarize_trace_events(gpu, steps=1)
     assert summary["source"] == "device: streams"
     assert summary["categories"] == pytest.approx({"matmul": 0.75, "copy": 0.25})
     cpu = _meta_events(5, "/host:CPU", {1: "python", 2: "tf_XLAEigen/1"})
     cpu += [_op(5, 1, "$bench.py:10 one_step", 99.0), _op(5, 2, "ThunkExecutor::Execute", 50.0),
             _op(5, 2, "dot.4", 8.0), _op(5, 2, "fusion.2", 2.0)]
-    summary = bench.summarize_trace_events(cpu, steps=1)
+    summary = summarize_trace_events(cpu, steps=1)
     assert summary["source"].startswith("host threads")
     assert [op["name"] for op in summary["top"]] == ["dot.4", "fusion.2"]
-    assert bench.summarize_trace_events(_meta_events(1, "/host:CPU", {}), steps=1) is None
+    assert summarize_trace_events(_meta_events(1, "/host:CPU", {}), steps=1) is None
 
 
 # ----------------------------------------------------------------------------- the sections
-def _tiny_bench_config() -> bench.BenchConfig:
+def _tiny_bench_config() -> BenchConfig:
     xl = dict(n_layers=1, n_heads=2, d_model=32, d_head=16, d_inner=64)
-    return bench.BenchConfig.quick().replace(
+    return BenchConfig.quick().replace(
         steps=2, warmup=1, matmul_size=64, matmul_repeats=2,
         transformer=TransformerConfig.tiny(n_encoder_layers=1, n_decoder_layers=1),
         transformer_batch=4, transformer_len=8,
@@ -330,7 +343,7 @@ def _tiny_bench_config() -> bench.BenchConfig:
 
 def test_run_writes_every_training_figure_and_the_xl_eval_table(tmp_path):
     config = _tiny_bench_config()
-    results = bench.run_benchmarks(
+    results = run_benchmarks(
         config, sections=("train_transformer", "train_xl_enwik8", "xl_eval"), out=str(tmp_path),
         command="python -m train.bench --test", raise_errors=True, log=lambda m: None)
     saved = json.loads((tmp_path / "bench.json").read_text())
@@ -372,12 +385,12 @@ def test_run_writes_every_training_figure_and_the_xl_eval_table(tmp_path):
 def test_full_size_train_steps_trace_and_hold_exactly_the_formulas_products(which):
     """The paper sizes of `python -m train.bench` (one GPU), traced without allocating: the
     project's train step runs at these shapes, and the formula counts its every product."""
-    config = bench.BenchConfig.full()
+    config = BenchConfig.full()
     if which == "transformer":
-        setup = bench.transformer_train_setup(config)
+        setup = transformer_train_setup(config)
     else:
         name, xl_cfg, b = next(x for x in config.xl if x[0] == which)
-        setup = bench.xl_train_setup(name, xl_cfg, b, config)
+        setup = xl_train_setup(name, xl_cfg, b, config)
     state = jax.eval_shape(setup.init_state)
     batch = {k: jax.ShapeDtypeStruct(v.shape, v.dtype) for k, v in setup.batch.items()}
     step = make_train_step(setup.loss_fn)
@@ -393,9 +406,9 @@ def test_a_failing_section_is_recorded_and_the_run_goes_on(tmp_path, monkeypatch
     def broken(*args, **kwargs):
         raise RuntimeError("out of memory (simulated)")
 
-    monkeypatch.setattr(bench, "transformer_train_setup", broken)
+    monkeypatch.setattr(train_steps, "transformer_train_setup", broken)
     config = _tiny_bench_config().replace(attn_lengths=(8,))
-    results = bench.run_benchmarks(config, sections=("train_transformer", "xl_eval"),
+    results = run_benchmarks(config, sections=("train_transformer", "xl_eval"),
                                    out=str(tmp_path), profile=False, log=lambda m: None)
     assert [e["section"] for e in results["errors"]] == ["train_transformer"]
     assert "out of memory (simulated)" in (tmp_path / "bench.md").read_text()
@@ -403,7 +416,7 @@ def test_a_failing_section_is_recorded_and_the_run_goes_on(tmp_path, monkeypatch
 
     # A second command re-runs the failed section and merges into the same file.
     monkeypatch.undo()
-    bench.run_benchmarks(config, sections=("train_transformer",), out=str(tmp_path),
+    run_benchmarks(config, sections=("train_transformer",), out=str(tmp_path),
                          profile=False, append=True, command="second", log=lambda m: None)
     merged = json.loads((tmp_path / "bench.json").read_text())
     assert merged["errors"] == []
@@ -419,7 +432,7 @@ def test_decode_bench_counts_sentences_and_the_best_beams_tokens():
     model, state = _transformer_state(cfg)
     rng = np.random.default_rng(0)
     sources = [list(rng.integers(3, 20, n)) + [cfg.eos_id] for n in rng.integers(2, 14, 10)]
-    r = bench.decode_bench(model, state.params, sources, beam_size=2, batch_size=4, margin=3,
+    r = decode_bench(model, state.params, sources, beam_size=2, batch_size=4, margin=3,
                            repeats=2, buckets=(8, 16))
     assert r["sentences"] == 10
     assert r["shapes"] == [(4, 8), (4, 16)]
@@ -439,13 +452,12 @@ def test_decode_bench_counts_sentences_and_the_best_beams_tokens():
 
 # ----------------------------------------------------------------------------- CLI
 def test_cli_sizes_and_batch_overrides():
-    parser = bench.build_parser()
-    config = bench.config_from_args(parser.parse_args(
-        ["--batch", "wt103=8", "--batch", "transformer=64", "--steps", "7"]))
+    config = config_from_options(parse_options(
+        ["--batch", "wt103=8,transformer=64", "--steps", "7"]))
     assert dict((n.split("_")[0], b) for n, _, b in config.xl) == {"enwik8": 22, "wt103": 8}
     assert config.transformer_batch == 64 and config.steps == 7
     assert config.dtype == "float32"  # auto on a CPU
-    full = bench.BenchConfig.full()
+    full = BenchConfig.full()
     assert (full.transformer.d_model, full.transformer.n_encoder_layers,
             full.transformer.n_decoder_layers) == (512, 6, 6)
     assert full.transformer_batch * full.transformer_len == 24_576
@@ -455,15 +467,116 @@ def test_cli_sizes_and_batch_overrides():
     assert full.attn_lengths[0] == 800 and full.attn_lengths[-1] == 3800
     assert full.beam_size == 4
     with pytest.raises(ValueError, match="unknown bench"):
-        bench.config_from_args(parser.parse_args(["--batch", "gpt=8"]))
+        config_from_options(parse_options(["--batch", "gpt=8"]))
     with pytest.raises(ValueError, match="dtype"):
-        bench.BenchConfig.quick("float16")
+        BenchConfig.quick("float16")
 
 
 def test_main_quick_matmul_only_writes_both_files(tmp_path, capsys):
-    assert bench.main(["--quick", "--only", "matmul", "--out", str(tmp_path)]) == 0
+    # What `python -m train.bench --quick true --only matmul --out DIR` does.
+    command = f"python -m train.bench --quick true --only matmul --out {tmp_path}"
+    options = parse_options(command.split()[3:])
+    assert run_and_report(options, command=command) == 0
     saved = json.loads((tmp_path / "bench.json").read_text())
     assert saved["meta"]["quick"] is True
-    assert saved["meta"]["command"] == f"python -m train.bench --quick --only matmul --out {tmp_path}"
+    assert saved["meta"]["command"] == command
     assert "Measured matrix rate" in capsys.readouterr().out
     chex.assert_trees_all_equal(saved["train"], [])
+
+
+def test_every_option_is_a_flag_in_the_entry_points_style():
+    flags = {s for a in build_parser()._actions for s in a.option_strings}
+    assert {f"--{f.name}" for f in dataclasses.fields(BenchOptions)} <= flags
+    options = parse_options(["--only", "train_transformer,train_xl_enwik8", "--quick", "true",
+                             "--attention_impl", "xla", "--xl_remat", "none",
+                             "--profile", "false", "--torch_compile", "false"])
+    assert options.only == ("train_transformer", "train_xl_enwik8")
+    assert options.quick and not options.profile
+    config = config_from_options(options)
+    assert config.transformer.attention_impl == "xla" and config.torch_compile is False
+    assert {c.remat for _, c, _ in config.xl} == {"none"} and config.torch_xl.remat == "none"
+    assert "cpu_vs_torch" not in parse_options([]).only     # opt-in: it times the CPU
+    for bad in (["--only", "gpt"], ["--xl_remat", "some"], ["--attention-impl", "xla"]):
+        with pytest.raises(SystemExit):
+            parse_options(bad)
+
+
+# ----------------------------------------------------------------------------- CPU vs PyTorch
+def test_cpu_vs_torch_compares_the_cpu_presets_at_equal_parameter_counts():
+    """The models of `--only cpu_vs_torch` are the cpu presets' (dropout off), and the PyTorch
+    twins have exactly their parameter counts (4,978,688 and 4,739,344)."""
+    torch = pytest.importorskip("torch")
+    from train import lm, translate
+    from train.bench import cpu_vs_torch
+    from train.bench.torch_reference import TorchTransformer, count_params as torch_params
+    from train.core.state import count_params
+
+    config = BenchConfig.full()
+    assert config.torch_shapes == ((32, 16), (64, 32)) and config.torch_xl_batch == 16
+    assert config.torch_transformer == translate.make_config(
+        "transformer", "cpu").model_config.replace(dropout=0.0)
+    xl_preset = lm.make_config("ptb", "cpu").model_config
+    assert config.torch_xl == xl_preset.replace(dropout=0.0, dropatt=0.0,
+                                                dtype=config.torch_xl.dtype)
+    assert lm.make_config("ptb", "cpu").batch_size == config.torch_xl_batch
+
+    def jax_params(model, *inputs):
+        return count_params(jax.eval_shape(model.init, jax.random.PRNGKey(0), *inputs)["params"])
+
+    dummy = jnp.ones((1, 8), jnp.int32)
+    cfg = config.torch_transformer
+    assert jax_params(Transformer(cfg), dummy, dummy) == torch_params(TorchTransformer(cfg)) \
+        == 4_978_688
+    xl = config.torch_xl
+    reference = cpu_vs_torch.load_xl_reference()
+    torch_xl = reference.MemTransformerLM(
+        n_token=xl.vocab_size, n_layer=xl.n_layers, n_head=xl.n_heads, d_model=xl.d_model,
+        d_head=xl.d_head, d_inner=xl.d_inner, tie_weight=xl.tie_weights, mem_len=xl.mem_len)
+    assert jax_params(TransformerXL(xl), dummy, init_memory(xl, 1)) == torch_params(torch_xl) \
+        == 4_739_344
+    del torch
+
+
+def test_cpu_vs_torch_section_reports_every_field_and_a_failed_compile(tmp_path, monkeypatch):
+    torch = pytest.importorskip("torch")
+    import os
+
+    def failing_compile(fn, *args, **kwargs):
+        def call(*a, **k):
+            raise RuntimeError("inductor unavailable (simulated)\nmore detail")
+        return call
+
+    monkeypatch.setattr(torch, "compile", failing_compile)
+    config = _tiny_bench_config().replace(
+        torch_transformer=TransformerConfig.tiny(n_encoder_layers=1, n_decoder_layers=1,
+                                                 dropout=0.0, norm_first=True),
+        torch_shapes=((2, 8),), torch_xl=TransformerXLConfig.tiny(n_layers=1),
+        torch_xl_batch=2, torch_steps=3, torch_warmup=1, torch_compile=True)
+    results = run_benchmarks(config, sections=("cpu_vs_torch",), out=str(tmp_path),
+                             profile=False, raise_errors=True, log=lambda m: None)
+    assert "matmul" not in results and results["meta"]["sections"] == ["cpu_vs_torch"]
+    cmp = results["cpu_vs_torch"]
+    threads = len(os.sched_getaffinity(0))
+    assert cmp["threads"] == threads == torch.get_num_threads()
+    assert [r["model"] for r in cmp["rows"]] == ["transformer", "transformer_xl"]
+    for r in cmp["rows"]:
+        assert r["n_params"] > 0
+        assert r["arms"]["torch_compile"] is None
+        assert r["compile_error"] == "RuntimeError: inductor unavailable (simulated)"
+        assert r["project_over_compile"] is None
+        project, eager = r["arms"]["project"], r["arms"]["torch_eager"]
+        for arm in (project, eager):
+            assert len(arm["times_s"]) == 3
+            assert arm["median_s"] == statistics.median(arm["times_s"])
+            assert arm["tokens_per_s"] == pytest.approx(r["tokens_per_step"] / arm["median_s"])
+            assert math.isfinite(arm["final_loss"])
+        assert r["project_over_eager"] == pytest.approx(eager["median_s"] / project["median_s"])
+        # The same model and loss on both sides (different random weights): near log V alike.
+        assert abs(project["final_loss"] - eager["final_loss"]) < 0.5
+    assert cmp["rows"][0]["tokens_per_step"] == 2 * 8
+    assert cmp["rows"][1]["tokens_per_step"] == 2 * 8 and cmp["rows"][1]["mem_len"] == 8
+    md = (tmp_path / "bench.md").read_text()
+    assert "| project / eager | project / compile |" in md
+    assert f"{threads} threads for both" in md and "torch.compile failed" in md
+    rows = [line for line in md.splitlines() if line.startswith("| Transformer")]
+    assert len(rows) == 2 and all(line.endswith("| n/a |") for line in rows)   # no compile

@@ -1,0 +1,157 @@
+"""What one benchmark run measures: the sections and `BenchConfig`, the sizes of every model
+and loop, with its two presets (`full` for one GPU, `quick` for a CPU)."""
+from __future__ import annotations
+
+import dataclasses
+
+import jax.numpy as jnp
+
+from train.translate import registry
+from transformer_jax.config import TransformerConfig
+from xl_jax.config import TransformerXLConfig
+
+SECTIONS = ("matmul", "train_transformer", "train_xl_enwik8", "train_xl_wt103", "decode",
+            "xl_eval", "cpu_vs_torch")
+# cpu_vs_torch runs only when asked for: it times the CPU even on an accelerator machine.
+DEFAULT_SECTIONS = SECTIONS[:-1]
+XL_SECTIONS = {"train_xl_enwik8": "enwik8", "train_xl_wt103": "wt103"}
+
+
+@dataclasses.dataclass(frozen=True)
+class BenchConfig:
+    """The sizes of one benchmark run (`full` for an accelerator, `quick` for a CPU).
+
+    Attributes:
+      dtype: compute dtype of every model ('float32' | 'bfloat16').
+      steps, warmup: timed and untimed training steps of each training benchmark.
+      matmul_size, matmul_repeats: the square product that measures the matrix rate.
+      transformer, transformer_batch, transformer_len: the Transformer training step, on
+        [batch, len] sources and targets.
+      xl: (name, config, batch) per Transformer-XL training benchmark; segment and memory
+        lengths are the config's tgt_len and mem_len.
+      decode_model: the Transformer that decodes (its vocabulary is set to the tokenizer's).
+      decode_vocab_size: the joint SentencePiece vocabulary size.
+      decode_sentences: the first N sentences of test_2016_flickr (0 = all).
+      decode_batch, beam_size, decode_margin, decode_repeats: beam search batch rows, beams,
+        extra output positions beyond the source bucket, timed passes over the sentences.
+      xl_eval: the Transformer-XL of the evaluation comparison.
+      attn_lengths: attention lengths A compared (XL memory M = A; vanilla window = A).
+      xl_eval_tgt_len, xl_eval_batch: XL's evaluation segment length and batch.
+      vanilla_batch: sliding windows evaluated at once by the vanilla model.
+      eval_repeats: timed calls per length and model.
+      torch_transformer, torch_shapes: the translation model compared with PyTorch on the CPU
+        and its step shapes (sentences, length) (sources and targets alike).
+      torch_xl, torch_xl_batch: the Transformer-XL compared with PyTorch (segment and memory
+        lengths: its tgt_len and mem_len).
+      torch_steps, torch_warmup: timed and untimed interleaved steps of that comparison.
+      torch_compile: also time a `torch.compile`d PyTorch step.
+    """
+
+    dtype: str
+    steps: int
+    warmup: int
+    matmul_size: int
+    matmul_repeats: int
+    transformer: TransformerConfig
+    transformer_batch: int
+    transformer_len: int
+    xl: tuple[tuple[str, TransformerXLConfig, int], ...]
+    decode_model: TransformerConfig
+    decode_vocab_size: int
+    decode_sentences: int
+    decode_batch: int
+    beam_size: int
+    decode_margin: int
+    decode_repeats: int
+    xl_eval: TransformerXLConfig
+    attn_lengths: tuple[int, ...]
+    xl_eval_tgt_len: int
+    xl_eval_batch: int
+    vanilla_batch: int
+    eval_repeats: int
+    torch_transformer: TransformerConfig
+    torch_shapes: tuple[tuple[int, int], ...]
+    torch_xl: TransformerXLConfig
+    torch_xl_batch: int
+    torch_steps: int
+    torch_warmup: int
+    torch_compile: bool
+
+    def __post_init__(self):
+        if self.dtype not in ("float32", "bfloat16"):
+            raise ValueError(f"dtype: expected 'float32' or 'bfloat16', got {self.dtype!r}")
+        for name in ("steps", "matmul_size", "matmul_repeats", "transformer_batch",
+                     "transformer_len", "decode_batch", "beam_size", "decode_repeats",
+                     "xl_eval_tgt_len", "xl_eval_batch", "vanilla_batch", "eval_repeats",
+                     "torch_xl_batch", "torch_steps"):
+            if getattr(self, name) < 1:
+                raise ValueError(f"{name}: must be >= 1, got {getattr(self, name)}")
+        for name in ("warmup", "decode_sentences", "decode_margin", "torch_warmup"):
+            if getattr(self, name) < 0:
+                raise ValueError(f"{name}: must be >= 0, got {getattr(self, name)}")
+        if not self.attn_lengths or min(self.attn_lengths) < 1:
+            raise ValueError(f"attn_lengths: must be positive lengths, got {self.attn_lengths}")
+        if any(len(s) != 2 or min(s) < 1 for s in self.torch_shapes):
+            raise ValueError(f"torch_shapes: expected (sentences, length) pairs >= 1, got "
+                             f"{self.torch_shapes}")
+
+    def replace(self, **changes) -> BenchConfig:
+        return dataclasses.replace(self, **changes)
+
+    @classmethod
+    def full(cls, dtype: str = "bfloat16") -> BenchConfig:
+        """The paper-sized models, for one GPU (about 8 minutes on an H100)."""
+        dt = jnp.dtype(dtype)
+        return cls(
+            dtype=dtype, steps=20, warmup=3, matmul_size=8192, matmul_repeats=10,
+            # 768 x 32 = 24,576 tokens on each side: the paper's "~25k source and target tokens".
+            transformer=TransformerConfig.base(dtype=dt), transformer_batch=768,
+            transformer_len=32,
+            xl=(("enwik8_base", TransformerXLConfig.enwik8_base(dtype=dt), 22),
+                ("wt103_base", TransformerXLConfig.wt103_base(dtype=dt), 60)),
+            decode_model=TransformerConfig.base(src_vocab_size=8000, tgt_vocab_size=8000,
+                                                dtype=dt),
+            decode_vocab_size=8000, decode_sentences=0, decode_batch=128, beam_size=4,
+            decode_margin=16, decode_repeats=3,
+            xl_eval=TransformerXLConfig.enwik8_base(dtype=dt, dropout=0.0),
+            attn_lengths=(800, 1800, 2800, 3800), xl_eval_tgt_len=128, xl_eval_batch=16,
+            vanilla_batch=4, eval_repeats=5, **_cpu_vs_torch(steps=25, warmup=3))
+
+    @classmethod
+    def quick(cls, dtype: str = "float32") -> BenchConfig:
+        """Shrunk models of the same families: every section runs on a 2-core CPU in minutes."""
+        dt = jnp.dtype(dtype)
+        small_xl = dict(n_layers=2, n_heads=4, d_model=128, d_head=32, d_inner=512, dtype=dt)
+        return cls(
+            dtype=dtype, steps=5, warmup=2, matmul_size=512, matmul_repeats=5,
+            transformer=TransformerConfig.base(
+                src_vocab_size=1000, tgt_vocab_size=1000, d_model=128, n_heads=4, d_ff=512,
+                n_encoder_layers=2, n_decoder_layers=2, dtype=dt),
+            transformer_batch=16, transformer_len=32,
+            xl=(("enwik8_base (quick: 2 x 128, 64 + 64)",
+                 TransformerXLConfig.enwik8_base(tgt_len=64, mem_len=64, **small_xl), 4),
+                ("wt103_base (quick: 2 x 128, V 4000, 32 + 32)",
+                 TransformerXLConfig.wt103_base(vocab_size=4000, cutoffs=(1000, 2000, 3000),
+                                                tgt_len=32, mem_len=32, **small_xl), 4)),
+            decode_model=TransformerConfig.base(
+                src_vocab_size=8000, tgt_vocab_size=8000, d_model=128, n_heads=4, d_ff=512,
+                n_encoder_layers=2, n_decoder_layers=2, dtype=dt),
+            decode_vocab_size=8000, decode_sentences=64, decode_batch=32, beam_size=4,
+            decode_margin=16, decode_repeats=1,
+            xl_eval=TransformerXLConfig.enwik8_base(dropout=0.0, **small_xl),
+            attn_lengths=(64, 128, 256), xl_eval_tgt_len=16, xl_eval_batch=2, vanilla_batch=2,
+            eval_repeats=3, **_cpu_vs_torch(steps=5, warmup=2))
+
+
+
+def _cpu_vs_torch(*, steps: int, warmup: int) -> dict:
+    """The CPU comparison with PyTorch: the `cpu` presets' models at their own sizes in both
+    presets (a CPU measure; `full` times more steps), dropout off (no random numbers timed)."""
+    # The vocabulary of train.translate's cpu preset (its tokenizer's size).
+    transformer = registry.build_model_config("transformer", "cpu", vocab_size=4000)
+    # train.lm's cpu preset for PTB words (MODEL_PRESETS['ptb']['cpu']), batch 16.
+    xl = TransformerXLConfig.ptb(n_layers=3, n_heads=4, d_model=256, d_head=64, d_inner=768,
+                                 dropout=0.0, dropatt=0.0, tgt_len=35, mem_len=35)
+    return dict(torch_transformer=transformer.replace(dropout=0.0, attention_dropout=0.0),
+                torch_shapes=((32, 16), (64, 32)), torch_xl=xl, torch_xl_batch=16,
+                torch_steps=steps, torch_warmup=warmup, torch_compile=True)

@@ -1,0 +1,294 @@
+"""The project's CPU training step against PyTorch's, side by side in one process.
+
+The translation Transformer of the `cpu` preset at each of `config.torch_shapes` (sentences x
+length, sources and targets alike), and the Transformer-XL of train.lm's `cpu` preset (batch
+`torch_xl_batch`, memory carried from step to step) against tests/xl_torch_reference.py's
+MemTransformerLM (skipped outside a source checkout, where tests/ is absent). Per model:
+
+  project        `train.step.make_train_step` with the preset's loss and optimizer, jitted by
+                 `train.parallel.DataParallel` on the CPU device (state donated);
+  torch_eager    `torch_reference`'s model of the same shape and parameter count (asserted),
+                 the same loss and optimizer chain;
+  torch_compile  the same, forward and loss under `torch.compile` (its failure is reported,
+                 not raised).
+
+All float32, dropout off, identical random batches (step i reads batch i in every arm), the
+arms taking turns step by step; medians of `torch_steps` steps after `torch_warmup` untimed
+ones (the first call, which compiles, is timed apart). torch gets as many threads as XLA's CPU
+pool has: the CPUs this process may run on.
+"""
+from __future__ import annotations
+
+import copy
+import importlib.util
+import os
+import pathlib
+import statistics
+import sys
+import time
+from typing import Any, Callable, Mapping
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+from train.bench.config import BenchConfig
+from train.bench.timing import time_interleaved
+from train.core.parallel import DataParallel
+from train.core.state import TrainState, count_params
+from train import lm
+from train import translate
+from transformer_jax.model import Transformer
+from transformer_jax.optim import make_optimizer
+from xl_jax.memory import init_memory
+from xl_jax.model import TransformerXL
+
+XL_REFERENCE = pathlib.Path(__file__).resolve().parents[2] / "tests" / "xl_torch_reference.py"
+
+
+def import_torch_reference():
+    """train.bench.torch_reference, with a sentence if torch is missing."""
+    try:
+        from train.bench import torch_reference
+    except ModuleNotFoundError as e:
+        if e.name != "torch":
+            raise
+        raise ImportError("cpu_vs_torch needs PyTorch, a test-only dependency of this project: "
+                          "pip install torch (the CPU wheel is enough)") from e
+    return torch_reference
+
+
+def load_xl_reference():
+    """tests/xl_torch_reference.py as a module, or None where the source tree has no tests/
+    (an installed package): it is a test file, so it is loaded from its path."""
+    if not XL_REFERENCE.exists():
+        return None
+    name = "_bench_xl_torch_reference"
+    if name not in sys.modules:
+        spec = importlib.util.spec_from_file_location(name, XL_REFERENCE)
+        module = importlib.util.module_from_spec(spec)
+        sys.modules[name] = module   # torch.compile looks functions' modules up here
+        spec.loader.exec_module(module)
+    return sys.modules[name]
+
+
+def xla_cpu_threads() -> int:
+    """The size of XLA's CPU thread pool: the CPUs this process may run on."""
+    try:
+        return len(os.sched_getaffinity(0))
+    except AttributeError:   # not on Linux
+        return os.cpu_count() or 1
+
+
+def cpu_vs_torch_bench(config: BenchConfig, *, log: Callable[[str], None] = print
+                       ) -> dict[str, Any]:
+    """The comparison rows (see the module docstring), with the setting they were taken in."""
+    tr = import_torch_reference()
+    import torch
+
+    threads = xla_cpu_threads()
+    torch.set_num_threads(threads)
+    cpu = jax.devices("cpu")[0]
+    rows, notes = [], []
+    for b, t in config.torch_shapes:
+        log(f"[bench] cpu_vs_torch: Transformer {b} x {t}")
+        rows.append(_compare(_transformer_arms(config, b, t, cpu, tr), config))
+    xl_reference = load_xl_reference()
+    if xl_reference is None:
+        notes.append(f"Transformer-XL skipped: {XL_REFERENCE} (a test file) is not in this tree")
+    else:
+        log("[bench] cpu_vs_torch: Transformer-XL")
+        rows.append(_compare(_xl_arms(config, cpu, tr, xl_reference), config))
+    return {"torch": torch.__version__, "threads": threads, "cpu": cpu.device_kind,
+            "steps": config.torch_steps, "warmup": config.torch_warmup, "rows": rows,
+            "notes": notes}
+
+
+# ------------------------------------------------------------------------------ one comparison
+def _compare(setup: Mapping[str, Any], config: BenchConfig) -> dict[str, Any]:
+    """Times the arms of `setup` (first calls apart, then interleaved) -> one row."""
+    arms = dict(setup["arms"])
+    first_call_s, compile_error = {}, None
+    for name in list(arms):
+        start = time.perf_counter()
+        try:
+            arms[name](0)
+        except Exception as e:  # noqa: BLE001 - torch.compile's many failure modes
+            if name != "torch_compile":
+                raise
+            compile_error = f"{type(e).__name__}: {str(e).splitlines()[0] if str(e) else ''}"
+            del arms[name]
+            continue
+        first_call_s[name] = time.perf_counter() - start
+    times = time_interleaved(arms, warmup=config.torch_warmup, steps=config.torch_steps)
+    losses = setup["losses"]()
+    tokens = setup["tokens_per_step"]
+    out_arms: dict[str, Any] = {"torch_compile": None}
+    for name, ts in times.items():
+        median = statistics.median(ts)
+        out_arms[name] = {"median_s": median, "min_s": min(ts), "times_s": ts,
+                          "first_call_s": first_call_s[name], "tokens_per_s": tokens / median,
+                          "final_loss": losses[name]}
+    project = out_arms["project"]["median_s"]
+    ratio = lambda name: (None if out_arms.get(name) is None  # noqa: E731
+                          else out_arms[name]["median_s"] / project)
+    return {"name": setup["name"], "model": setup["model"], **setup["shape"],
+            "tokens_per_step": tokens, "n_params": setup["n_params"], "arms": out_arms,
+            "project_over_eager": ratio("torch_eager"),
+            "project_over_compile": ratio("torch_compile"), "compile_error": compile_error}
+
+
+def _project_arm(loss_fn, init_state: Callable[[], TrainState], batches, cpu):
+    """The project's jitted train step on the CPU device -> (arm, n_params, last loss)."""
+    dp = DataParallel("jit", devices=[cpu])
+    state = dp.put_state(dp.init_state(init_state))
+    placed = [dp.put_batch(b) for b in batches]
+    step = dp.compile_train_step(loss_fn, state)
+    box = {"state": state, "metrics": None}
+
+    def arm(i: int) -> None:
+        box["state"], box["metrics"] = step(box["state"], placed[i % len(placed)])
+        jax.block_until_ready(box)
+
+    def last_loss() -> float:
+        m = box["metrics"]
+        return float(m["loss_sum"] / m["n_tokens"])
+
+    return arm, count_params(state.params), last_loss
+
+
+def _torch_arms(step_eager, step_compiled, batches) -> tuple[dict, Callable]:
+    """The eager and (if wanted) compiled torch steps over the same batches."""
+    losses = {}
+
+    def arm(name, step):
+        def run(i: int) -> None:
+            losses[name] = step(*batches[i % len(batches)])
+        return run
+
+    arms = {"torch_eager": arm("torch_eager", step_eager)}
+    if step_compiled is not None:
+        arms["torch_compile"] = arm("torch_compile", step_compiled)
+    return arms, lambda: {k: float(v) for k, v in losses.items()}
+
+
+def _check_params(name: str, project: int, torch_model) -> int:
+    from train.bench.torch_reference import count_params as torch_count
+    theirs = torch_count(torch_model)
+    if theirs != project:
+        raise ValueError(f"{name}: the PyTorch model has {theirs:,} parameters, the project's "
+                         f"{project:,}: not the same model")
+    return project
+
+
+def _n_batches(config: BenchConfig) -> int:
+    return config.torch_warmup + config.torch_steps + 1   # + the first call
+
+
+# ------------------------------------------------------------------------------ the models
+def _transformer_arms(config: BenchConfig, b: int, t: int, cpu, tr) -> dict[str, Any]:
+    import torch
+
+    cfg = config.torch_transformer.replace(dtype=jnp.float32)
+    # The cpu preset's run: Adam 1e-3 after clipping to 1, EMA 0.99, label smoothing 0.1.
+    run = translate.make_config("transformer", "cpu")
+    tx, _ = make_optimizer(run.optimizer_config())
+    model = Transformer(cfg)
+    rng = np.random.default_rng(0)
+    batches = [{k: rng.integers(3, cfg.tgt_vocab_size, (b, t), dtype=np.int32)
+                for k in ("src", "tgt_in", "tgt_out")} for _ in range(_n_batches(config))]
+
+    def init_state() -> TrainState:
+        dummy = jnp.ones((1, 8), jnp.int32)
+        params = model.init({"params": jax.random.PRNGKey(0)}, dummy, dummy)["params"]
+        return TrainState.create(params=params, tx=tx, rng=jax.random.PRNGKey(1))
+
+    project, n_project, project_loss = _project_arm(
+        translate.make_loss_fn(model, smoothing=run.label_smoothing, pad_id=cfg.pad_id),
+        init_state, batches, cpu)
+    torch.manual_seed(0)
+    eager = tr.TorchTransformer(cfg)
+    compiled = copy.deepcopy(eager)
+    opt = dict(learning_rate=run.learning_rate, clip_norm=run.clip_norm,
+               ema_decay=run.ema_decay)
+    loss = lambda m: tr.translation_loss_fn(m, smoothing=run.label_smoothing)  # noqa: E731
+    torch_batches = [tuple(torch.from_numpy(x[k].astype(np.int64))
+                           for k in ("src", "tgt_in", "tgt_out")) for x in batches]
+    arms, torch_losses = _torch_arms(
+        tr.TorchTrainStep(eager, loss(eager), **opt),
+        tr.TorchTrainStep(compiled, torch.compile(loss(compiled)), **opt)
+        if config.torch_compile else None, torch_batches)
+    name = (f"Transformer {cfg.n_encoder_layers}+{cfg.n_decoder_layers} x {cfg.d_model}, "
+            f"V {cfg.tgt_vocab_size}, {b} x {t}")
+    return {"name": name, "model": "transformer", "shape": {"batch": b, "length": t},
+            "tokens_per_step": b * t, "n_params": _check_params(name, n_project, eager),
+            "arms": {"project": project, **arms},
+            "losses": lambda: {"project": project_loss(), **torch_losses()}}
+
+
+def _xl_arms(config: BenchConfig, cpu, tr, reference) -> dict[str, Any]:
+    import torch
+
+    cfg = config.torch_xl.replace(dtype=jnp.float32)
+    if cfg.dropout or cfg.dropatt:
+        raise ValueError("cpu_vs_torch: the Transformer-XL's dropout must be off")
+    b, t = config.torch_xl_batch, cfg.tgt_len
+    # The cpu preset's optimizer: clipping to 0.25, Adam on the warm-up + cosine schedule
+    # (torch: the same peak rate, constant; a schedule costs nothing measurable).
+    run = lm.make_config("ptb", "cpu")
+    tx, _ = make_optimizer(run.optimizer_config())
+    model = TransformerXL(cfg)
+    rng = np.random.default_rng(0)
+    batches = [{k: rng.integers(0, cfg.vocab_size, (b, t), dtype=np.int32)
+                for k in ("inputs", "targets")} for _ in range(_n_batches(config))]
+
+    def init_state() -> TrainState:
+        dummy = jnp.ones((1, 8), jnp.int32)
+        params = model.init({"params": jax.random.PRNGKey(0)}, dummy,
+                            init_memory(cfg, 1))["params"]
+        return TrainState.create(params=params, tx=tx, rng=jax.random.PRNGKey(1),
+                                 extra=init_memory(cfg, b))
+
+    project, n_project, project_loss = _project_arm(lm.make_loss_fn(model), init_state,
+                                                    batches, cpu)
+    torch.manual_seed(0)
+    eager = reference.MemTransformerLM(
+        n_token=cfg.vocab_size, n_layer=cfg.n_layers, n_head=cfg.n_heads, d_model=cfg.d_model,
+        d_head=cfg.d_head, d_inner=cfg.d_inner, dropout=0.0, dropatt=0.0,
+        tie_weight=cfg.tie_weights, d_embed=cfg.d_embed, div_val=cfg.div_val,
+        tie_projs=cfg.tie_projs, pre_lnorm=cfg.norm_first, mem_len=cfg.mem_len,
+        cutoffs=cfg.cutoffs, same_length=cfg.same_length, clamp_len=cfg.clamp_len,
+        untie_r=cfg.untie_r).train()
+    _official_init(eager)
+    compiled = copy.deepcopy(eager)
+    opt = dict(learning_rate=run.learning_rate, clip_norm=run.clip_norm)
+    # Time-major, as the official code: [T, B].
+    torch_batches = [tuple(torch.from_numpy(np.ascontiguousarray(x[k].T).astype(np.int64))
+                           for k in ("inputs", "targets")) for x in batches]
+    arms, torch_losses = _torch_arms(
+        tr.TorchTrainStep(eager, tr.XLLossFn(eager), **opt),
+        tr.TorchTrainStep(compiled, tr.XLLossFn(torch.compile(compiled)), **opt)
+        if config.torch_compile else None, torch_batches)
+    name = (f"Transformer-XL {cfg.n_layers} x {cfg.d_model}, V {cfg.vocab_size}, {b} x {t}, "
+            f"memory {cfg.mem_len}, remat {cfg.remat}")
+    return {"name": name, "model": "transformer_xl",
+            "shape": {"batch": b, "length": t, "mem_len": cfg.mem_len},
+            "tokens_per_step": b * t, "n_params": _check_params(name, n_project, eager),
+            "arms": {"project": project, **arms},
+            "losses": lambda: {"project": project_loss(), **torch_losses()}}
+
+
+def _official_init(model) -> None:
+    """The official train.py's `weights_init` (init_std 0.02; LayerNorm scales around 1):
+    the port leaves biases and projections at zero and embeddings at N(0, 1), which after the
+    sqrt(D) scaling starts the loss near 48 instead of log V."""
+    import torch
+
+    with torch.no_grad():
+        for name, p in model.named_parameters():
+            if name.endswith("layer_norm.weight"):
+                p.normal_(1.0, 0.02)
+            elif name.endswith(".bias"):      # not r_w_bias, r_r_bias (u, v): normal
+                p.zero_()
+            else:
+                p.normal_(0.0, 0.02)

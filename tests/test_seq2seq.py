@@ -1,10 +1,11 @@
-"""Recurrent baselines (GRU, Bahdanau, Luong global / local-p) against a slow NumPy reference.
+"""Recurrent baselines (GRU/LSTM, Bahdanau, Luong global / local-p / local-m, hard attention)
+against a slow NumPy reference.
 
 Every model is checked for: equality with a float64 NumPy re-implementation written from the
 papers' equations (loops over sentences and steps, no padding at all); attention weights that
 sum to 1 and skip pads; padding invariance; cached decode_step == teacher-forced pass; greedy
 and beam decoding consistent with the teacher-forced pass; overfitting a tiny batch; rng-driven
-teacher forcing; the local-p window.
+teacher forcing; the local-p and local-m windows; stacked GRU/LSTM layers.
 """
 from __future__ import annotations
 
@@ -33,6 +34,8 @@ from transformer_jax.baselines import BASELINES, make_baseline
 from transformer_jax.seq2seq import (
     BahdanauSeq2Seq,
     GRUSeq2Seq,
+    HardAttentionSeq2Seq,
+    LuongLocalMSeq2Seq,
     LuongLocalSeq2Seq,
     LuongSeq2Seq,
     RNNSeq2SeqConfig,
@@ -51,10 +54,19 @@ CASES = {
     "luong_concat": ("luong", {"luong_score": "concat"}),
     "luong_local": ("luong_local", {}),
     "luong_local_concat": ("luong_local", {"luong_score": "concat", "enc_hidden": 12}),
+    "luong_local_m": ("luong_local_m", {"local_window": 1}),
+    "hard_attention": ("hard_attention", {}),
+    "hard_attention_expectation": ("hard_attention", {"hard_inference": "expectation"}),
+    # Stacked layers and LSTM cells, with and without a bridge.
+    "gru_lstm_2layers": ("gru", {"cell": "lstm", "n_layers": 2}),
+    "bahdanau_lstm_2layers": ("bahdanau", {"cell": "lstm", "n_layers": 2}),
+    "luong_gru_2layers_bidirectional": ("luong", {"n_layers": 2, "bidirectional": True,
+                                                  "luong_score": "general"}),
 }
 ATTENTION_CASES = [name for name in CASES if not name.startswith("gru")]
 # One case per model class, for the slower decoding and training checks.
-MAIN_CASES = ["gru", "bahdanau", "luong_dot", "luong_local"]
+MAIN_CASES = ["gru", "bahdanau", "luong_dot", "luong_local", "luong_local_m", "hard_attention",
+              "bahdanau_lstm_2layers"]
 
 
 
@@ -106,23 +118,65 @@ def gru_cell(p, h, x):
     return (1.0 - z) * n + z * h
 
 
+def lstm_cell(p, state, x):
+    """flax's LSTMCell: input kernels without bias, recurrent kernels with; state (c, h)."""
+    c, h = state
+    gate = {g: dense(p["i" + g], x) + dense(p["h" + g], h) for g in "ifgo"}
+    c = sigmoid(gate["f"]) * c + sigmoid(gate["i"]) * np.tanh(gate["g"])
+    return c, sigmoid(gate["o"]) * np.tanh(c)
+
+
+def cell_step(config, p, state, x):
+    """-> (new state, output h); a GRU state is h, an LSTM state (c, h)."""
+    if config.cell == "lstm":
+        state = lstm_cell(p, state, x)
+        return state, state[1]
+    state = gru_cell(p, state, x)
+    return state, state
+
+
+def layer_key(base, layer):
+    return base if layer == 0 else f"{base}_{layer}"
+
+
 def ref_encoder(p, tokens, config):
-    """tokens: the real tokens of one sentence -> outputs [n, enc_out], final [enc_out]."""
-    emb = p["embed"]["embedding"][tokens]
+    """tokens: the real tokens of one sentence -> outputs [n, enc_out], per-layer final states
+    (h [enc_out], or (c, h) for an LSTM)."""
+    xs = p["embed"]["embedding"][tokens]
     h_size = config.enc_hidden
+    zero = (np.zeros(h_size), np.zeros(h_size)) if config.cell == "lstm" else np.zeros(h_size)
 
     def run(cell, xs):
-        h, outs = np.zeros(h_size), []
+        state, outs = zero, []
         for x in xs:
-            h = gru_cell(cell, h, x)
+            state, h = cell_step(config, cell, state, x)
             outs.append(h)
-        return np.stack(outs), h
+        return np.stack(outs), state
 
-    if not config.bidirectional:
-        return run(p["cell"], emb)
-    fwd, f_last = run(p["forward_cell"], emb)
-    bwd, b_last = run(p["backward_cell"], emb[::-1])
-    return np.concatenate([fwd, bwd[::-1]], axis=-1), np.concatenate([f_last, b_last])
+    finals = []
+    for layer in range(config.n_layers):
+        if not config.bidirectional:
+            xs, final = run(p[layer_key("cell", layer)], xs)
+        else:
+            fwd, f_last = run(p[layer_key("forward_cell", layer)], xs)
+            bwd, b_last = run(p[layer_key("backward_cell", layer)], xs[::-1])
+            xs = np.concatenate([fwd, bwd[::-1]], axis=-1)
+            final = jax.tree_util.tree_map(lambda f, b: np.concatenate([f, b]), f_last, b_last)
+        finals.append(final)
+    return xs, finals
+
+
+def ref_stack(config, d, states, x):
+    """One decoder step up the layer stack -> new states, top h."""
+    new = []
+    for layer, state in enumerate(states):
+        state, x = cell_step(config, d[layer_key("cell", layer)], state, x)
+        new.append(state)
+    return new, x
+
+
+def top(state):
+    return state[1] if isinstance(state, tuple) else state
 
 
 def ref_score(p, config, query, enc):
@@ -141,29 +195,43 @@ def ref_forward(model, params, src_row, tgt_row):
     c = model.config
     p = _np(params)
     tokens = src_row[src_row != PAD]
-    enc, final = ref_encoder(p["encoder"], tokens, c)
+    enc, finals = ref_encoder(p["encoder"], tokens, c)
     d = p["decoder"]
     bridged = c.bidirectional or c.enc_hidden != c.dec_hidden
-    h = np.tanh(dense(d["bridge"], final)) if bridged else final
+    states = finals
+    if bridged:
+        states = []
+        for layer, final in enumerate(finals):
+            bridge = lambda name, x: np.tanh(dense(d[layer_key(name, layer)], x))  # noqa: E731
+            states.append((bridge("bridge_c", final[0]), bridge("bridge", final[1]))
+                          if c.cell == "lstm" else bridge("bridge", final))
+    context_vector = top(finals[-1])
     feed = np.zeros(c.dec_hidden)
     n = len(tokens)
     logits, weights = [], []
-    for y in tgt_row:
+    for t, y in enumerate(tgt_row):
         emb = d["embed"]["embedding"][y]
         if isinstance(model, GRUSeq2Seq):
-            h = gru_cell(d["cell"], h, np.concatenate([emb, final]))
-            logits.append(dense(d["out"], np.concatenate([emb, h, final])))
+            states, h = ref_stack(c, d, states, np.concatenate([emb, context_vector]))
+            logits.append(dense(d["out"], np.concatenate([emb, h, context_vector])))
         elif isinstance(model, BahdanauSeq2Seq):
             c_config = dataclasses.replace(c, luong_score="concat")
-            a = softmax(ref_score(d["score"], c_config, h, enc))
+            a = softmax(ref_score(d["score"], c_config, top(states[-1]), enc))
             context = a @ enc
-            h = gru_cell(d["cell"], h, np.concatenate([emb, context]))
+            states, h = ref_stack(c, d, states, np.concatenate([emb, context]))
             logits.append(dense(d["out"], np.concatenate([h, context, emb])))
             weights.append(a)
         else:
-            h = gru_cell(d["cell"], h, np.concatenate([emb, feed]))
+            states, h = ref_stack(c, d, states, np.concatenate([emb, feed]))
             scores = ref_score(d.get("score", {}), c, h, enc)
-            if isinstance(model, LuongLocalSeq2Seq):
+            if isinstance(model, LuongLocalMSeq2Seq):
+                centre = min(t, n - 1)
+                window = np.abs(np.arange(n) - centre) <= c.local_window
+                a = np.zeros(n)
+                a[window] = softmax(scores[window])
+            elif isinstance(model, HardAttentionSeq2Seq):
+                a = softmax(scores)
+            elif isinstance(model, LuongLocalSeq2Seq):
                 centre = n * sigmoid(np.tanh(h @ d["w_p"]["kernel"]) @ d["v_p"]["kernel"])[0]
                 s = np.arange(n)
                 window = np.abs(s - centre) <= c.local_window
@@ -174,6 +242,8 @@ def ref_forward(model, params, src_row, tgt_row):
             else:
                 a = softmax(scores)
             context = a @ enc
+            if isinstance(model, HardAttentionSeq2Seq) and c.hard_inference == "argmax":
+                context = enc[np.argmax(a)]  # deterministic: the most probable position
             feed = np.tanh(np.concatenate([context, h]) @ d["w_c"]["kernel"])
             logits.append(dense(d["out"], feed))
             weights.append(a)
@@ -196,6 +266,12 @@ def test_config_validation_names_the_field():
         RNNSeq2SeqConfig.tiny(bos_id=0)
     with pytest.raises(ValueError, match="eos_id"):
         RNNSeq2SeqConfig.tiny(eos_id=40)
+    with pytest.raises(ValueError, match="cell"):
+        RNNSeq2SeqConfig.tiny(cell="rnn")
+    with pytest.raises(ValueError, match="n_layers"):
+        RNNSeq2SeqConfig.tiny(n_layers=0)
+    with pytest.raises(ValueError, match="hard_inference"):
+        RNNSeq2SeqConfig.tiny(hard_inference="sample")
     with pytest.raises(ValueError, match="name"):
         make_baseline("lstm", src_vocab_size=8, tgt_vocab_size=8)
     with pytest.raises(ValueError, match="preset"):
@@ -204,7 +280,8 @@ def test_config_validation_names_the_field():
 
 def test_registry_builds_tutorial_sizes():
     expected = {"gru": GRUSeq2Seq, "bahdanau": BahdanauSeq2Seq, "luong": LuongSeq2Seq,
-                "luong_local": LuongLocalSeq2Seq}
+                "luong_local": LuongLocalSeq2Seq, "luong_local_m": LuongLocalMSeq2Seq,
+                "hard_attention": HardAttentionSeq2Seq}
     for name, cls in expected.items():
         model = make_baseline(name, src_vocab_size=100, tgt_vocab_size=90)
         assert type(model) is cls and BASELINES[name].model_cls is cls
@@ -241,7 +318,7 @@ def test_attention_weights_sum_to_one_and_skip_pads(case):
     assert np.all(np.where(pads, weights, 0.0) == 0.0)
     assert np.all(weights >= 0.0)
     totals = weights.sum(-1)
-    if "local" in case:
+    if CASES[case][0] == "luong_local":
         # Softmax over the window times a Gaussian <= 1: the paper's weights do not sum to 1.
         assert np.all(totals <= 1.0 + 1e-6) and np.all(totals > 0.0)
     else:
@@ -320,7 +397,7 @@ def test_local_window_is_around_the_predicted_centre():
     params = random_params(model, src, tgt)
     # Spread the predicted centres over the sentence: a large v_p makes sigmoid(.) vary.
     params["decoder"]["v_p"]["kernel"] = params["decoder"]["v_p"]["kernel"] * 8.0
-    maps = jit_apply(model, params, src, tgt, method="attention_maps")
+    maps = jit_apply(model, params, src, tgt, method="logits_and_attention")[1]
     weights, centre = np.asarray(maps["weights"]), np.asarray(maps["centre"])
     lengths = (src != PAD).sum(-1)
     chex.assert_shape(centre, (2, tgt.shape[1]))
@@ -335,3 +412,67 @@ def test_local_window_is_around_the_predicted_centre():
     gauss = np.exp(-((s[None, None, :] - centre[..., None]) ** 2) / (2 * 1.0 ** 2))
     align = np.where(inside, weights / gauss, 0.0)
     chex.assert_trees_all_close(align.sum(-1), np.ones(align.shape[:2]), atol=1e-5)
+
+
+def test_default_cell_and_layers_keep_the_single_gru_parameter_tree():
+    """gru / 1 layer is the tree these models always had; layer l > 0 and LSTM gates add to
+    it under their own names."""
+    def tree(name, **overrides):
+        params = jax.eval_shape(build_named(name, **overrides).init, jax.random.key(0), SRC,
+                                TGT)["params"]
+        return {"/".join(str(k.key) for k in path)
+                for path, _ in jax.tree_util.tree_flatten_with_path(params)[0]}
+
+    gru = tree("bahdanau")
+    assert "encoder/forward_cell/hn/kernel" in gru and "decoder/cell/hn/kernel" in gru
+    assert "decoder/bridge/kernel" in gru and not any("_1" in k for k in gru)
+    stacked = tree("bahdanau", n_layers=2)
+    assert gru < stacked
+    assert {k for k in stacked - gru} >= {"encoder/forward_cell_1/hn/kernel",
+                                          "decoder/cell_1/hn/kernel", "decoder/bridge_1/kernel"}
+    lstm = tree("luong", cell="lstm")
+    assert "decoder/cell/ii/kernel" in lstm and "encoder/cell/hf/bias" in lstm
+
+
+def build_named(name, **overrides):
+    return make_baseline(name, src_vocab_size=VOCAB, tgt_vocab_size=VOCAB, preset="tiny",
+                         **overrides)
+
+
+def test_dropout_between_layers_only_when_stacked():
+    def noisy(n_layers, key):
+        model = build_named("luong", n_layers=n_layers, dropout=0.5)
+        params = random_params(model, SRC, TGT)
+        return jit_apply(model, params, SRC, TGT, deterministic=False,
+                         rngs={"dropout": jax.random.key(key)}), params, model
+
+    out, params, model = noisy(2, 1)
+    assert not np.allclose(out, jit_apply(model, params, SRC, TGT))
+    chex.assert_trees_all_close(out, noisy(2, 1)[0])
+
+
+def test_local_m_window_is_centred_on_the_decoder_step():
+    model = build_named("luong_local_m", local_window=1)
+    src = np.array([[3, 4, 5, 6, 7, 8, 2, 0]], np.int32)            # 7 real tokens
+    tgt = np.array([[1, 4, 5, 6, 7, 8, 9, 10, 11, 12]], np.int32)    # longer than the source
+    params = random_params(model, src, tgt)
+    aux = jit_apply(model, params, src, tgt, method="logits_and_attention")[1]
+    weights, centre = np.asarray(aux["weights"][0]), np.asarray(aux["centre"][0])
+    np.testing.assert_array_equal(centre, np.minimum(np.arange(10), 6))   # p_t = t, clamped
+    s = np.arange(src.shape[1])
+    inside = np.abs(s[None, :] - centre[:, None]) <= 1
+    assert np.all(weights[~inside] == 0.0) and np.all(weights[inside & (s < 7)] > 0.0)
+    chex.assert_trees_all_close(weights.sum(-1), np.ones(10), atol=1e-6)
+
+
+def test_train_registry_builds_the_new_models_and_stacked_cells():
+    from train import registry
+    from transformer_jax import losses
+    assert {"luong_local_m", "hard_attention"} <= set(registry.names())
+    config = registry.build_model_config("gru", "cpu", vocab_size=100,
+                                         overrides={"cell": "lstm", "n_layers": 2})
+    assert (config.cell, config.n_layers, config.bidirectional) == ("lstm", 2, False)
+    hard = registry.get("hard_attention")
+    assert hard.module_cls is HardAttentionSeq2Seq
+    assert callable(getattr(losses, hard.aux_loss))
+    assert registry.get("luong").aux_loss is None

@@ -132,3 +132,51 @@ def test_tied_softmax_has_no_own_tables():
     assert sorted(params) == ["bias_0", "bias_1", "bias_2", "cluster_bias", "cluster_weight",
                               "proj_0"]
     chex.assert_shape(params["cluster_weight"], (2, 32))
+
+
+def _crit_nll_and_grads(cfg, hidden, targets, params, tied):
+    """Mean NLL and its gradients (params, tied tables and projections, hidden)."""
+    crit = ProjectedAdaptiveLogSoftmax(cfg)
+
+    def loss(params, tied, hidden):
+        nll = crit.apply({"params": params}, hidden, targets, tied_tables=tied[0],
+                         tied_projs=tied[1])
+        return nll.mean(), nll
+
+    return jax.jit(jax.value_and_grad(loss, argnums=(0, 1, 2), has_aux=True))(
+        params, tied, hidden)
+
+
+@pytest.mark.parametrize("overrides", [c for c in CASES if c.get("cutoffs")])
+@pytest.mark.parametrize("targets_in", ["spread", "head_only", "one_tail", "last_tail"])
+def test_grouped_tails_equal_the_dense_path_nll_and_gradients(overrides, targets_in):
+    cfg = TransformerXLConfig.tiny(**overrides)
+    rng = np.random.default_rng(3)
+    low, high = {"spread": (0, 64), "head_only": (0, 10), "one_tail": (10, 30),
+                 "last_tail": (30, 64)}[targets_in]
+    targets = jnp.asarray(rng.integers(low, high, (3, 11)))
+    if targets_in == "spread":   # most tokens in the head, as with a Zipfian vocabulary
+        targets = jnp.where(jnp.asarray(rng.random((3, 11)) < 0.6), targets % 10, targets)
+    hidden = jnp.asarray(rng.normal(size=(3, 11, cfg.d_model)), jnp.float32)
+    emb_mod = AdaptiveEmbedding(cfg)
+    emb_params = emb_mod.init(jax.random.key(0), targets)["params"]
+    tied = emb_mod.apply({"params": emb_params}, method=AdaptiveEmbedding.tied_parameters)
+    params = ProjectedAdaptiveLogSoftmax(cfg).init(
+        jax.random.key(2), hidden, tied_tables=tied[0], tied_projs=tied[1])["params"]
+    params = jax.tree.map(lambda x: jnp.asarray(rng.normal(size=x.shape) * 0.5, jnp.float32),
+                          params)
+
+    (_, grouped), grouped_grads = _crit_nll_and_grads(cfg, hidden, targets, params, tied)
+    dense_cfg = cfg.replace(softmax_tails="dense")
+    assert cfg.softmax_tails == "grouped"
+    (_, dense), dense_grads = _crit_nll_and_grads(dense_cfg, hidden, targets, params, tied)
+    chex.assert_trees_all_close(grouped, dense, rtol=1e-6, atol=1e-6)
+    chex.assert_trees_all_close(grouped_grads, dense_grads, rtol=1e-5, atol=1e-7)
+
+
+def test_capacity_ladder_always_holds_every_token():
+    from xl_jax.adaptive import capacity_ladder
+    assert capacity_ladder(300) == (0, 2, 3, 5, 10, 19, 38, 75, 150, 300)
+    assert capacity_ladder(1) == (0, 1)
+    with pytest.raises(ValueError, match="softmax_tails"):
+        TransformerXLConfig.tiny(softmax_tails="sparse")

@@ -4,12 +4,21 @@
   attention_<kind>.png     the attention of one translated sentence, a grid of layer x head
                            for each kind: encoder self-, decoder self- and cross-attention
   positional_encoding.png  the position vectors the Transformer adds to its embeddings
+
+and the Annotated Transformer's figures (`make_annotated_transformer_plots`):
+
+  masks.png                the subsequent (causal) mask; for one batch the source padding mask
+                           and the combined (causal & padding) decoder mask of one sentence
+  lr_schedule.png          learning rate against step for one or more schedules
+  label_smoothing.png      the label-smoothed target distribution of a few targets
+
+Those three return a `Drawn`: the file, the arrays drawn and where each value landed in the PNG
+(row, column), so a test can read the image back and check what it shows.
 """
 from __future__ import annotations
 
 import os
-import re
-from typing import Any, Mapping, Sequence
+from typing import Any, Callable, Mapping, NamedTuple, Sequence
 
 import jax
 import jax.numpy as jnp
@@ -89,66 +98,17 @@ def plot_positional(table: np.ndarray, path: str) -> str:
 
 
 # ------------------------------------------------------------------------ attention maps
-def _path_name(path) -> str:
-    return "/".join(str(getattr(k, "key", getattr(k, "name", getattr(k, "idx", k))))
-                    for k in path)
-
-
-def _kind(name: str) -> str:
-    low = name.lower()
-    if "encoder" in low and "cross" not in low:
-        return "encoder_self"
-    if "decoder" in low and "self" in low:
-        return "decoder_self"
-    # cross-attention, and a baseline's only attention (its 'weights'): over the source
-    return "cross"
-
-
-def _layer_index(name: str) -> int:
-    found = re.findall(r"layers?_(\d+)", name)
-    return int(found[-1]) if found else 0
-
-
-def _as_layers_heads(w: np.ndarray, *, sown: bool) -> np.ndarray | None:
-    """One sentence's weights -> [layers, heads, T, S]. Sown per attention layer:
-    [B, H, T, S]. From an `attention_maps` method: [B, T, S] (one map), [B, L, T, S] (one
-    single-head map per layer, ConvS2S) or [B, L, H, T, S]."""
-    if w.ndim == 3:
-        return w[0][None, None]
-    if w.ndim == 4:
-        return w[0][None] if sown else w[0][:, None]
-    if w.ndim == 5:
-        return w[0]
-    return None
-
-
 def attention_maps(model, params, src: jax.Array, tgt: jax.Array) -> dict[str, np.ndarray]:
-    """Teacher-forced attention of one sentence pair, {kind: [rows, heads, T, S]} with kind in
-    encoder_self / decoder_self / cross.
+    """Teacher-forced attention of one sentence pair through the attention-map protocol:
+    {kind: [layers, heads, T, S]} float32, kind in encoder_self / decoder_self / cross.
 
-    Reads the model's `attention_maps(src, tgt)` method when it has one (the RNN and ConvS2S
-    baselines), else the 'attention_weights' a model sows into 'intermediates' (the
-    Transformer's attention layers do when that collection is mutable). src [1, S], tgt [1, T]
-    decoder input. Empty if the model exposes none.
+    src [1, S], tgt [1, T] decoder input. Every translation model answers
+    `attention_maps(src, tgt) -> {kind: [B, layers, H, T, S]}`; empty for a model without
+    attention (GRUSeq2Seq).
     """
-    sown = not hasattr(model, "attention_maps")
-    if not sown:
-        run = lambda p, s, t: model.apply({"params": p}, s, t,  # noqa: E731
-                                          method="attention_maps")
-    else:
-        run = lambda p, s, t: model.apply({"params": p}, s, t,  # noqa: E731
-                                          mutable=["intermediates"])[1].get("intermediates", {})
-    tree = jax.device_get(jax.jit(run)(params, src, tgt))
-    found: dict[str, list[tuple[int, np.ndarray]]] = {}
-    for path, leaf in jax.tree_util.tree_flatten_with_path(tree)[0]:
-        name = _path_name(path)
-        if not re.search(r"attention|weights|attn", name.lower()):
-            continue
-        w = _as_layers_heads(np.asarray(leaf, np.float32), sown=sown)
-        if w is not None:
-            found.setdefault(_kind(name), []).append((_layer_index(name), w))
-    return {kind: np.concatenate([w for _, w in sorted(ws, key=lambda p: p[0])])
-            for kind, ws in found.items()}
+    run = jax.jit(lambda p, s, t: model.apply({"params": p}, s, t, method="attention_maps"))
+    return {kind: np.asarray(w[0], np.float32)
+            for kind, w in jax.device_get(run(params, src, tgt)).items()}
 
 
 def make_translation_plots(workdir: str, model, params, tokenizer, *, source: str,
@@ -189,3 +149,121 @@ def positional_table(model, params, *, length: int) -> np.ndarray | None:
     table = PositionalEncoding(config).apply({"params": params.get("positions", {})},
                                              jnp.arange(length))
     return np.asarray(table)
+
+
+# ------------------------------------------------------------- the Annotated Transformer's
+class Drawn(NamedTuple):
+    """A saved figure: its path; the arrays drawn, by name; and for each the PNG pixel
+    (row, column) where each value was drawn: [..., 2] int, the array's shape then 2 (an image:
+    the centre of each cell; a curve: each point)."""
+
+    path: str
+    data: dict[str, np.ndarray]
+    pixels: dict[str, np.ndarray]
+
+
+def _to_pixels(fig, ax, x: np.ndarray, y: np.ndarray) -> np.ndarray:
+    """Data coordinates -> PNG (row, column) in the file `_save_drawn` writes."""
+    points = ax.transData.transform(np.stack([np.ravel(x), np.ravel(y)], axis=-1))
+    height = int(round(fig.get_size_inches()[1] * fig.dpi))
+    rows = np.floor(height - points[:, 1]).astype(int)
+    cols = np.floor(points[:, 0]).astype(int)
+    return np.stack([rows, cols], axis=-1).reshape(*np.shape(x), 2)
+
+
+def _image_pixels(fig, ax, shape: tuple[int, int]) -> np.ndarray:
+    """[rows, cols, 2] PNG pixel of the centre of each cell of an `imshow` (cell (i, j) is at
+    data x = j, y = i)."""
+    i, j = np.meshgrid(np.arange(shape[0]), np.arange(shape[1]), indexing="ij")
+    return _to_pixels(fig, ax, j, i)
+
+
+def _save_drawn(fig, path: str, data: dict[str, np.ndarray],
+                locate: Callable[[], dict[str, np.ndarray]]) -> Drawn:
+    """Lays the figure out, finds the pixels, saves at the figure's own dpi and size (no
+    tight bounding box, which would move them)."""
+    fig.canvas.draw()
+    pixels = locate()
+    os.makedirs(os.path.dirname(path) or ".", exist_ok=True)
+    fig.savefig(path, dpi=fig.dpi)
+    _pyplot().close(fig)
+    return Drawn(path, data, pixels)
+
+
+def decoder_masks(src: np.ndarray, tgt_in: np.ndarray, *, pad_id: int) -> dict[str, np.ndarray]:
+    """The masks of one batch as the models build them (True = attend):
+    'subsequent' [T, T], 'padding' [B, S] (the source keys), 'decoder' [T, T] (causal & target
+    padding) of the sentence with the most padding."""
+    from transformer_jax.attention import combine_masks, make_causal_mask, make_padding_mask
+    t = tgt_in.shape[1]
+    row = int(np.argmax((tgt_in == pad_id).sum(-1)))
+    combined = combine_masks(make_causal_mask(t), make_padding_mask(tgt_in, pad_id))
+    return {"subsequent": np.asarray(make_causal_mask(t)[0, 0]),
+            "padding": np.asarray(make_padding_mask(src, pad_id)[:, 0, 0]),
+            "decoder": np.asarray(combined[row, 0])}
+
+
+def plot_masks(masks: Mapping[str, np.ndarray], path: str) -> Drawn:
+    """One panel per 2-D boolean mask: white = attend (True), black = masked."""
+    plt = _pyplot()
+    fig, axes = plt.subplots(1, len(masks), figsize=(4 * len(masks), 4), dpi=100,
+                             squeeze=False)
+    data = {name: np.asarray(m, bool) for name, m in masks.items()}
+    for ax, (name, mask) in zip(axes[0], data.items()):
+        ax.imshow(mask.astype(np.float32), cmap="gray", vmin=0.0, vmax=1.0,
+                  interpolation="nearest")
+        ax.set(title=f"{name} mask", xlabel="key position",
+               ylabel="sentence" if mask.shape[0] != mask.shape[1] else "query position")
+    return _save_drawn(fig, path, data, lambda: {
+        name: _image_pixels(fig, ax, mask.shape) for ax, (name, mask) in zip(axes[0],
+                                                                              data.items())})
+
+
+def plot_lr_schedule(schedules: Mapping[str, Callable], steps: int, path: str) -> Drawn:
+    """Learning rate against step 0..steps-1, one curve per schedule (a callable step -> rate,
+    e.g. an optax schedule; called on the array of steps)."""
+    plt = _pyplot()
+    fig, ax = plt.subplots(figsize=(8, 4), dpi=100)
+    x = np.arange(steps)
+    data = {name: np.asarray(fn(jnp.asarray(x)), np.float64) for name, fn in schedules.items()}
+    for name, rate in data.items():
+        ax.plot(x, rate, label=name, linewidth=1.5)
+    ax.set(xlabel="step", ylabel="learning rate", title="learning-rate schedule")
+    ax.legend()
+    ax.grid(alpha=0.3)
+    return _save_drawn(fig, path, data,
+                       lambda: {name: _to_pixels(fig, ax, x, rate) for name, rate in data.items()})
+
+
+def plot_label_smoothing(path: str, *, smoothing: float, vocab_size: int,
+                         targets: Sequence[int], pad_id: int = 0) -> Drawn:
+    """The target distribution q of `label_smoothed_cross_entropy` for each target (a row
+    each, gray: 0 black, 1 white), as the Annotated Transformer draws it."""
+    from transformer_jax.losses import smoothed_target_distribution
+    plt = _pyplot()
+    q = np.asarray(smoothed_target_distribution(jnp.asarray(targets), vocab_size,
+                                                smoothing=smoothing, pad_id=pad_id))
+    fig, ax = plt.subplots(figsize=(max(4.0, 0.5 * vocab_size), max(3.0, 0.5 * len(q))),
+                           dpi=100)
+    im = ax.imshow(q, cmap="gray", vmin=0.0, vmax=1.0, interpolation="nearest")
+    ax.set(xlabel="token id", ylabel="target", title=f"label smoothing {smoothing}",
+           yticks=range(len(q)), yticklabels=[str(t) for t in targets])
+    fig.colorbar(im, ax=ax)
+    return _save_drawn(fig, path, {"target_distribution": q},
+                       lambda: {"target_distribution": _image_pixels(fig, ax, q.shape)})
+
+
+def make_annotated_transformer_plots(out_dir: str, *, src: np.ndarray, tgt_in: np.ndarray,
+                                     pad_id: int, schedules: Mapping[str, Callable],
+                                     steps: int, smoothing: float, vocab_size: int = 5,
+                                     targets: Sequence[int] = (2, 1, 0, 3, 3)) -> list[Drawn]:
+    """masks.png (for the batch src [B, S], tgt_in [B, T]), lr_schedule.png and
+    label_smoothing.png in out_dir. The default targets and vocabulary are the Annotated
+    Transformer's example (pad 0 among them)."""
+    return [
+        plot_masks(decoder_masks(np.asarray(src), np.asarray(tgt_in), pad_id=pad_id),
+                   os.path.join(out_dir, "masks.png")),
+        plot_lr_schedule(schedules, steps, os.path.join(out_dir, "lr_schedule.png")),
+        plot_label_smoothing(os.path.join(out_dir, "label_smoothing.png"), smoothing=smoothing,
+                             vocab_size=vocab_size, targets=targets, pad_id=pad_id),
+    ]

@@ -14,7 +14,13 @@ from transformer_jax.layers import (
     FeedForward,
     MultiHeadAttention,
 )
-from transformer_jax.losses import label_smoothed_cross_entropy
+from transformer_jax.losses import (
+    hard_attention_surrogate,
+    init_reinforce_baseline,
+    label_smoothed_cross_entropy,
+    score_function_surrogate,
+    smoothed_target_distribution,
+)
 from transformer_jax.model import Transformer
 from transformer_jax.optim import OptimizerConfig, make_optimizer, noam_schedule, params_ema
 from transformer_jax.positional import PositionalEncoding, sinusoidal_positions, sinusoids_at
@@ -28,6 +34,8 @@ from transformer_jax.decode import (
 from transformer_jax.seq2seq import (
     BahdanauSeq2Seq,
     GRUSeq2Seq,
+    HardAttentionSeq2Seq,
+    LuongLocalMSeq2Seq,
     LuongLocalSeq2Seq,
     LuongSeq2Seq,
     RNNSeq2SeqConfig,

@@ -18,6 +18,8 @@ from transformer_jax.convs2s import ConvS2S, ConvS2SConfig
 from transformer_jax.seq2seq import (
     BahdanauSeq2Seq,
     GRUSeq2Seq,
+    HardAttentionSeq2Seq,
+    LuongLocalMSeq2Seq,
     LuongLocalSeq2Seq,
     LuongSeq2Seq,
     RNNSeq2SeqConfig,
@@ -41,6 +43,12 @@ BASELINES: dict[str, Baseline] = {
                       {"bidirectional": False, "luong_score": "dot"}),
     "luong_local": Baseline(RNNSeq2SeqConfig, LuongLocalSeq2Seq,
                             {"bidirectional": False, "luong_score": "general"}),
+    "luong_local_m": Baseline(RNNSeq2SeqConfig, LuongLocalMSeq2Seq,
+                              {"bidirectional": False, "luong_score": "general"}),
+    # Xu et al. 2015's stochastic attention on Luong's decoder; trained with REINFORCE
+    # (transformer_jax.losses.hard_attention_surrogate).
+    "hard_attention": Baseline(RNNSeq2SeqConfig, HardAttentionSeq2Seq,
+                               {"bidirectional": False, "luong_score": "general"}),
     # Gehring et al. 2017 / bentrevett tutorial 5.
     "convs2s": Baseline(ConvS2SConfig, ConvS2S, {}),
 }

@@ -246,8 +246,9 @@ class ConvS2S(nn.Module):
         return self.logits_and_attention(src, tgt, deterministic=deterministic)[0]
 
     def attention_maps(self, src: Array, tgt: Array) -> dict[str, Array]:
-        """{'weights': [B, L, T, S]}: each decoder layer's attention."""
-        return self.logits_and_attention(src, tgt)[1]
+        """The attention-map protocol: {'cross': [B, L, 1, T, S]}, each decoder layer's
+        (single-head) attention; rows are softmaxes."""
+        return {"cross": self.logits_and_attention(src, tgt)[1]["weights"][:, :, None]}
 
     def init_decode_cache(self, src: Array, *, max_len: int) -> dict[str, Any]:
         """Encodes src once; {'windows': per layer [B, k - 1, D] zeros, 'memory': encoder}."""

@@ -107,24 +107,23 @@ class MultiHeadAttention(nn.Module):
         *,
         mask: Array | None,
         deterministic: bool,
-    ) -> Array:
-        """inputs_q [B, T, D], key/value [B, S, H, K], mask -> [B, T, H, K] -> [B, T, D]."""
+        return_weights: bool = False,
+    ):
+        """inputs_q [B, T, D], key/value [B, S, H, K], mask -> [B, T, H, K] -> [B, T, D]
+        (and the weights [B, H, T, S] float32 if `return_weights`: `attention_maps` asks; it
+        takes the XLA path, so only then is the fused kernel ruled out)."""
         cfg = self.config
         query = self._split_heads(self.query(inputs_q))
         rate = cfg.attention_dropout
         dropping = not deterministic and rate > 0.0
-        # Only when a caller asks for the 'intermediates' collection (train.plots draws the
-        # maps) are the weights returned and sown; otherwise the fused path stays available.
-        sow_weights = self.is_mutable_collection("intermediates")
         out = dot_product_attention(
             query, key, value, mask=mask, dropout_rate=rate,
             dropout_rng=self.make_rng("dropout") if dropping else None,
-            deterministic=deterministic, return_weights=sow_weights,
+            deterministic=deterministic, return_weights=return_weights,
             implementation=cfg.attention_impl)
-        if sow_weights:
-            out, weights = out
-            self.sow("intermediates", "attention_weights", weights)  # [B, H, T, S] float32
-        return self.out(out.reshape(*out.shape[:-2], cfg.d_model))
+        out, weights = out if return_weights else (out, None)
+        out = self.out(out.reshape(*out.shape[:-2], cfg.d_model))
+        return (out, weights) if return_weights else out
 
     def __call__(
         self,
@@ -133,10 +132,13 @@ class MultiHeadAttention(nn.Module):
         *,
         mask: Array | None = None,
         deterministic: bool = True,
-    ) -> Array:
-        """inputs_q [B, T, D] attends to inputs_kv [B, S, D] -> [B, T, D]."""
+        return_weights: bool = False,
+    ):
+        """inputs_q [B, T, D] attends to inputs_kv [B, S, D] -> [B, T, D] (and the weights
+        [B, H, T, S] if `return_weights`)."""
         key, value = self.project_kv(inputs_kv)
-        return self.attend_to(inputs_q, key, value, mask=mask, deterministic=deterministic)
+        return self.attend_to(inputs_q, key, value, mask=mask, deterministic=deterministic,
+                              return_weights=return_weights)
 
 
 class FeedForward(nn.Module):
@@ -181,6 +183,14 @@ class Residual(nn.Module):
         """x [B, T, D] -> [B, T, D], the whole wrapper around `sublayer` ([B, T, D] -> same)."""
         return self.post(x, sublayer(self.pre(x)), deterministic=deterministic)
 
+    def with_weights(self, x: Array, attention: Callable, *, deterministic: bool,
+                     return_weights: bool) -> tuple[Array, Array | None]:
+        """`__call__` around an attention sublayer that returns (out, weights) when
+        `return_weights`, else out -> (x [B, T, D], weights or None)."""
+        out = attention(self.pre(x))
+        out, weights = out if return_weights else (out, None)
+        return self.post(x, out, deterministic=deterministic), weights
+
 
 class EncoderLayer(nn.Module):
     """Self-attention then FFN, each wrapped in a `Residual`."""
@@ -193,12 +203,16 @@ class EncoderLayer(nn.Module):
         self.ffn = FeedForward(self.config)
         self.ffn_residual = Residual(self.config)
 
-    def __call__(self, x: Array, *, mask: Array, deterministic: bool = True) -> Array:
-        """x [B, S, D], mask [B, 1, 1, S] (source padding) -> [B, S, D]."""
-        x = self.self_attn_residual(
-            x, lambda h: self.self_attn(h, h, mask=mask, deterministic=deterministic),
-            deterministic=deterministic)
-        return self.ffn_residual(x, self.ffn, deterministic=deterministic)
+    def __call__(self, x: Array, *, mask: Array, deterministic: bool = True,
+                 return_weights: bool = False):
+        """x [B, S, D], mask [B, 1, 1, S] (source padding) -> [B, S, D] (and the
+        self-attention weights [B, H, S, S] if `return_weights`)."""
+        x, weights = self.self_attn_residual.with_weights(
+            x, lambda h: self.self_attn(h, h, mask=mask, deterministic=deterministic,
+                                        return_weights=return_weights),
+            deterministic=deterministic, return_weights=return_weights)
+        x = self.ffn_residual(x, self.ffn, deterministic=deterministic)
+        return (x, weights) if return_weights else x
 
 
 class DecoderLayer(nn.Module):
@@ -228,13 +242,17 @@ class DecoderLayer(nn.Module):
         *,
         src_mask: Array,
         deterministic: bool,
-    ) -> Array:
-        """y [B, T, D], cross key/value [B, S, H, K], src_mask [B, 1, 1, S] -> [B, T, D]."""
-        y = self.cross_attn_residual(
+        return_weights: bool = False,
+    ):
+        """y [B, T, D], cross key/value [B, S, H, K], src_mask [B, 1, 1, S] -> [B, T, D]
+        (and the cross-attention weights [B, H, T, S] if `return_weights`)."""
+        y, weights = self.cross_attn_residual.with_weights(
             y, lambda h: self.cross_attn.attend_to(h, cross_key, cross_value, mask=src_mask,
-                                                   deterministic=deterministic),
-            deterministic=deterministic)
-        return self.ffn_residual(y, self.ffn, deterministic=deterministic)
+                                                   deterministic=deterministic,
+                                                   return_weights=return_weights),
+            deterministic=deterministic, return_weights=return_weights)
+        y = self.ffn_residual(y, self.ffn, deterministic=deterministic)
+        return (y, weights) if return_weights else y
 
     def __call__(
         self,
@@ -244,15 +262,23 @@ class DecoderLayer(nn.Module):
         self_mask: Array,
         src_mask: Array,
         deterministic: bool = True,
-    ) -> Array:
+        return_weights: bool = False,
+    ):
         """y [B, T, D], encoded [B, S, D], self_mask [B, 1, T, T], src_mask [B, 1, 1, S]
-        -> [B, T, D]."""
-        y = self.self_attn_residual(
-            y, lambda h: self.self_attn(h, h, mask=self_mask, deterministic=deterministic),
-            deterministic=deterministic)
+        -> [B, T, D] (and, if `return_weights`, {'decoder_self': [B, H, T, T],
+        'cross': [B, H, T, S]})."""
+        y, self_weights = self.self_attn_residual.with_weights(
+            y, lambda h: self.self_attn(h, h, mask=self_mask, deterministic=deterministic,
+                                        return_weights=return_weights),
+            deterministic=deterministic, return_weights=return_weights)
         cross_key, cross_value = self.cross_attn.project_kv(encoded)
-        return self._cross_attention_and_ffn(y, cross_key, cross_value, src_mask=src_mask,
-                                             deterministic=deterministic)
+        y = self._cross_attention_and_ffn(y, cross_key, cross_value, src_mask=src_mask,
+                                          deterministic=deterministic,
+                                          return_weights=return_weights)
+        if not return_weights:
+            return y
+        y, cross_weights = y
+        return y, {"decoder_self": self_weights, "cross": cross_weights}
 
     def init_cache(self, encoded: Array, *, max_len: int) -> DecoderLayerCache:
         """encoded [B, S, D] -> {self_key, self_value: [B, L, H, K] zeros,

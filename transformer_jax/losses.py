@@ -1,4 +1,5 @@
-"""Label-smoothed cross-entropy (section 5.4 of the paper), summed over real tokens.
+"""Training losses: label-smoothed cross-entropy (section 5.4 of the paper), summed over real
+tokens, and the REINFORCE surrogate of hard attention.
 
 Shapes: B batch, T target length, V vocabulary.
 """
@@ -45,3 +46,97 @@ def label_smoothed_cross_entropy(
     loss = -(1.0 - smoothing) * true_lp - (smoothing / (vocab - 2)) * rest_lp
     real = targets != pad_id
     return jnp.sum(jnp.where(real, loss, 0.0)), jnp.sum(real, dtype=jnp.int32)
+
+
+def smoothed_target_distribution(targets: Array, vocab_size: int, *, smoothing: float,
+                                 pad_id: int) -> Array:
+    """The q of `label_smoothed_cross_entropy`, written out: [...] ids -> [..., V] float32.
+
+    1 - smoothing on the target, smoothing / (V - 2) on every other id but pad, 0 on pad; a
+    pad target's row is all 0 (it counts nothing). The loss never builds this array; it is
+    for plots and tests.
+    """
+    q = jnp.full(targets.shape + (vocab_size,), smoothing / (vocab_size - 2), jnp.float32)
+    q = jnp.where(jnp.arange(vocab_size) == pad_id, 0.0, q)
+    q = jnp.where(jax.nn.one_hot(targets, vocab_size, dtype=bool), 1.0 - smoothing, q)
+    return jnp.where((targets == pad_id)[..., None], 0.0, q)
+
+
+# ----------------------------------------------------------------------------- REINFORCE
+# Hard attention samples a source position s_t ~ a_t per step, so no gradient reaches the
+# attention score through the sample. The score-function (REINFORCE) estimator supplies it:
+#   grad E[log p(y)] = E[ sum_t (R_t - b_t) grad log a_t(s_t) ] + E[grad log p(y | s)],
+# R_t = sum_{t' >= t} log p(y_t' | ...) the log-likelihood still to come (s_t changes the
+# decoder state, hence every later token; earlier ones it cannot), b_t a baseline that does not
+# depend on s (unbiased whatever it is; it only lowers the variance). We keep Xu et al.'s moving
+# average of the per-token log-likelihood and use b_t = that average * the tokens still to come.
+
+
+def init_reinforce_baseline() -> dict[str, Array]:
+    """The moving-average baseline's state: {'mean', 'weight'} float32 scalars.
+
+    'mean' is the exponential moving average of the per-token log-likelihood started at 0;
+    'weight' = 1 - decay^k after k updates, so mean / weight is the bias-corrected average
+    (as Adam corrects its moments) and the first batches do not see a baseline of 0.
+    """
+    return {"mean": jnp.zeros((), jnp.float32), "weight": jnp.zeros((), jnp.float32)}
+
+
+def score_function_surrogate(log_prob: Array, reward: Array, baseline: Array | float) -> Array:
+    """-(reward - baseline) * log_prob, with the advantage held constant.
+
+    Its gradient is minus the REINFORCE estimate of grad E[reward] for a sample whose
+    log-probability is `log_prob` (shapes broadcast; elementwise).
+    """
+    return -jax.lax.stop_gradient(reward - baseline) * log_prob
+
+
+def hard_attention_surrogate(
+    logits: Array,
+    targets: Array,
+    aux: dict[str, Array],
+    baseline: dict[str, Array],
+    *,
+    pad_id: int,
+    entropy_weight: float = 0.01,
+    decay: float = 0.9,
+) -> tuple[Array, dict[str, Array]]:
+    """The term a training loss adds for hard attention's REINFORCE, summed over real tokens.
+
+        logits, aux = model.apply({'params': p}, src, tgt_in, deterministic=False,
+                                  rngs={'sample': k1, 'dropout': k2},
+                                  method='logits_and_attention')
+        loss_sum, n_tokens = label_smoothed_cross_entropy(logits, tgt_out, ...)
+        surrogate, baseline = hard_attention_surrogate(logits, tgt_out, aux, baseline, ...)
+        loss_sum = loss_sum + surrogate       # differentiate this; carry `baseline` as state
+
+    The gradient of the sum is minus (the REINFORCE estimate of the gradient of the expected
+    log-likelihood + entropy_weight * the gradient of the attention entropies), the reward
+    being the unsmoothed log-likelihood to come (see above). Its value is not a loss to report.
+
+    Args:
+      logits: [B, T, V] from the same pass that drew the positions.
+      targets: [B, T] ids, pad_id where there is no token.
+      aux: the model's per-step 'log_prob' [B, T] (log a_t(s_t)) and 'entropy' [B, T].
+      baseline: `init_reinforce_baseline()` or the state this function returned last step.
+      entropy_weight: lambda_e, the weight of the entropy bonus (0 switches it off).
+      decay: of the baseline's moving average (Xu et al.: 0.9).
+    Returns:
+      (surrogate_sum float32 scalar, the updated baseline state).
+    """
+    if not 0.0 <= decay < 1.0:
+        raise ValueError(f"decay must be in [0, 1), got {decay!r}")
+    real = targets != pad_id                                                     # [B, T]
+    log_p = jax.nn.log_softmax(jax.lax.stop_gradient(logits).astype(jnp.float32), axis=-1)
+    token_lp = jnp.where(real, jnp.take_along_axis(log_p, targets[..., None], -1)[..., 0], 0.0)
+    # Reverse cumulative sums along T: what is still to come from step t on.
+    to_come = jnp.flip(jnp.cumsum(jnp.flip(token_lp, -1), -1), -1)               # R_t [B, T]
+    remaining = jnp.flip(jnp.cumsum(jnp.flip(real, -1), -1), -1).astype(jnp.float32)
+    per_token = jnp.where(baseline["weight"] > 0,
+                          baseline["mean"] / jnp.maximum(baseline["weight"], 1e-12), 0.0)
+    surrogate = (score_function_surrogate(aux["log_prob"], to_come, per_token * remaining)
+                 - entropy_weight * aux["entropy"])
+    batch_mean = token_lp.sum() / jnp.maximum(real.sum(), 1)
+    new_baseline = {"mean": decay * baseline["mean"] + (1.0 - decay) * batch_mean,
+                    "weight": decay * baseline["weight"] + (1.0 - decay)}
+    return jnp.sum(jnp.where(real, surrogate, 0.0)), new_baseline

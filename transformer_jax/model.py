@@ -5,7 +5,9 @@ Shape glossary:
   H: heads     K: head width        D: model width       V: target vocabulary
 
 Follows the translation-model protocol (see `transformer_jax.decode`): `__call__(src, tgt)`,
-`init_decode_cache(src, *, max_len)`, `decode_step(tokens, cache, *, index)`.
+`init_decode_cache(src, *, max_len)`, `decode_step(tokens, cache, *, index)`, and the
+attention-map protocol every translation model answers: `attention_maps(src, tgt) ->
+{kind: [B, layers, H, T, S]}`, kind in encoder_self / decoder_self / cross.
 
 Dtype policy: parameters float32; activations in `config.dtype`; attention logits/softmax
 and the logits in float32; the tied output projection multiplies in `config.dtype` with
@@ -41,11 +43,18 @@ class Encoder(nn.Module):
         self.layers = [EncoderLayer(cfg) for _ in range(cfg.n_encoder_layers)]
         self.final_norm = layer_norm(cfg) if cfg.norm_first else None
 
-    def __call__(self, x: Array, *, mask: Array, deterministic: bool = True) -> Array:
-        """x [B, S, D] embedded source, mask [B, 1, 1, S] -> [B, S, D]."""
+    def __call__(self, x: Array, *, mask: Array, deterministic: bool = True,
+                 return_weights: bool = False):
+        """x [B, S, D] embedded source, mask [B, 1, 1, S] -> [B, S, D] (and, if
+        `return_weights`, every layer's self-attention weights [B, L, H, S, S])."""
+        weights = []
         for layer in self.layers:
-            x = layer(x, mask=mask, deterministic=deterministic)
-        return self.final_norm(x) if self.final_norm is not None else x
+            x = layer(x, mask=mask, deterministic=deterministic, return_weights=return_weights)
+            if return_weights:
+                x, w = x
+                weights.append(w)
+        x = self.final_norm(x) if self.final_norm is not None else x
+        return (x, jnp.stack(weights, axis=1)) if return_weights else x
 
 
 class Decoder(nn.Module):
@@ -69,13 +78,22 @@ class Decoder(nn.Module):
         self_mask: Array,
         src_mask: Array,
         deterministic: bool = True,
-    ) -> Array:
+        return_weights: bool = False,
+    ):
         """y [B, T, D] embedded target, encoded [B, S, D], self_mask [B, 1, T, T],
-        src_mask [B, 1, 1, S] -> [B, T, D]."""
+        src_mask [B, 1, 1, S] -> [B, T, D] (and, if `return_weights`, {'decoder_self':
+        [B, L, H, T, T], 'cross': [B, L, H, T, S]} over the L layers)."""
+        weights = []
         for layer in self.layers:
             y = layer(y, encoded, self_mask=self_mask, src_mask=src_mask,
-                      deterministic=deterministic)
-        return self._finish(y)
+                      deterministic=deterministic, return_weights=return_weights)
+            if return_weights:
+                y, w = y
+                weights.append(w)
+        if not return_weights:
+            return self._finish(y)
+        return self._finish(y), jax.tree_util.tree_map(lambda *w: jnp.stack(w, axis=1),
+                                                       *weights)
 
     def init_cache(self, encoded: Array, *, max_len: int) -> tuple[dict[str, Array], ...]:
         """One cache per layer (see `DecoderLayer.init_cache`)."""
@@ -175,18 +193,21 @@ class Transformer(nn.Module):
             return jnp.ones(tgt.shape, bool)
         return tgt != cfg.pad_id
 
-    def encode(self, src: Array, *, deterministic: bool = True) -> Array:
-        """src [B, S] int32 (pad_id padded) -> encoded [B, S, D]."""
+    def encode(self, src: Array, *, deterministic: bool = True, return_weights: bool = False):
+        """src [B, S] int32 (pad_id padded) -> encoded [B, S, D] (and the encoder's
+        self-attention weights [B, L, H, S, S] if `return_weights`)."""
         self._check_length(src.shape[1], "source length")
         x = self._embed(self.src_embed, src, jnp.arange(src.shape[1]),
                         deterministic=deterministic)
         return self.encoder(x, mask=make_padding_mask(src, self.config.pad_id),
-                            deterministic=deterministic)
+                            deterministic=deterministic, return_weights=return_weights)
 
     def decode(self, encoded: Array, src: Array, tgt: Array, *,
-               deterministic: bool = True) -> Array:
+               deterministic: bool = True, return_weights: bool = False):
         """encoded [B, S, D], src [B, S] (for its padding), tgt [B, T] decoder input starting
-        with BOS -> logits [B, T, V] float32; logits[:, t] predict the token after tgt[:, t]."""
+        with BOS -> logits [B, T, V] float32; logits[:, t] predict the token after tgt[:, t].
+        With `return_weights`, also {'decoder_self': [B, L, H, T, T], 'cross':
+        [B, L, H, T, S]}."""
         cfg = self.config
         self._check_length(tgt.shape[1], "target length")
         y = self._embed(self.tgt_embed, tgt, jnp.arange(tgt.shape[1]),
@@ -196,13 +217,24 @@ class Transformer(nn.Module):
                                   self._target_keys(tgt)[:, None, None, :])
         y = self.decoder(y, encoded, self_mask=self_mask,
                          src_mask=make_padding_mask(src, cfg.pad_id),
-                         deterministic=deterministic)
+                         deterministic=deterministic, return_weights=return_weights)
+        if return_weights:
+            y, weights = y
+            return self._logits(y), weights
         return self._logits(y)
 
     def __call__(self, src: Array, tgt: Array, *, deterministic: bool = True) -> Array:
         """src [B, S], tgt [B, T] int32 -> logits [B, T, V] float32."""
         return self.decode(self.encode(src, deterministic=deterministic), src, tgt,
                            deterministic=deterministic)
+
+    def attention_maps(self, src: Array, tgt: Array) -> dict[str, Array]:
+        """The attention-map protocol (deterministic, teacher-forced):
+        {'encoder_self': [B, L, H, S, S], 'decoder_self': [B, L, H, T, T],
+        'cross': [B, L, H, T, S]}, rows softmaxes (a pad query's row is 0)."""
+        encoded, encoder_self = self.encode(src, return_weights=True)
+        _, decoder = self.decode(encoded, src, tgt, return_weights=True)
+        return {"encoder_self": encoder_self, **decoder}
 
     def init_decode_cache(self, src: Array, *, max_len: int) -> DecodeCache:
         """Encodes src [B, S] once -> the cache for `decode_step` (every leaf leads with B).

@@ -1,7 +1,9 @@
-"""The recurrent seq2seq models the Transformer replaced: GRU, Bahdanau, Luong (global, local-p).
+"""The recurrent seq2seq models the Transformer replaced: GRU/LSTM, Bahdanau, Luong, hard attention.
 
   GRUSeq2Seq         Cho et al. 2014: the decoder sees only the encoder's final state, the
-                     "context vector", at every step (no attention).
+                     "context vector", at every step (no attention). With `cell='lstm'` and
+                     `n_layers=2` it is Sutskever et al. 2014 (bentrevett's tutorial 1) but for
+                     the context fed to every step.
   BahdanauSeq2Seq    Bahdanau et al. 2015: bidirectional GRU encoder, additive score
                      v^T tanh(W1 h_s + W2 s_{t-1}) from the previous decoder state, context
                      concatenated with the embedded decoder input (as the TensorFlow NMT
@@ -11,20 +13,36 @@
                      h~_t = tanh(W_c [c_t; h_t]) and input feeding (h~_{t-1} joins the input).
   LuongLocalSeq2Seq  Luong local-p: predicted centre p_t = S_len * sigmoid(v_p^T tanh(W_p h_t)),
                      window [p_t - D, p_t + D], weights softmax-over-window * Gaussian.
+  LuongLocalMSeq2Seq Luong local-m: monotonic centre p_t = t (the decoder step), window
+                     [p_t - D, p_t + D], weights softmax over the window (no Gaussian).
+  HardAttentionSeq2Seq  Stochastic "hard" attention (Xu et al. 2015, section 4.1) on Luong's
+                     decoder: a_t = softmax(score) is a distribution over source positions; in
+                     training one position s_t ~ a_t is sampled and c_t = h_{s_t}; at evaluation
+                     c_t = h_{argmax a_t} (or, with `hard_inference='expectation'`, the soft
+                     context sum_s a_t(s) h_s). No gradient flows through the sample: the score
+                     is trained by REINFORCE, see `transformer_jax.losses.hard_attention_surrogate`.
 
-Every attention score goes through `transformer_jax.attention.attend` (H = 1 head, T = 1 query:
-the decoders run one step at a time).
+Every attention weight goes through `transformer_jax.attention` (`attend` or
+`attention_weights`; H = 1 head, T = 1 query: the decoders run one step at a time).
+
+Every model takes `cell='gru'|'lstm'` and `n_layers` (encoder and decoder alike; dropout
+`config.dropout` between layers); the defaults (one GRU layer) are the parameter trees these
+models always had: layer 0's cell is `cell` (`forward_cell`/`backward_cell`), layer l > 0's
+`cell_{l}`. Decoder layer l starts from encoder layer l's final state (bridged where the widths
+or directions differ). An LSTM state is its (c, h) pair; attention and outputs read the top
+layer's h.
 
 Shape glossary (as in attention.py):
   B: batch   T: target length   S: source length   V: vocabulary
   E: embedding width   D: recurrent width   A: additive-attention width
 
-All four models follow the translation-model protocol of decode.py: `__call__(src, tgt)`,
-`init_decode_cache(src, max_len=)`, `decode_step(tokens, cache, index=)`. The decode cache is the
-recurrent state plus the encoder memory; one step costs O(S), whatever the target length.
+All models follow the translation-model protocol of decode.py: `__call__(src, tgt)`,
+`init_decode_cache(src, max_len=)`, `decode_step(tokens, cache, index=)`, and answer
+`attention_maps(src, tgt) -> {'cross': [B, 1, 1, T, S]}` ({} for GRUSeq2Seq). The decode cache
+is the recurrent state plus the encoder memory; one step costs O(S), whatever the target length.
 
-dtype: everything is float32. The GRU state is a scan carry that must keep one dtype from step to
-step, and these models are small enough that bf16 would buy little.
+dtype: everything is float32. The recurrent state is a scan carry that must keep one dtype from
+step to step, and these models are small enough that bf16 would buy little.
 """
 from __future__ import annotations
 
@@ -36,13 +54,17 @@ import jax
 import jax.numpy as jnp
 from flax import linen as nn
 
-from transformer_jax.attention import attend
+from transformer_jax.attention import attend, attention_weights
 
 Array = jax.Array
 Memory = dict[str, Array]  # encoder outputs a decoder attends to; every leaf [B, ...]
-State = dict[str, Array]   # recurrent decoder state; every leaf [B, ...]
+State = dict[str, Any]     # recurrent decoder state; every leaf [B, ...]
+# One recurrent layer's state: h [B, D] for a GRU, (c, h) for an LSTM.
+Carry = Array | tuple[Array, Array]
 
 LuongScore = Literal["dot", "general", "concat"]
+CELLS = ("gru", "lstm")
+HARD_INFERENCE = ("argmax", "expectation")
 
 
 class BaselinePresets:
@@ -89,14 +111,20 @@ class RNNSeq2SeqConfig(BaselinePresets):
     Attributes:
       src_vocab_size, tgt_vocab_size: vocabulary sizes (V).
       emb_dim: token embedding width (E), encoder and decoder.
-      enc_hidden: GRU width of the encoder, per direction.
-      dec_hidden: GRU width of the decoder (D); also Luong's attentional state width.
+      enc_hidden: recurrent width of the encoder, per direction.
+      dec_hidden: recurrent width of the decoder (D); also Luong's attentional state width.
+      cell: 'gru' or 'lstm', the recurrent cell of encoder and decoder.
+      n_layers: stacked recurrent layers, encoder and decoder each (dropout between them).
       attn_dim: width of the additive score (A); used by Bahdanau and Luong `concat`.
       bidirectional: bidirectional encoder (outputs 2 * enc_hidden wide).
-      dropout: dropout on the embeddings (the tutorials' only dropout).
+      dropout: dropout on the embeddings and, with n_layers > 1, between recurrent layers.
       luong_score: 'dot' (h_t . h_s), 'general' (h_t . W_a h_s) or 'concat'
         (v^T tanh(W_a [h_t; h_s])); Luong models only.
-      local_window: D of Luong local-p: the window is [p_t - D, p_t + D] (paper: 10).
+      local_window: D of Luong local-p and local-m: the window is [p_t - D, p_t + D]
+        (paper: 10).
+      hard_inference: what hard attention attends to at evaluation: 'argmax' (the most
+        probable source position, the same one-position context as in training) or
+        'expectation' (the soft context sum_s a_t(s) h_s of Xu et al.'s deterministic view).
       pad_id, bos_id, eos_id: special token ids, shared by source and target.
     """
 
@@ -110,6 +138,9 @@ class RNNSeq2SeqConfig(BaselinePresets):
     dropout: float = 0.5
     luong_score: LuongScore = "general"
     local_window: int = 10
+    cell: Literal["gru", "lstm"] = "gru"
+    n_layers: int = 1
+    hard_inference: Literal["argmax", "expectation"] = "argmax"
     pad_id: int = 0
     bos_id: int = 1
     eos_id: int = 2
@@ -119,7 +150,12 @@ class RNNSeq2SeqConfig(BaselinePresets):
 
     def __post_init__(self):
         validate_common(self, ("src_vocab_size", "tgt_vocab_size", "emb_dim", "enc_hidden",
-                               "dec_hidden", "attn_dim", "local_window"))
+                               "dec_hidden", "attn_dim", "local_window", "n_layers"))
+        if self.cell not in CELLS:
+            raise ValueError(f"cell must be one of {CELLS}, got {self.cell!r}")
+        if self.hard_inference not in HARD_INFERENCE:
+            raise ValueError(f"hard_inference must be one of {HARD_INFERENCE}, got "
+                             f"{self.hard_inference!r}")
         if self.luong_score not in ("dot", "general", "concat"):
             raise ValueError(
                 f"luong_score must be 'dot', 'general' or 'concat', got {self.luong_score!r}")
@@ -208,51 +244,76 @@ _LUONG_SCORES = {"dot": DotScore, "general": GeneralScore, "concat": AdditiveSco
 
 
 # ---------------------------------------------------------------------------------------------
-# Encoder.
+# Recurrent layers.
 
 
-class GRUEncoder(nn.Module):
-    """Embedding + one GRU layer (bidirectional if config says so), padding-aware.
+def make_cell(config: RNNSeq2SeqConfig, features: int, name: str | None = None) -> nn.Module:
+    """A GRU or LSTM cell (config.cell) of width `features`."""
+    cell = nn.LSTMCell if config.cell == "lstm" else nn.GRUCell
+    return cell(features, name=name)
+
+
+def cell_output(carry: Carry) -> Array:
+    """The h [B, D] of a GRU (h) or LSTM ((c, h)) state."""
+    return carry[1] if isinstance(carry, tuple) else carry
+
+
+def _layer_name(base: str, layer: int) -> str:
+    """Layer 0 keeps the single-layer models' names (stable checkpoint paths)."""
+    return base if layer == 0 else f"{base}_{layer}"
+
+
+class RNNEncoder(nn.Module):
+    """Embedding + `n_layers` GRU/LSTM layers (bidirectional if config says so), padding-aware.
 
     `seq_lengths` makes each direction stop (forward) or start (backward) at the sentence's last
-    real token, so a sentence's outputs and final state do not depend on the batch's padding.
+    real token, so a sentence's outputs and final states do not depend on the batch's padding.
     """
 
     config: RNNSeq2SeqConfig
 
     @nn.compact
     def __call__(self, src: Array, *, deterministic: bool = True
-                 ) -> tuple[Array, Array, Array]:
-        """src [B, S] -> outputs [B, S, enc_out_dim] (0 at pads), final [B, enc_out_dim],
-        mask [B, S] (True at real tokens)."""
+                 ) -> tuple[Array, tuple[Carry, ...], Array]:
+        """src [B, S] -> outputs [B, S, enc_out_dim] of the top layer (0 at pads), the final
+        state of each layer (leaves [B, enc_out_dim]; directions concatenated), mask [B, S]
+        (True at real tokens)."""
         c = self.config
         mask = src != c.pad_id
         lengths = mask.sum(axis=-1)
         x = nn.Embed(c.src_vocab_size, c.emb_dim, name="embed")(src)  # [B, S, E]
         x = nn.Dropout(c.dropout)(x, deterministic=deterministic)
-        if c.bidirectional:
-            (fwd, bwd), outputs = nn.Bidirectional(
-                nn.RNN(nn.GRUCell(c.enc_hidden, name="forward_cell")),
-                nn.RNN(nn.GRUCell(c.enc_hidden, name="backward_cell")),
-                name="rnn")(x, seq_lengths=lengths, return_carry=True)
-            # fwd: state after the last real token; bwd: after reading back to the first.
-            final = jnp.concatenate([fwd, bwd], axis=-1)
-        else:
-            final, outputs = nn.RNN(nn.GRUCell(c.enc_hidden, name="cell"), name="rnn")(
-                x, seq_lengths=lengths, return_carry=True)
-        # Past a sentence's end the RNNs keep running on pad embeddings; zero that junk.
-        outputs = jnp.where(mask[..., None], outputs, 0.0)
-        return outputs, final, mask
+        finals = []
+        for layer in range(c.n_layers):
+            if layer:
+                x = nn.Dropout(c.dropout)(x, deterministic=deterministic)
+            if c.bidirectional:
+                (fwd, bwd), x = nn.Bidirectional(
+                    nn.RNN(make_cell(c, c.enc_hidden, _layer_name("forward_cell", layer))),
+                    nn.RNN(make_cell(c, c.enc_hidden, _layer_name("backward_cell", layer))),
+                    name=_layer_name("rnn", layer))(x, seq_lengths=lengths, return_carry=True)
+                # fwd: state after the last real token; bwd: after reading back to the first.
+                final = jax.tree_util.tree_map(lambda f, b: jnp.concatenate([f, b], axis=-1),
+                                               fwd, bwd)
+            else:
+                final, x = nn.RNN(make_cell(c, c.enc_hidden, _layer_name("cell", layer)),
+                                  name=_layer_name("rnn", layer))(
+                    x, seq_lengths=lengths, return_carry=True)
+            # Past a sentence's end the RNNs keep running on pad embeddings; zero that junk.
+            x = jnp.where(mask[..., None], x, 0.0)
+            finals.append(final)
+        return x, tuple(finals), mask
 
 
 # ---------------------------------------------------------------------------------------------
 # Decoder steps. Each is one time step: `prepare` turns encoder results into (memory, state0);
 # `__call__(state, token, memory)` -> (state, logits [B, V], aux). `aux` holds the attention
-# weights [B, S] (and Luong local's centre [B]) for `attention_maps`.
+# weights [B, S] (and Luong local's centre [B]; hard attention's sampled position, its
+# log-probability and the entropy of the weights) for `logits_and_attention`.
 
 
 class _DecoderStep(nn.Module):
-    """What every recurrent decoder step shares: embedding, GRU cell, output layer, bridge."""
+    """What every recurrent decoder step shares: embedding, cell stack, output layer, bridge."""
 
     config: RNNSeq2SeqConfig
 
@@ -260,21 +321,48 @@ class _DecoderStep(nn.Module):
         c = self.config
         self.embed = nn.Embed(c.tgt_vocab_size, c.emb_dim)
         self.dropout = nn.Dropout(c.dropout)
-        self.cell = nn.GRUCell(c.dec_hidden)
         self.out = nn.Dense(c.tgt_vocab_size)
+        # Layer 0 is `cell` and `bridge` (the single-layer names); layer l, `cell_l`, `bridge_l`.
+        for layer in range(c.n_layers):
+            setattr(self, _layer_name("cell", layer), make_cell(c, c.dec_hidden))
         # The encoder's final state becomes the first decoder state: unchanged when the widths
         # already agree and it is one direction (Cho; Luong), else through tanh(W [fwd; bwd])
-        # (Bahdanau's s_0, as in bentrevett's tutorial).
+        # (Bahdanau's s_0, as in bentrevett's tutorial); an LSTM's c through its own W.
         if self.needs_bridge:
-            self.bridge = nn.Dense(c.dec_hidden)
+            for layer in range(c.n_layers):
+                setattr(self, _layer_name("bridge", layer), nn.Dense(c.dec_hidden))
+                if c.cell == "lstm":
+                    setattr(self, _layer_name("bridge_c", layer), nn.Dense(c.dec_hidden))
 
     @property
     def needs_bridge(self) -> bool:
         return self.config.bidirectional or self.config.enc_hidden != self.config.dec_hidden
 
-    def initial_hidden(self, final: Array) -> Array:
-        """[B, enc_out_dim] -> [B, D]."""
-        return jnp.tanh(self.bridge(final)) if self.needs_bridge else final
+    def initial_state(self, finals: tuple[Carry, ...]) -> tuple[Carry, ...]:
+        """The encoder's per-layer final states (leaves [B, enc_out_dim]) -> the decoder's
+        (leaves [B, D])."""
+        if not self.needs_bridge:
+            return finals
+        out = []
+        for layer, final in enumerate(finals):
+            bridge = getattr(self, _layer_name("bridge", layer))
+            if isinstance(final, tuple):
+                bridge_c = getattr(self, _layer_name("bridge_c", layer))
+                out.append((jnp.tanh(bridge_c(final[0])), jnp.tanh(bridge(final[1]))))
+            else:
+                out.append(jnp.tanh(bridge(final)))
+        return tuple(out)
+
+    def run_cells(self, carries: tuple[Carry, ...], x: Array, deterministic: bool
+                  ) -> tuple[tuple[Carry, ...], Array]:
+        """One step up the stack: input x [B, *] -> new per-layer states, top output h [B, D]."""
+        new = []
+        for layer, carry in enumerate(carries):
+            if layer:
+                x = self.dropout(x, deterministic=deterministic)
+            carry, x = getattr(self, _layer_name("cell", layer))(carry, x)
+            new.append(carry)
+        return tuple(new), x
 
     def embed_token(self, token: Array, deterministic: bool) -> Array:
         """[B] -> [B, E]."""
@@ -285,19 +373,22 @@ class _DecoderStep(nn.Module):
 
 
 class GRUDecoderStep(_DecoderStep):
-    """Cho et al.: input [y_{t-1}; c], output from [y_{t-1}; s_t; c], c the context vector."""
+    """Cho et al.: input [y_{t-1}; c], output from [y_{t-1}; s_t; c], c the context vector
+    (the top encoder layer's final h)."""
 
-    def prepare(self, outputs: Array, final: Array, mask: Array) -> tuple[Memory, State]:
+    def prepare(self, outputs: Array, finals: tuple[Carry, ...], mask: Array
+                ) -> tuple[Memory, State]:
         del outputs, mask  # no attention: the final state is all the decoder sees
-        return {"context": final}, {"h": self.initial_hidden(final)}
+        return {"context": cell_output(finals[-1])}, {"layers": self.initial_state(finals)}
 
     def __call__(self, state: State, token: Array, memory: Memory, *, deterministic: bool = True
                  ) -> tuple[State, Array, dict[str, Array]]:
         emb = self.embed_token(token, deterministic)                # [B, E]
         context = memory["context"]                                 # [B, enc_out_dim]
-        h, _ = self.cell(state["h"], jnp.concatenate([emb, context], axis=-1))
+        layers, h = self.run_cells(state["layers"], jnp.concatenate([emb, context], axis=-1),
+                                   deterministic)
         logits = self.logits(jnp.concatenate([emb, h, context], axis=-1))
-        return {"h": h}, logits, {}
+        return {"layers": layers}, logits, {}
 
 
 class BahdanauDecoderStep(_DecoderStep):
@@ -307,60 +398,104 @@ class BahdanauDecoderStep(_DecoderStep):
         super().setup()
         self.score = AdditiveScore(self.config)
 
-    def prepare(self, outputs: Array, final: Array, mask: Array) -> tuple[Memory, State]:
+    def prepare(self, outputs: Array, finals: tuple[Carry, ...], mask: Array
+                ) -> tuple[Memory, State]:
         memory = {"values": outputs, "keys": self.score.keys(outputs), "mask": mask}
-        return memory, {"h": self.initial_hidden(final)}
+        return memory, {"layers": self.initial_state(finals)}
 
     def __call__(self, state: State, token: Array, memory: Memory, *, deterministic: bool = True
                  ) -> tuple[State, Array, dict[str, Array]]:
         emb = self.embed_token(token, deterministic)
-        scores = self.score(state["h"], memory["keys"])                          # [B, S]
+        query = cell_output(state["layers"][-1])                                 # s_{t-1}
+        scores = self.score(query, memory["keys"])                               # [B, S]
         context, weights = _attend_one(scores, memory["values"], memory["mask"])  # [B, 2H]
-        h, _ = self.cell(state["h"], jnp.concatenate([emb, context], axis=-1))
+        layers, h = self.run_cells(state["layers"], jnp.concatenate([emb, context], axis=-1),
+                                   deterministic)
         logits = self.logits(jnp.concatenate([h, context, emb], axis=-1))
-        return {"h": h}, logits, {"weights": weights}
+        return {"layers": layers}, logits, {"weights": weights}
+
+
+def hard_attention_sample(rng: Array, scores: Array, mask: Array
+                          ) -> tuple[Array, Array, Array]:
+    """Draw one source position per row from a = softmax(scores) over the unmasked keys.
+
+    Args:
+      rng: PRNG key.
+      scores: [B, S] float32 logits.
+      mask: [B, S] bool, True = may be drawn (each row needs one).
+    Returns:
+      position [B] int32, log a(position) [B] (differentiable in `scores`: REINFORCE's
+      score function), entropy of a [B] (differentiable).
+    """
+    log_a = jax.nn.log_softmax(jnp.where(mask, scores, -jnp.inf), axis=-1)       # [B, S]
+    position = jax.random.categorical(rng, log_a, axis=-1).astype(jnp.int32)
+    log_prob = jnp.take_along_axis(log_a, position[:, None], axis=-1)[:, 0]
+    # 0 * log 0 is 0: masked keys add nothing (and no NaN reaches the gradient).
+    safe = jnp.where(mask, log_a, 0.0)
+    entropy = -jnp.sum(jnp.exp(safe) * safe * mask, axis=-1)
+    return position, log_prob, entropy
 
 
 class LuongDecoderStep(_DecoderStep):
-    """Luong: h_t = GRU(h_{t-1}, [y_{t-1}; h~_{t-1}]) (input feeding), attend with h_t,
+    """Luong: h_t = RNN(h_{t-1}, [y_{t-1}; h~_{t-1}]) (input feeding), attend with h_t,
     h~_t = tanh(W_c [c_t; h_t]), logits = W_s h~_t.
 
-    With `local=True`, local-p attention (eq. 9-10 of the paper): the softmax is restricted to
-    the window |s - p_t| <= D and multiplied by exp(-(s - p_t)^2 / (2 sigma^2)), sigma = D / 2.
+    `attention` picks how c_t is formed from the scores:
+      'global'   softmax over every source position.
+      'local_p'  eq. 9-10 of the paper: the softmax is restricted to the window |s - p_t| <= D
+                 around a predicted centre p_t and multiplied by exp(-(s - p_t)^2 / (2 sigma^2)),
+                 sigma = D / 2.
+      'local_m'  the window around p_t = t, the decoder step, clamped to the last source token
+                 (the paper's p_t = t leaves the window empty once t passes S_len + D); plain
+                 softmax over the window.
+      'hard'     one position drawn from the global softmax (argmax or expectation when
+                 deterministic, per config.hard_inference); see `HardAttentionSeq2Seq`.
     """
 
-    local: bool = False
+    attention: Literal["global", "local_p", "local_m", "hard"] = "global"
 
     def setup(self):
         super().setup()
         c = self.config
         self.score = _LUONG_SCORES[c.luong_score](c)
         self.w_c = nn.Dense(c.dec_hidden, use_bias=False)
-        if self.local:
+        if self.attention == "local_p":
             self.w_p = nn.Dense(c.dec_hidden, use_bias=False)
             self.v_p = nn.Dense(1, use_bias=False)
 
-    def prepare(self, outputs: Array, final: Array, mask: Array) -> tuple[Memory, State]:
+    def prepare(self, outputs: Array, finals: tuple[Carry, ...], mask: Array
+                ) -> tuple[Memory, State]:
         memory = {"values": outputs, "keys": self.score.keys(outputs), "mask": mask}
-        h0 = self.initial_hidden(final)
-        return memory, {"h": h0, "feed": jnp.zeros_like(h0)}
+        layers = self.initial_state(finals)
+        feed = jnp.zeros_like(cell_output(layers[-1]))
+        state = {"layers": layers, "feed": feed}
+        if self.attention == "local_m":
+            state["position"] = jnp.zeros(mask.shape[:1], jnp.int32)   # t [B]
+        return memory, state
 
     def __call__(self, state: State, token: Array, memory: Memory, *, deterministic: bool = True
                  ) -> tuple[State, Array, dict[str, Array]]:
         emb = self.embed_token(token, deterministic)
-        h, _ = self.cell(state["h"], jnp.concatenate([emb, state["feed"]], axis=-1))
+        layers, h = self.run_cells(state["layers"], jnp.concatenate([emb, state["feed"]], -1),
+                                   deterministic)
         scores = self.score(h, memory["keys"])                           # [B, S]
-        if self.local:
-            context, weights, aux = self._local_attention(h, scores, memory)
+        new_state = {"layers": layers}
+        if self.attention == "local_p":
+            context, weights, aux = self._local_p(h, scores, memory)
+        elif self.attention == "local_m":
+            context, weights, aux = self._local_m(state["position"], scores, memory)
+            new_state["position"] = state["position"] + 1
+        elif self.attention == "hard":
+            context, weights, aux = self._hard(scores, memory, deterministic)
         else:
             context, weights = _attend_one(scores, memory["values"], memory["mask"])
             aux = {}
         attentional = jnp.tanh(self.w_c(jnp.concatenate([context, h], axis=-1)))  # h~_t [B, D]
-        return ({"h": h, "feed": attentional}, self.logits(attentional),
-                {"weights": weights, **aux})
+        new_state["feed"] = attentional
+        return new_state, self.logits(attentional), {"weights": weights, **aux}
 
-    def _local_attention(self, h: Array, scores: Array, memory: Memory
-                         ) -> tuple[Array, Array, dict[str, Array]]:
+    def _local_p(self, h: Array, scores: Array, memory: Memory
+                 ) -> tuple[Array, Array, dict[str, Array]]:
         d = self.config.local_window
         src_len = memory["mask"].sum(axis=-1).astype(jnp.float32)               # [B]
         centre = src_len * jax.nn.sigmoid(self.v_p(jnp.tanh(self.w_p(h)))[:, 0])  # p_t [B]
@@ -372,6 +507,34 @@ class LuongDecoderStep(_DecoderStep):
         # so the core's softmax-and-mix does the whole job.
         context, align = _attend_one(scores, memory["values"] * gauss[..., None], window)
         return context, align * gauss, {"centre": centre}
+
+    def _local_m(self, position: Array, scores: Array, memory: Memory
+                 ) -> tuple[Array, Array, dict[str, Array]]:
+        last = memory["mask"].sum(axis=-1) - 1                                    # [B]
+        centre = jnp.minimum(position, last).astype(jnp.float32)                  # p_t [B]
+        offset = jnp.arange(scores.shape[-1], dtype=jnp.float32)[None, :] - centre[:, None]
+        window = jnp.logical_and(memory["mask"], jnp.abs(offset) <= self.config.local_window)
+        context, weights = _attend_one(scores, memory["values"], window)
+        return context, weights, {"centre": centre}
+
+    def _hard(self, scores: Array, memory: Memory, deterministic: bool
+              ) -> tuple[Array, Array, dict[str, Array]]:
+        mask = memory["mask"]
+        weights = attention_weights(scores[:, None, None, :],
+                                    mask=mask[:, None, None, :])[:, 0, 0]        # a_t [B, S]
+        if not deterministic:
+            position, log_prob, entropy = hard_attention_sample(self.make_rng("sample"),
+                                                                scores, mask)
+        else:
+            if self.config.hard_inference == "expectation":
+                context = jnp.einsum("bs,bsx->bx", weights, memory["values"])
+                return context, weights, {}
+            position = jnp.argmax(weights, axis=-1).astype(jnp.int32)
+            log_prob = entropy = jnp.zeros(scores.shape[:1], jnp.float32)
+        # The sampled position's encoder output alone: no gradient reaches the score here.
+        context = jnp.take_along_axis(memory["values"], position[:, None, None], axis=1)[:, 0]
+        return context, weights, {"position": position, "log_prob": log_prob,
+                                  "entropy": entropy}
 
 
 # ---------------------------------------------------------------------------------------------
@@ -390,8 +553,8 @@ def _decoder_loop(step: nn.Module, carry, xs, memory: Memory, *, deterministic: 
         pred = jnp.argmax(logits, axis=-1).astype(target.dtype) if free_running else prev_pred
         return (state, pred), (logits, aux)
 
-    scan = nn.scan(body, variable_broadcast="params", split_rngs={"params": False,
-                                                                  "dropout": True},
+    scan = nn.scan(body, variable_broadcast="params",
+                   split_rngs={"params": False, "dropout": True, "sample": True},
                    in_axes=(0, nn.broadcast), out_axes=0)
     return scan(step, carry, xs, memory)
 
@@ -402,7 +565,7 @@ class _RNNSeq2Seq(nn.Module):
     config: RNNSeq2SeqConfig
 
     def setup(self):
-        self.encoder = GRUEncoder(self.config)
+        self.encoder = RNNEncoder(self.config)
         self.decoder = self.make_decoder()
 
     def make_decoder(self) -> nn.Module:
@@ -410,12 +573,15 @@ class _RNNSeq2Seq(nn.Module):
 
     def encode(self, src: Array, *, deterministic: bool = True) -> tuple[Memory, State]:
         """src [B, S] -> (memory, first decoder state)."""
-        outputs, final, mask = self.encoder(src, deterministic=deterministic)
-        return self.decoder.prepare(outputs, final, mask)
+        outputs, finals, mask = self.encoder(src, deterministic=deterministic)
+        return self.decoder.prepare(outputs, finals, mask)
 
     def logits_and_attention(self, src: Array, tgt: Array, *, deterministic: bool = True,
                              teacher_forcing: float = 1.0) -> tuple[Array, dict[str, Array]]:
-        """`__call__`'s logits [B, T, V] and `attention_maps`' dict from one pass."""
+        """`__call__`'s logits [B, T, V] and the decoder's per-step aux, leaves [B, T, ...]:
+        'weights' [B, T, S] (none for GRUSeq2Seq), Luong local's 'centre' [B, T], hard
+        attention's 'position', 'log_prob' and 'entropy' [B, T] (the REINFORCE terms of
+        `transformer_jax.losses.hard_attention_surrogate`)."""
         if not 0.0 <= teacher_forcing <= 1.0:
             raise ValueError(f"teacher_forcing must be in [0, 1], got {teacher_forcing}")
         memory, state = self.encode(src, deterministic=deterministic)
@@ -443,7 +609,8 @@ class _RNNSeq2Seq(nn.Module):
           tgt: [B, T] int32 decoder input, starting with BOS.
           deterministic: no dropout if True (else needs a 'dropout' rng).
           teacher_forcing: probability of feeding tgt[:, t] at step t; otherwise the model's
-            own argmax from step t - 1 is fed. Below 1 it needs a 'sample' rng.
+            own argmax from step t - 1 is fed. Below 1 it needs a 'sample' rng (as does hard
+            attention when not deterministic: it samples its positions from that stream).
         Returns:
           logits [B, T, V] float32.
         """
@@ -451,9 +618,13 @@ class _RNNSeq2Seq(nn.Module):
                                          teacher_forcing=teacher_forcing)[0]
 
     def attention_maps(self, src: Array, tgt: Array) -> dict[str, Array]:
-        """Teacher-forced attention: {'weights': [B, T, S]} (+ Luong local's 'centre' [B, T]);
-        {} for GRUSeq2Seq, which has none."""
-        return self.logits_and_attention(src, tgt)[1]
+        """The attention-map protocol: teacher-forced, deterministic
+        {'cross': [B, 1, 1, T, S]} (one layer, one head); {} for GRUSeq2Seq, which has none.
+
+        Rows sum to 1 except local-p's (softmax over the window times a Gaussian) and rows
+        of pad queries."""
+        aux = self.logits_and_attention(src, tgt)[1]
+        return {"cross": aux["weights"][:, None, None]} if "weights" in aux else {}
 
     def init_decode_cache(self, src: Array, *, max_len: int) -> dict[str, Any]:
         """Encodes src once: {'state': decoder state, 'memory': encoder memory}, leaves [B, ...].
@@ -497,4 +668,25 @@ class LuongLocalSeq2Seq(_RNNSeq2Seq):
     """Luong local-p attention (window config.local_window around a predicted centre)."""
 
     def make_decoder(self) -> nn.Module:
-        return LuongDecoderStep(self.config, local=True)
+        return LuongDecoderStep(self.config, attention="local_p")
+
+
+class LuongLocalMSeq2Seq(_RNNSeq2Seq):
+    """Luong local-m attention (window config.local_window around p_t = t)."""
+
+    def make_decoder(self) -> nn.Module:
+        return LuongDecoderStep(self.config, attention="local_m")
+
+
+class HardAttentionSeq2Seq(_RNNSeq2Seq):
+    """Stochastic hard attention on Luong's decoder (config.luong_score, input feeding).
+
+    Training: `apply(..., deterministic=False, rngs={'sample': k, 'dropout': k2})` samples one
+    source position per step. The logits alone train everything but the attention score (no
+    gradient passes a sample); add `losses.hard_attention_surrogate` of the aux of
+    `logits_and_attention` to the loss for REINFORCE. Evaluation (deterministic) attends to the
+    argmax position, or the expectation (config.hard_inference).
+    """
+
+    def make_decoder(self) -> nn.Module:
+        return LuongDecoderStep(self.config, attention="hard")

@@ -5,5 +5,5 @@ from xl_jax.config import TransformerXLConfig
 from xl_jax.memory import Memory, attention_mask, init_memory, update_memory
 from xl_jax.model import TransformerXL
 from xl_jax.pytorch import load_pytorch_state_dict
-from xl_jax.generate import generate
+from xl_jax.generate import generate, sampling_logits
 from xl_jax.data import LMBatches, lm_batches, num_lm_batches

@@ -15,6 +15,7 @@ import jax.numpy as jnp
 from transformer_jax.attention import IMPLEMENTATIONS
 
 REMAT_MODES = ("attention", "full", "none")
+TAIL_MODES = ("grouped", "dense")
 
 
 @dataclasses.dataclass(frozen=True)
@@ -55,6 +56,10 @@ class TransformerXLConfig:
         'full': keep only each layer's input and recompute the whole layer (least memory).
         'none': keep everything, the layers unrolled (fastest where memory allows; 3 to 4
           score-sized tensors per layer).
+      softmax_tails: how the adaptive softmax computes the NLL of tail-cluster targets (full
+        log-probabilities, without targets, are always dense). 'grouped' (default): each tail
+        only for the tokens whose targets fall in it (see `xl_jax.adaptive`); 'dense': every
+        tail for every token. The same NLL and gradients either way.
       dtype: compute dtype. Parameters are float32, or float64 when dtype is float64 (which
         needs `jax_enable_x64`); attention logits, softmax and loss are at least float32.
       attention_impl: "auto" (cuDNN's fused kernel, with the position term as its bias, on a
@@ -83,6 +88,7 @@ class TransformerXLConfig:
     untie_r: bool = False
     layer_norm_eps: float = 1e-5
     remat: Literal["attention", "full", "none"] = "attention"
+    softmax_tails: Literal["grouped", "dense"] = "grouped"
     dtype: Any = jnp.float32
     attention_impl: Literal["auto", "xla", "cudnn"] = "auto"
 
@@ -122,6 +128,9 @@ class TransformerXLConfig:
                 "with width 0")
         if self.remat not in REMAT_MODES:
             raise ValueError(f"remat must be one of {REMAT_MODES}, got {self.remat!r}")
+        if self.softmax_tails not in TAIL_MODES:
+            raise ValueError(f"softmax_tails must be one of {TAIL_MODES}, got "
+                             f"{self.softmax_tails!r}")
         if self.attention_impl not in IMPLEMENTATIONS:
             raise ValueError(f"attention_impl must be one of {IMPLEMENTATIONS}, got "
                              f"{self.attention_impl!r}")

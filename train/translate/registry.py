@@ -27,6 +27,10 @@ class TranslationModel:
     presets: Mapping[str, Callable[..., Any]]
     # The run defaults this family trains with (see train.translate.config.TranslateConfig).
     run_defaults: Mapping[str, Any]
+    # A term the training loss must add to the cross-entropy, by its name in
+    # transformer_jax.losses: 'hard_attention_surrogate' (REINFORCE for hard attention; the
+    # model's `logits_and_attention` gives its inputs, its baseline is carried as `extra`).
+    aux_loss: str | None = None
 
 
 def _transformer() -> TranslationModel:
@@ -75,7 +79,8 @@ def _baseline(name: str) -> TranslationModel:
         presets={"tiny": sized("tiny"), "cpu": sized("tutorial"), "gpu": sized("tutorial"),
                  "base": sized("tutorial")},
         run_defaults={"optimizer": "adam", "learning_rate": 1e-3, "clip_norm": 1.0,
-                      "label_smoothing": 0.0})
+                      "label_smoothing": 0.0},
+        aux_loss="hard_attention_surrogate" if name == "hard_attention" else None)
 
 
 def names() -> list[str]:

@@ -5,6 +5,7 @@ that leaves the checkpoints alone, and the command line works (flags, SIGTERM, -
 from __future__ import annotations
 
 import hashlib
+import math
 import os
 import shutil
 import signal
@@ -252,3 +253,43 @@ def test_gpu_preset_builds_for_every_model_with_its_own_optimizer():
     for name in registry.names()[1:]:
         # The baselines keep their Adam: the preset sets no optimizer of its own.
         assert translate.make_config(name, "gpu").optimizer == "adam"
+
+
+def test_the_annotated_transformer_figures_are_written(straight):
+    _, workdir, _ = straight
+    for name in ("masks.png", "lr_schedule.png", "label_smoothing.png"):
+        assert os.path.getsize(os.path.join(workdir, "plots", name)) > 1000
+
+
+RNN_MODEL = dict(emb_dim=16, enc_hidden=16, dec_hidden=16, attn_dim=16)
+
+
+def _rnn_losses(tmp_path, data_dir, name, **fields):
+    config = translate.make_config(
+        name, "tiny", model_overrides=RNN_MODEL, steps=6, log_every=1, eval_sentences=8,
+        learning_rate=1e-2,
+        eval_batch_size=8, beam_size=1, progress=False, plots=False, data_dir=str(data_dir),
+        **fields)
+    final = translate.train_and_evaluate(config, str(tmp_path / name / str(len(fields))))
+    return [loss for _, loss in train_losses(tmp_path / name / str(len(fields)))], final
+
+
+def test_teacher_forcing_below_one_changes_the_loss_path_and_still_trains(tmp_path, data_dir):
+    forced, _ = _rnn_losses(tmp_path, data_dir, "gru")
+    mixed, _ = _rnn_losses(tmp_path, data_dir, "gru", teacher_forcing=0.5)
+    assert len(forced) == len(mixed) == 6
+    assert forced != mixed  # the decoder was fed its own guesses at times
+    assert mixed[-1] < mixed[0] - 0.1
+    config = translate.make_config("gru", "tiny", teacher_forcing=0.5,
+                                   teacher_forcing_schedule="inverse_sigmoid",
+                                   teacher_forcing_k=10.0)
+    ratios = [config.teacher_forcing_at(s) for s in (0, 20, 40)]
+    assert 0.5 > ratios[0] > ratios[1] > ratios[2] > 0
+    with pytest.raises(ValueError, match="teacher_forcing"):
+        translate.make_config("transformer", "tiny", teacher_forcing=0.5)
+
+
+def test_hard_attention_trains_through_the_translation_loss(tmp_path, data_dir):
+    losses, final = _rnn_losses(tmp_path, data_dir, "hard_attention")
+    assert losses[-1] < losses[0] - 0.1 and final["step"] == 6
+    assert math.isfinite(final["test_bleu"])

@@ -582,11 +582,14 @@ class _RNNSeq2Seq(nn.Module):
         'weights' [B, T, S] (none for GRUSeq2Seq), Luong local's 'centre' [B, T], hard
         attention's 'position', 'log_prob' and 'entropy' [B, T] (the REINFORCE terms of
         `transformer_jax.losses.hard_attention_surrogate`)."""
-        if not 0.0 <= teacher_forcing <= 1.0:
-            raise ValueError(f"teacher_forcing must be in [0, 1], got {teacher_forcing}")
+        if isinstance(teacher_forcing, (int, float)):
+            if not 0.0 <= teacher_forcing <= 1.0:
+                raise ValueError(f"teacher_forcing must be in [0, 1], got {teacher_forcing}")
+            free_running = teacher_forcing < 1.0
+        else:  # a traced ratio (a schedule inside jit): coins whatever its value
+            free_running = True
         memory, state = self.encode(src, deterministic=deterministic)
         tokens = tgt.T                                                    # [T, B], time-major
-        free_running = teacher_forcing < 1.0
         if free_running:
             # One coin per step and sentence, from the 'sample' rng stream. Position 0 is BOS.
             use_target = jax.random.bernoulli(self.make_rng("sample"), teacher_forcing,

@@ -91,7 +91,12 @@ class DataParallel:
         return state.replace(
             step=self.replicated, rng=self.replicated,
             params=jax.tree.map(rep, state.params), opt_state=jax.tree.map(rep, state.opt_state),
-            extra=jax.tree.map(lambda _: self.batch_sharding, state.extra))
+            extra=jax.tree.map(self._extra_sharding, state.extra))
+
+    def _extra_sharding(self, x) -> NamedSharding:
+        # Carried state with a batch axis (XL memory) is split like the batch; scalars (a
+        # moving-average baseline) are the whole batch's, so replicated.
+        return self.batch_sharding if len(getattr(x, "shape", ())) else self.replicated
 
     def to_global(self, tree: PyTree, shardings: PyTree) -> PyTree:
         """Host (or any) values, the same on every process -> global arrays with `shardings`."""
@@ -112,7 +117,11 @@ class DataParallel:
 
     def put_state(self, state: TrainState) -> TrainState:
         """Global-layout (or host) state -> the layout this mode's train step takes."""
-        self._check_rows(state.extra, "the carried state (extra)")
+        rows = [x for x in jax.tree.leaves(state.extra) if np.ndim(x)]
+        self._check_rows(rows, "the carried state (extra)")
+        if self.mode == "pmap" and len(rows) < len(jax.tree.leaves(state.extra)):
+            raise ValueError("parallel: carried scalar state (hard attention's baseline) needs "
+                             "parallel='jit'")
         if self.mode == "jit":
             return self.to_global(state, self.state_shardings(state))
         host = jax.device_get(state)

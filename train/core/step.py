@@ -7,7 +7,8 @@ A model plugs in through one loss function,
   loss_sum: float32 scalar SUMMED over the target tokens of this batch (the part on this device
     under pmap): the quantity differentiated.
   sums: dict of float32 scalars also summed over tokens; it must hold 'n_tokens' (the number of
-    non-pad targets) and may hold more (e.g. 'nll_sum', the unsmoothed negative log-likelihood).
+    non-pad targets) and may hold more (e.g. 'nll_sum', the unsmoothed negative log-likelihood;
+    'loss_sum', the loss to report when it differs from the differentiated one).
   new_extra: the state carried to the next step (XL memory), or None.
 
 The step normalises by the GLOBAL token count after summing over devices, so one step on eight
@@ -54,7 +55,9 @@ def make_train_step(loss_fn: LossFn, *, lr_schedule: optax.Schedule | None = Non
 
         (loss_sum, (sums, extra)), grads = jax.value_and_grad(objective, has_aux=True)(
             state.params)
-        sums = dict(sums, loss_sum=loss_sum)
+        # A loss_fn may report a 'loss_sum' of its own: the objective without a term that is
+        # only there for its gradient (hard attention's REINFORCE surrogate).
+        sums = {"loss_sum": loss_sum, **sums}
         if axis_name is not None:
             grads, sums = lax.psum((grads, sums), axis_name)
         # The mean over the global batch: the gradient of the summed loss divided by the token

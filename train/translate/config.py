@@ -6,6 +6,7 @@ is in benchmarks/README.md.
 from __future__ import annotations
 
 import dataclasses
+import math
 from typing import Any, ClassVar, Mapping
 
 from train.core.config import RunConfig, check_finite, check_positive
@@ -15,6 +16,7 @@ from transformer_jax.optim import OptimizerConfig
 SPLITS = ("validation", "test_2016_flickr", "test_2017_flickr", "test_2017_mscoco",
           "test_2018_flickr")
 OPTIMIZERS = ("noam", "adam")
+TEACHER_FORCING_SCHEDULES = ("constant", "inverse_sigmoid")
 
 
 @dataclasses.dataclass(frozen=True)
@@ -40,6 +42,10 @@ class TranslateConfig(RunConfig):
       eval_sentences: evaluate on the first N sentences of each split (0 = all).
       tokenizer_dir: where the trained SentencePiece model is cached (None: W/tokenizer); the
         file name encodes the options and a hash of the text, so runs can share a directory.
+      teacher_forcing: the probability that a recurrent decoder is fed the reference token
+        at a training step rather than its own previous prediction (1: always, the default).
+      teacher_forcing_schedule: 'constant', or 'inverse_sigmoid' (scheduled sampling, Bengio
+        et al. 2015): teacher_forcing * k / (k + exp(step / k)), k = teacher_forcing_k.
     """
 
     model: str = "transformer"
@@ -60,6 +66,9 @@ class TranslateConfig(RunConfig):
     eval_sentences: int = 0
     test_split: str = "test_2016_flickr"
     tokenizer_dir: str | None = None
+    teacher_forcing: float = 1.0
+    teacher_forcing_schedule: str = "constant"
+    teacher_forcing_k: float = 1000.0
 
     MAY_CHANGE: ClassVar[tuple[str, ...]] = RunConfig.MAY_CHANGE + (
         "beam_size", "length_penalty", "decode_margin", "eval_batch_size", "eval_sentences",
@@ -86,7 +95,28 @@ class TranslateConfig(RunConfig):
         if not self.buckets or any(not isinstance(b, int) or b < 2 for b in self.buckets):
             raise ValueError(f"buckets: expected one or more lengths >= 2 (each a padded "
                              f"length: BOS/EOS and at least one piece), got {self.buckets!r}")
+        if not 0.0 <= self.teacher_forcing <= 1.0:
+            raise ValueError(f"teacher_forcing: must be in [0, 1], got {self.teacher_forcing}")
+        if self.teacher_forcing_schedule not in TEACHER_FORCING_SCHEDULES:
+            raise ValueError(f"teacher_forcing_schedule: expected one of "
+                             f"{TEACHER_FORCING_SCHEDULES}, got "
+                             f"{self.teacher_forcing_schedule!r}")
+        check_finite(self, ("teacher_forcing_k",), positive=True)
+        if self.uses_teacher_forcing() and not registry.get(self.model).free_running:
+            raise ValueError(f"teacher_forcing: {self.model} always decodes from the reference "
+                             "in training (only the recurrent models feed their own output)")
         self.optimizer_config()  # clip_norm, ema_decay and the schedule, validated there
+
+    def uses_teacher_forcing(self) -> bool:
+        """Whether training feeds the decoder its own predictions at some steps."""
+        return self.teacher_forcing < 1.0 or self.teacher_forcing_schedule != "constant"
+
+    def teacher_forcing_at(self, step: int) -> float:
+        """The teacher-forcing ratio of training step `step` (0-based)."""
+        if self.teacher_forcing_schedule == "constant":
+            return self.teacher_forcing
+        k = self.teacher_forcing_k
+        return self.teacher_forcing * k / (k + math.exp(min(step / k, 700.0)))
 
     def optimizer_config(self) -> OptimizerConfig:
         if self.optimizer == "noam":

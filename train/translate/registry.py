@@ -14,6 +14,7 @@ from typing import Any, Callable, Mapping
 from transformer_jax.baselines import BASELINES
 from transformer_jax.config import TransformerConfig
 from transformer_jax.model import Transformer
+from transformer_jax.seq2seq import RNNSeq2SeqConfig
 
 PRESETS = ("tiny", "cpu", "gpu", "base")
 
@@ -31,6 +32,9 @@ class TranslationModel:
     # transformer_jax.losses: 'hard_attention_surrogate' (REINFORCE for hard attention; the
     # model's `logits_and_attention` gives its inputs, its baseline is carried as `extra`).
     aux_loss: str | None = None
+    # Whether the decoder can be fed its own predictions in training (a teacher-forcing
+    # ratio below 1): the recurrent models.
+    free_running: bool = False
 
 
 def _transformer() -> TranslationModel:
@@ -80,7 +84,8 @@ def _baseline(name: str) -> TranslationModel:
                  "base": sized("tutorial")},
         run_defaults={"optimizer": "adam", "learning_rate": 1e-3, "clip_norm": 1.0,
                       "label_smoothing": 0.0},
-        aux_loss="hard_attention_surrogate" if name == "hard_attention" else None)
+        aux_loss="hard_attention_surrogate" if name == "hard_attention" else None,
+        free_running=entry.config_cls is RNNSeq2SeqConfig)
 
 
 def names() -> list[str]:

@@ -14,6 +14,7 @@ from typing import Any, Callable, Mapping, Sequence
 import flax.linen as nn
 import jax
 import jax.numpy as jnp
+import numpy as np
 
 from train import plots
 from train.core.metrics import MetricsWriter
@@ -24,7 +25,9 @@ from train.data.tokenizers import multi30k_tokenizer
 from train.translate import registry
 from train.translate.config import PRESETS, TranslateConfig, make_config
 from train.translate.evaluate import bleu, teacher_forced, translate_pairs, write_translations
-from transformer_jax.losses import label_smoothed_cross_entropy
+from transformer_jax.losses import (hard_attention_surrogate, init_reinforce_baseline,
+                                     label_smoothed_cross_entropy)
+from transformer_jax.optim import make_schedule
 
 
 @dataclasses.dataclass
@@ -62,14 +65,32 @@ def load_split(config: TranslateConfig, tokenizer, name: str) -> Split:
                  encode_pairs(tokenizer, pairs))
 
 
-def make_loss_fn(model: nn.Module, *, smoothing: float, pad_id: int):
-    """The train.core.step loss protocol for a translation model on {'src','tgt_in','tgt_out'}:
-    label-smoothed cross-entropy summed over real target tokens, plus the unsmoothed nll."""
+def make_loss_fn(model: nn.Module, *, smoothing: float, pad_id: int,
+                 aux_loss: str | None = None, free_running: bool = False):
+    """The train.core.step loss protocol for a translation model on {'src','tgt_in','tgt_out'}
+    (and 'teacher_forcing' [B], the step's ratio, when free_running): label-smoothed
+    cross-entropy summed over real target tokens, plus the unsmoothed nll.
+
+    aux_loss 'hard_attention_surrogate': in training, hard attention's REINFORCE term is added
+    to the differentiated sum (not to the reported nll), and its moving-average baseline is the
+    carried state `extra`.
+    """
 
     def loss_fn(params, batch, *, rng, extra, deterministic):
-        rngs = None if deterministic else {"dropout": rng}
-        logits = model.apply({"params": params}, batch["src"], batch["tgt_in"],
-                             deterministic=deterministic, rngs=rngs)
+        rngs, kwargs = None, {}
+        if not deterministic:
+            rngs = {"dropout": rng}
+            if aux_loss or free_running:  # positions and teacher-forcing coins
+                rngs["sample"] = jax.random.fold_in(rng, 1)
+            if free_running:
+                kwargs["teacher_forcing"] = batch["teacher_forcing"][0]
+        if aux_loss and not deterministic:
+            logits, aux = model.apply({"params": params}, batch["src"], batch["tgt_in"],
+                                      deterministic=False, rngs=rngs,
+                                      method="logits_and_attention", **kwargs)
+        else:
+            logits, aux = model.apply({"params": params}, batch["src"], batch["tgt_in"],
+                                      deterministic=deterministic, rngs=rngs, **kwargs), None
         loss_sum, n_tokens = label_smoothed_cross_entropy(
             logits, batch["tgt_out"], smoothing=smoothing, pad_id=pad_id)
         if smoothing:
@@ -77,7 +98,13 @@ def make_loss_fn(model: nn.Module, *, smoothing: float, pad_id: int):
                                                       pad_id=pad_id)
         else:
             nll_sum = loss_sum
-        return loss_sum, {"n_tokens": n_tokens.astype(jnp.float32), "nll_sum": nll_sum}, extra
+        sums = {"n_tokens": n_tokens.astype(jnp.float32), "nll_sum": nll_sum}
+        if aux is not None:
+            surrogate, extra = hard_attention_surrogate(logits, batch["tgt_out"], aux, extra,
+                                                        pad_id=pad_id)
+            sums["loss_sum"] = loss_sum  # reported; the surrogate is there for its gradient
+            loss_sum = loss_sum + surrogate
+        return loss_sum, sums, extra
 
     return loss_fn
 
@@ -95,7 +122,14 @@ class TranslationData:
     log: Callable[[str], None] = print
 
     def batches(self, start_step: int):
-        return self.batcher.iterate(start_step)
+        if not self.config.uses_teacher_forcing():
+            yield from self.batcher.iterate(start_step)
+            return
+        # The step's ratio rides with its batch (one copy per row, so it shards like one).
+        for step, batch in enumerate(self.batcher.iterate(start_step), start_step):
+            rows = batch["src"].shape[0]
+            yield dict(batch, teacher_forcing=np.full(
+                (rows,), self.config.teacher_forcing_at(step), np.float32))
 
     def _eval_batches(self, split: Split, dp: DataParallel):
         return eval_batches(split.pairs, batch_size=self.eval_rows, buckets=self.config.buckets,
@@ -131,6 +165,12 @@ class TranslationData:
             made = plots.make_translation_plots(workdir, model, params, self.tokenizer,
                                                 source=test.sources[0],
                                                 hypothesis=hypotheses[0])
+            first = next(iter(self._eval_batches(self.validation, dp)))
+            made += [d.path for d in plots.make_annotated_transformer_plots(
+                os.path.join(workdir, plots.PLOTS_DIR), src=first["src"][:8],
+                tgt_in=first["tgt_in"][:8], pad_id=config.model_config.pad_id,
+                schedules={config.optimizer: make_schedule(config.optimizer_config())},
+                steps=max(step, 1), smoothing=config.label_smoothing)]
             log(f"plots: {', '.join(os.path.basename(p) for p in made)} in "
                 f"{os.path.join(workdir, plots.PLOTS_DIR)}")
         return out
@@ -163,11 +203,14 @@ class TranslationTask:
 
     def init_params(self, config: TranslateConfig, model: nn.Module, rng):
         dummy = jnp.ones((1, 8), jnp.int32)
-        return model.init({"params": rng}, dummy, dummy)["params"], None
+        extra = init_reinforce_baseline() if registry.get(config.model).aux_loss else None
+        return model.init({"params": rng}, dummy, dummy)["params"], extra
 
     def loss_fn(self, config: TranslateConfig, model: nn.Module):
         return make_loss_fn(model, smoothing=config.label_smoothing,
-                            pad_id=config.model_config.pad_id)
+                            pad_id=config.model_config.pad_id,
+                            aux_loss=registry.get(config.model).aux_loss,
+                            free_running=config.uses_teacher_forcing())
 
     def describe(self, config: TranslateConfig) -> str:
         return config.model

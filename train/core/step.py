@@ -68,7 +68,10 @@ def make_train_step(loss_fn: LossFn, *, lr_schedule: optax.Schedule | None = Non
         # A non-finite loss or gradient never reaches the parameters: the step counter moves
         # on (the next step reads the next batch), everything else stays as it was. The flag
         # travels with the metrics, so the host learns of it without an extra transfer.
-        finite = jnp.isfinite(loss_sum) & jnp.isfinite(grad_norm)
+        # (Checked leaf by leaf rather than through grad_norm: sharing that reduction with
+        # the clipping's own norm let XLA reorder it, moving XL's losses in the 8th digit.)
+        finite = jnp.isfinite(loss_sum) & jnp.all(jnp.stack(
+            [jnp.all(jnp.isfinite(g)) for g in jax.tree.leaves(grads)]))
         updated = state.apply_gradients(grads, extra=extra)
         new_state = jax.tree.map(lambda new, old: jnp.where(finite, new, old), updated,
                                  state.replace(step=updated.step))

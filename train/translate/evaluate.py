@@ -36,13 +36,16 @@ def translate_pairs(model, params, dp: DataParallel, config, tokenizer, pairs, *
                     greedy: bool = False) -> list[str]:
     """Beam search (or greedy decoding) over `pairs` (their sources), in order ->
     detokenized hypotheses. `config` supplies eval_batch_size, buckets, decode_margin,
-    beam_size and length_penalty (a TranslateConfig)."""
+    beam_size, length_penalty and model_config's special ids (a TranslateConfig, or
+    `train.translate.pretrained.DecodeSettings`)."""
     out: list[str] = [""] * len(pairs)
     # Decoded shortest source first, so no batch runs as long as its longest sentence. Only
     # the sources are batched: the reference's length has no say in the output budget.
+    mc = config.model_config
     batches = eval_batches([(src, []) for src, _ in pairs],
                            batch_size=dp.round_rows(config.eval_batch_size),
                            buckets=config.buckets, num_devices=dp.n_devices,
+                           pad_id=mc.pad_id, bos_id=mc.bos_id, eos_id=mc.eos_id,
                            sort_by_length=True)
     for batch in batches:
         src = batch["src"]

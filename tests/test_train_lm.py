@@ -122,3 +122,41 @@ def test_gpu_preset_is_a_bf16_unrolled_model_that_stops_within_ten_minutes(datas
     assert config.model_config.dtype == jnp.bfloat16 and config.model_config.remat == "none"
     assert config.model_config.vocab_size == lm.VOCAB_SIZES[dataset]
     assert 0 < config.minutes < 10 and config.decay_steps == config.steps
+
+
+def test_each_epoch_starts_with_an_empty_memory_as_the_reference_does(data_dir):
+    import jax
+    import jax.numpy as jnp
+    from xl_jax.memory import init_memory, reset_rows
+
+    config = lm.make_config("ptb", "tiny", data_dir=str(data_dir))
+    stream = np.arange(8 * (16 * 3 + 1), dtype=np.int32) % 100  # three batches an epoch
+    batches, from_step = lm.train_batches(stream, config)
+    flags = [bool(b["reset"].all()) for b, _ in zip(from_step(0), range(8))]
+    assert len(batches) == 3 and flags == [False, False, False, True, False, False, True, False]
+    assert not lm.train_batches(stream, lm.replace(config, reset_memory_each_epoch=False)
+                                )[1](3).__next__().get("reset", False)
+    mc = config.model_config
+    memory = jax.tree.map(lambda x: x + 1, init_memory(mc, 2))
+    cleared = reset_rows(memory, jnp.array([True, False]))
+    empty = init_memory(mc, 2)
+    for got, was, zero in zip(jax.tree.leaves(cleared), jax.tree.leaves(memory),
+                              jax.tree.leaves(empty)):
+        np.testing.assert_array_equal(got[0], zero[0])   # row 0 emptied
+        np.testing.assert_array_equal(got[1], was[1])    # row 1 kept
+
+
+def test_generate_prints_a_sampled_continuation(straight, capsys):
+    from train.lm import cli
+    from train.lm.generate import generate_text
+    _, workdir, _ = straight
+    args = ["--workdir", str(workdir), "--generate", "the company said", "--num_tokens", "12",
+            "--top_k", "40", "--temperature", "0.8", "--seed", "0"]
+    assert cli.main(args) == 0
+    printed = capsys.readouterr().out.strip()
+    assert len(printed.split()) == 12  # words (an <eos> prints as a line break)
+    assert generate_text(str(workdir), "the company said", num_tokens=12, top_k=40,
+                         temperature=0.8, seed=0) == printed
+    greedy = generate_text(str(workdir), "the company said", num_tokens=12, top_k=1)
+    assert greedy == generate_text(str(workdir), "the company said", num_tokens=12, top_k=1,
+                                   seed=5)  # top_k 1 does not depend on the seed

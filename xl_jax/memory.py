@@ -58,6 +58,14 @@ def init_memory(config: TransformerXLConfig, batch_size: int, mem_len: int | Non
                   valid=jnp.zeros((batch_size,), jnp.int32))
 
 
+def reset_rows(memory: Memory, reset: Array) -> Memory:
+    """The memory with the rows where `reset` [B] bool is True emptied (as `init_memory`'s);
+    the reference starts each training epoch with an empty memory."""
+    return Memory(hidden=tuple(jnp.where(reset[:, None, None], jnp.zeros_like(h), h)
+                               for h in memory.hidden),
+                  valid=jnp.where(reset, 0, memory.valid))
+
+
 def update_memory(memory: Memory, hiddens: Sequence[Array]) -> Memory:
     """Keep the last M positions of concat(memory, hiddens), without gradient.
 

@@ -8,6 +8,7 @@ from typing import Sequence
 from train.core import cli
 from train.core.task import default_workdir, train_and_evaluate
 from train.lm.config import LMConfig
+from train.lm.generate import generate_text
 from train.lm.task import TASK
 
 DESCRIPTION = """Train and evaluate Transformer-XL on Penn Treebank (word or character level).
@@ -15,16 +16,28 @@ DESCRIPTION = """Train and evaluate Transformer-XL on Penn Treebank (word or cha
     python -m train.lm                                   # word-level PTB: cpu, or gpu on a GPU
     python -m train.lm --dataset ptb_char --preset base --workdir runs/ptb_char
     python -m train.lm --workdir W                       # resume W with its saved config
+    python -m train.lm --workdir W --generate "the company said" --top_k 40 --temperature 0.8
 
 Word level reports perplexity, character level bits per character.
 """
 
 
 def config_from_args(argv: Sequence[str] | None
-                     ) -> tuple[LMConfig, str, argparse.Namespace]:
-    """-> (config, workdir, the parsed args)."""
+                     ) -> tuple[LMConfig | None, str, argparse.Namespace]:
+    """-> (config, or None for --generate; workdir; the parsed args)."""
     parser, saved = cli.task_parser(TASK, argv, description=DESCRIPTION)
+    sample = parser.add_argument_group("generation (with --workdir of a trained run)")
+    sample.add_argument("--generate", metavar="PROMPT",
+                        help="print a continuation of PROMPT sampled from the checkpoint")
+    sample.add_argument("--num_tokens", type=int, default=100)
+    sample.add_argument("--temperature", type=float, default=1.0)
+    sample.add_argument("--top_k", type=int, default=None)
+    sample.add_argument("--top_p", type=float, default=None)
     args = parser.parse_args(argv)
+    if args.generate is not None:
+        if not args.workdir:
+            parser.error("--generate needs --workdir (a trained run)")
+        return None, args.workdir, args
     config = cli.resolve_config(parser, args, saved=saved, task=TASK)
     return config, args.workdir or default_workdir(TASK, config), args
 
@@ -36,7 +49,12 @@ def main(argv: Sequence[str] | None = None) -> int:
     return cli.run_command(lambda: _run(config, workdir, args), workdir=workdir)
 
 
-def _run(config: LMConfig, workdir: str, args: argparse.Namespace) -> int:
+def _run(config: LMConfig | None, workdir: str, args: argparse.Namespace) -> int:
+    if config is None:
+        print(generate_text(workdir, args.generate, num_tokens=args.num_tokens,
+                            seed=getattr(args, "seed", 0), temperature=args.temperature,
+                            top_k=args.top_k, top_p=args.top_p))
+        return cli.EXIT_OK
     print(f"workdir: {workdir}", flush=True)
     final = train_and_evaluate(TASK, config, workdir)
     figure = "bpc" if "test_bpc" in final else "ppl"

@@ -30,6 +30,9 @@ class LMConfig(RunConfig):
       clip_norm: global gradient-norm clipping (the reference: 0.25).
       eval_batch_size, eval_tgt_len, eval_mem_len: evaluation rows, segment and memory length.
       eval_tokens: evaluate on the first N tokens of each stream (0 = all).
+      reset_memory_each_epoch: start each pass over the training stream with an empty memory,
+        as the reference does (its memory ends where the last epoch's stream did); False
+        carries it over.
     """
 
     dataset: str = "ptb"
@@ -44,6 +47,7 @@ class LMConfig(RunConfig):
     eval_tgt_len: int = 70
     eval_mem_len: int = 140
     eval_tokens: int = 0
+    reset_memory_each_epoch: bool = True
 
     MAY_CHANGE: ClassVar[tuple[str, ...]] = RunConfig.MAY_CHANGE + (
         "eval_batch_size", "eval_tgt_len", "eval_mem_len", "eval_tokens",

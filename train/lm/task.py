@@ -26,7 +26,7 @@ from train.data.tokenizers import CharVocab, WordVocab
 from train.lm.config import DATASETS, PRESETS, LMConfig, make_config
 from xl_jax.config import TransformerXLConfig
 from xl_jax.data import lm_batches
-from xl_jax.memory import init_memory
+from xl_jax.memory import init_memory, reset_rows
 from xl_jax.model import TransformerXL
 
 
@@ -49,6 +49,8 @@ def make_loss_fn(model: TransformerXL):
 
     def loss_fn(params, batch, *, rng, extra, deterministic):
         rngs = None if deterministic else {"dropout": rng}
+        if "reset" in batch:  # the first batch of an epoch: the stream starts again
+            extra = reset_rows(extra, batch["reset"])
         nll, memory = model.apply({"params": params}, batch["inputs"], extra,
                                   targets=batch["targets"], deterministic=deterministic,
                                   rngs=rngs)
@@ -66,14 +68,19 @@ def as_batch(pair) -> dict[str, np.ndarray]:
 def train_batches(stream: np.ndarray, config: LMConfig):
     """-> (the epoch's batches, start step -> the endless batch stream from there): step k
     reads batch k mod (batches per epoch), so a resumed run reads exactly what an
-    uninterrupted one would."""
+    uninterrupted one would. With reset_memory_each_epoch each batch carries 'reset' [B],
+    True on the first batch of every epoch after the first."""
     batches = lm_batches(stream, batch_size=config.batch_size,
                          tgt_len=config.model_config.tgt_len, drop_last=True)
 
     def from_step(start: int):
         step = start
         while True:
-            yield as_batch(batches[step % len(batches)])
+            batch = as_batch(batches[step % len(batches)])
+            if config.reset_memory_each_epoch:
+                batch["reset"] = np.full((config.batch_size,),
+                                         step > 0 and step % len(batches) == 0)
+            yield batch
             step += 1
 
     return batches, from_step

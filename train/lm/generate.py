@@ -1,0 +1,61 @@
+"""Sampling text from a trained Transformer-XL work directory, the memory carried from the
+prompt into every generated segment (`xl_jax.generate`).
+
+    python -m train.lm --workdir W --generate "the company said" --num_tokens 100 \\
+        --top_k 40 --temperature 0.8 --seed 0
+"""
+from __future__ import annotations
+
+import jax
+import numpy as np
+
+from train.core.task import restore_for_inference
+from train.lm.config import DATASETS
+from train.lm.task import TASK, load_vocab
+from xl_jax.generate import generate
+
+UNK = "<unk>"
+SPACE = "_"  # PTB's character level spells the space between words as '_'
+
+
+def encode_prompt(vocab, text: str, *, level: str) -> list[int]:
+    """Prompt text -> ids. Word level: lower-cased words, unknown ones as <unk>; character
+    level: characters, spaces as '_'."""
+    if level == "word":
+        return [_id_or(vocab, s, UNK) for s in text.lower().split()] or [vocab.eos_id]
+    symbols = [SPACE if c.isspace() else c for c in " ".join(text.lower().split())]
+    unknown = sorted({s for s in symbols if _id_or(vocab, s, None) is None})
+    if unknown:
+        raise ValueError(f"prompt: characters {unknown} are not in PTB's character vocabulary")
+    return [vocab.token_to_id(s) for s in symbols] or [vocab.eos_id]
+
+
+def _id_or(vocab, symbol: str, fallback: str | None) -> int | None:
+    try:
+        return vocab.token_to_id(symbol)
+    except KeyError:
+        return None if fallback is None else vocab.token_to_id(fallback)
+
+
+def decode_text(vocab, ids, *, level: str) -> str:
+    """ids -> text: words joined by spaces (characters joined, '_' a space), <eos> a line
+    break."""
+    symbols = [vocab.symbols[i] for i in np.asarray(ids).reshape(-1).tolist()]
+    if level == "word":
+        return " ".join("\n" if s == vocab.EOS else s for s in symbols).replace(" \n ", "\n")
+    return "".join("\n" if s == vocab.EOS else (" " if s == SPACE else s) for s in symbols)
+
+
+def generate_text(workdir: str, prompt: str, *, num_tokens: int = 100, seed: int = 0,
+                  temperature: float = 1.0, top_k: int | None = None,
+                  top_p: float | None = None) -> str:
+    """The continuation of `prompt` sampled from `workdir`'s checkpoint (the best by
+    validation loss, else the latest)."""
+    config, model, state, _ = restore_for_inference(TASK, workdir)
+    level = DATASETS[config.dataset]
+    vocab = load_vocab(config)
+    ids = np.asarray([encode_prompt(vocab, prompt, level=level)], np.int32)   # [1, P]
+    out = generate(model, jax.device_get(state.params), ids, num_tokens=num_tokens,
+                   rng=jax.random.PRNGKey(seed), temperature=temperature, top_k=top_k,
+                   top_p=top_p)
+    return decode_text(vocab, out[0], level=level)

@@ -25,6 +25,7 @@ import jax
 from train.core.checkpoint import load_run_config
 from train.core.config import field_hints, replace
 from train.core.loop import TrainingDiverged
+from train.core.parallel import maybe_initialize_distributed
 from train.core.task import config_from_saved
 
 MODEL_PREFIX = "model."
@@ -164,13 +165,44 @@ def pre_parse(argv: Sequence[str] | None, choice_flag: str) -> argparse.Namespac
     pre = argparse.ArgumentParser(add_help=False)
     pre.add_argument("--workdir", default=None)
     pre.add_argument(f"--{choice_flag}", default=None)
+    add_distributed_flags(pre)
+    pre.add_argument("--distributed", type=parse_bool, default=None)
     return pre.parse_known_args(argv)[0]
 
 
+def add_distributed_flags(parser: argparse.ArgumentParser) -> None:
+    """The per-process flags of a multi-process run. They are not run-config fields: every
+    process has its own id, and none of them is part of what the run is."""
+    group = parser.add_argument_group("several processes (with --distributed true)")
+    group.add_argument("--coordinator_address", default=None, metavar="HOST:PORT",
+                       help="process 0's address (default: $JAX_COORDINATOR_ADDRESS, or the "
+                            "cluster's: TPU, SLURM, Open MPI)")
+    group.add_argument("--num_processes", type=int, default=None,
+                       help="default: $JAX_NUM_PROCESSES or the cluster's")
+    group.add_argument("--process_id", type=int, default=None,
+                       help="this process's id, 0..N-1 (default: $JAX_PROCESS_ID or the "
+                            "cluster's)")
+
+
+def start_distributed(known: argparse.Namespace, saved: Mapping[str, Any] | None) -> None:
+    """Starts JAX's distributed runtime before anything touches a backend, when
+    --distributed true, $TRAIN_DISTRIBUTED or a resumed run's saved config asks for it."""
+    wanted = known.distributed if known.distributed is not None else bool(
+        (saved or {}).get("distributed", False))
+    try:
+        maybe_initialize_distributed(wanted, coordinator_address=known.coordinator_address,
+                                     num_processes=known.num_processes,
+                                     process_id=known.process_id)
+    except ValueError as e:
+        print(f"error: {e}", file=sys.stderr)
+        raise SystemExit(EXIT_USAGE) from None
+
+
 def default_preset() -> str:
-    """The preset a run without --preset gets: 'gpu' where JAX's default backend is a GPU
-    (a ten-minute recipe for one), else 'cpu' (ten minutes on a small CPU)."""
-    return "gpu" if jax.default_backend() == "gpu" else "cpu"
+    """The preset a run without --preset gets: 'gpu' where JAX's default backend is an
+    accelerator (a GPU or a TPU: the bf16 ten-minute recipe), else 'cpu' (ten minutes on a
+    small CPU). Past one process, call it after `start_distributed`."""
+    return "gpu" if jax.default_backend() in ("gpu", "tpu") else "cpu"
 
 
 def task_parser(task: Any, argv: Sequence[str] | None, *, description: str
@@ -179,6 +211,7 @@ def task_parser(task: Any, argv: Sequence[str] | None, *, description: str
     saved model) and the saved config of --workdir, if any."""
     known = pre_parse(argv, task.choice_flag)
     saved = load_run_config(known.workdir) if known.workdir else None
+    start_distributed(known, saved)
     choice = getattr(known, task.choice_flag) or (saved or {}).get(task.choice_flag,
                                                                    task.default_choice)
     if choice not in task.choices():
@@ -187,6 +220,7 @@ def task_parser(task: Any, argv: Sequence[str] | None, *, description: str
         f"python -m train.{task.name}", description, choice_flag=task.choice_flag,
         choices=task.choices(), presets=list(task.presets), run_cls=task.config_cls,
         model_cls=task.model_config_cls(choice), model_title=f"model ({choice})")
+    add_distributed_flags(parser)
     return parser, saved
 
 

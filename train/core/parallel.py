@@ -17,6 +17,7 @@ and feeds the rows of its own devices: `jax.make_array_from_process_local_data`.
 """
 from __future__ import annotations
 
+import hashlib
 import os
 from typing import Any, Callable, Literal, Sequence
 
@@ -37,15 +38,63 @@ ParallelMode = Literal["jit", "pmap"]
 DISTRIBUTED_ENV = "TRAIN_DISTRIBUTED"
 
 
-def maybe_initialize_distributed(enabled: bool = False) -> bool:
-    """Calls `jax.distributed.initialize()` (arguments from the cluster environment: SLURM,
-    Cloud TPU, or JAX_COORDINATOR_ADDRESS / JAX_NUM_PROCESSES / JAX_PROCESS_ID) when `enabled`
-    or $TRAIN_DISTRIBUTED is 1/true. Must run before the first JAX computation.
-    Returns whether JAX runs distributed."""
+def maybe_initialize_distributed(enabled: bool = False, *,
+                                 coordinator_address: str | None = None,
+                                 num_processes: int | None = None,
+                                 process_id: int | None = None) -> bool:
+    """Starts JAX's distributed runtime when `enabled` or $TRAIN_DISTRIBUTED is 1/true. Must
+    run before the first JAX computation. Returns whether JAX runs distributed.
+
+    The coordinator address, process count and id come from the arguments, else from
+    $JAX_COORDINATOR_ADDRESS, $JAX_NUM_PROCESSES and $JAX_PROCESS_ID, else from JAX's
+    cluster detection (Cloud TPU, SLURM, Open MPI). On CPU devices the cross-process
+    collectives run over gloo.
+    """
     enabled = enabled or os.environ.get(DISTRIBUTED_ENV, "").lower() in ("1", "true", "yes")
-    if enabled and not jax.distributed.is_initialized():
-        jax.distributed.initialize()
-    return jax.distributed.is_initialized()
+    if not enabled or jax.distributed.is_initialized():
+        return jax.distributed.is_initialized()
+    # Cross-process collectives of CPU devices need gloo (harmless for accelerators).
+    jax.config.update("jax_cpu_collectives_implementation", "gloo")
+    address = coordinator_address or os.environ.get("JAX_COORDINATOR_ADDRESS")
+    count = num_processes if num_processes is not None else _env_int("JAX_NUM_PROCESSES")
+    index = process_id if process_id is not None else _env_int("JAX_PROCESS_ID")
+    if address and (count is None or index is None):
+        missing = [name for name, v in (("--num_processes / JAX_NUM_PROCESSES", count),
+                                        ("--process_id / JAX_PROCESS_ID", index)) if v is None]
+        try:  # a cluster JAX knows may still supply them
+            jax.distributed.initialize(coordinator_address=address, num_processes=count,
+                                       process_id=index)
+        except ValueError as e:
+            raise ValueError(f"distributed: a coordinator address was given but not "
+                             f"{' and '.join(missing)} ({e})") from e
+        return True
+    jax.distributed.initialize(coordinator_address=address, num_processes=count,
+                               process_id=index)
+    return True
+
+
+def check_same_on_every_process(value: str, what: str) -> None:
+    """Past one process, every process must pass the same `value` (a work directory on a
+    shared filesystem, ...): else a ValueError on every process, before any of them waits in
+    a collective the others never reach."""
+    if jax.process_count() == 1:
+        return
+    digest = np.frombuffer(hashlib.sha256(value.encode()).digest()[:8], np.int64)
+    every = np.asarray(multihost_utils.process_allgather(digest)).reshape(-1)
+    if (every != every[0]).any():
+        raise ValueError(f"{what}: the processes were given different values (this one: "
+                         f"{value}); give every process the same one, on a filesystem they "
+                         "share")
+
+
+def _env_int(name: str) -> int | None:
+    value = os.environ.get(name)
+    if value in (None, ""):
+        return None
+    try:
+        return int(value)
+    except ValueError:
+        raise ValueError(f"${name}: expected an integer, got {value!r}") from None
 
 
 def make_mesh(devices: Sequence[jax.Device] | None = None) -> Mesh:

@@ -15,13 +15,16 @@ from typing import Any, Callable, Iterator, Mapping, Protocol, Sequence
 
 import flax.linen as nn
 import jax
+import numpy as np
+from jax.experimental import multihost_utils
 
 from train.core.checkpoint import (Checkpoints, check_run_config, load_run_config,
                                    save_run_config)
 from train.core.config import RunConfig, config_from_dict, config_to_dict
 from train.core.loop import FitResult, LoopConfig, fit, printer, stop_on_signals
 from train.core.workdir import WorkdirLock
-from train.core.parallel import DataParallel, maybe_initialize_distributed
+from train.core.parallel import (DataParallel, check_same_on_every_process,
+                                 maybe_initialize_distributed)
 from train.core.state import TrainState, count_params
 from train.core.step import LossFn
 from transformer_jax.optim import OptimizerConfig, find_params_ema, make_optimizer
@@ -141,6 +144,7 @@ def train_and_evaluate(task: Task, config: RunConfig, workdir: str) -> dict[str,
     task's evaluation adds (val_/test_ figures, ...)."""
     t0 = time.monotonic()
     maybe_initialize_distributed(config.distributed)
+    check_same_on_every_process(os.path.abspath(workdir), "--workdir")
     # From here on SIGTERM / SIGINT only set a flag (after JAX's own start-up, whose
     # preemption notifier would otherwise take SIGTERM): a signal during data preparation or
     # compilation stops the run cleanly after its first step, with a checkpoint.
@@ -162,7 +166,15 @@ def _train_and_evaluate(task: Task, config: RunConfig, workdir: str, *, start: f
         log("resuming with changed settings: " + "; ".join(changed))
     dp = DataParallel(config.parallel)
     eval_dp = dp if dp.mode == "jit" else DataParallel("jit")
+    # Past one process, process 0 prepares first (TFDS builds the datasets, the tokenizer is
+    # trained and written) and the others then read what it wrote: two writers of the same
+    # files would race.
+    several = jax.process_count() > 1
+    if several and jax.process_index() != 0:
+        multihost_utils.sync_global_devices("train: process 0 prepared the data")
     data = task.prepare(config, workdir, dp, log)
+    if several and jax.process_index() == 0:
+        multihost_utils.sync_global_devices("train: process 0 prepared the data")
     log(f"prepared in {time.monotonic() - start:.1f}s")
 
     model = task.build_model(config)
@@ -193,6 +205,11 @@ def _train_and_evaluate(task: Task, config: RunConfig, workdir: str, *, start: f
 
 
 def default_workdir(task: Task, config: RunConfig) -> str:
-    """runs/<task>-<choice>-<preset>-<time>: a new directory for a run given no --workdir."""
+    """runs/<task>-<choice>-<preset>-<time>: a new directory for a run given no --workdir.
+    Past one process, process 0's time names it for all (each clock would name its own)."""
+    stamp = int(time.time())
+    if jax.process_count() > 1:
+        stamp = int(multihost_utils.broadcast_one_to_all(np.int64(stamp)))
     return os.path.join("runs", f"{task.name}-{getattr(config, task.choice_flag)}-"
-                                f"{config.preset}-{time.strftime('%Y%m%d-%H%M%S')}")
+                                f"{config.preset}-"
+                                f"{time.strftime('%Y%m%d-%H%M%S', time.localtime(stamp))}")

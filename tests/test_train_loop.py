@@ -134,7 +134,10 @@ def test_sigterm_saves_and_returns(tmp_path):
 
 
 def test_nan_stops_with_a_message_and_keeps_the_last_good_checkpoint(tmp_path):
-    with pytest.raises(TrainingDiverged, match="last good checkpoint is step 4"):
+    # Step 5 started from checkpoint 4 and its batch is fixed: a resume from 4 would repeat it,
+    # so the message says so and points at the step before.
+    with pytest.raises(TrainingDiverged, match=r"checkpoints/4, is the state step 5 started "
+                       r"from, .*to resume from step 2"):
         run(tmp_path, steps=10, nan_at=4, checkpoint_every=2)  # batch 4 is used by step 5
     ckpt = Checkpoints(str(tmp_path))
     assert ckpt.latest_step() == 4

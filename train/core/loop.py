@@ -227,15 +227,29 @@ def train_loop(
         bad = [first + i for i, m in enumerate(host) if m.get("nonfinite")]
         if bad and config.nonfinite == "stop":
             last = checkpoints.latest_step() if checkpoints else None
-            where = (f"the last good checkpoint is step {last} in {checkpoints.directory}"
-                     if last is not None else "no checkpoint was saved")
+            advice = ("Resume with a lower --learning_rate (it may change on resume), or "
+                      "--on_nonfinite skip to go on without such steps.")
+            if last is None:
+                where = "no checkpoint was saved"
+            elif last == bad[0] - 1:
+                # The state this step started from: a step's batch and rng depend only on its
+                # number, so a resume from it computes the same non-finite step whatever the
+                # rate. The advice to lower the rate must point before it.
+                earlier = [s for s in checkpoints.all_steps() if s < last]
+                where = (f"the last checkpoint, {checkpoints.path(last)}, is the state step "
+                         f"{bad[0]} started from, so a resume from it repeats this step")
+                advice = (f"Move it out of {checkpoints.directory} to resume from "
+                          + (f"step {earlier[-1]}" if earlier else "step 0") + " with a lower "
+                          "--learning_rate (it may change on resume), or resume it with "
+                          "--on_nonfinite skip to go on without such steps.")
+            else:
+                where = f"the last good checkpoint is step {last} in {checkpoints.directory}"
             m = host[bad[0] - first]
             raise TrainingDiverged(
                 f"step {bad[0]}: the loss ({m['loss_sum'] / max(m['n_tokens'], 1):.4g} a "
                 f"token) or the gradient (norm {m['grad_norm']:.4g}) is not finite; that "
                 f"update was not applied and nothing after step {bad[0] - 1} was saved "
-                f"({where}). Resume with a lower --learning_rate (it may change on resume), "
-                "or --on_nonfinite skip to go on without such steps.")
+                f"({where}). {advice}")
         skipped += len(bad)
         pending, carried = [], []
         return [m for m in host if not m.get("nonfinite")]

@@ -17,6 +17,11 @@ SPLITS = ("validation", "test_2016_flickr", "test_2017_flickr", "test_2017_mscoc
           "test_2018_flickr")
 OPTIMIZERS = ("noam", "adam")
 TEACHER_FORCING_SCHEDULES = ("constant", "inverse_sigmoid")
+# The fewest pieces SentencePiece can train the Multi30k tokenizer with: it keeps every
+# character of the training text (character_coverage 1.0), so the 102 distinct characters of
+# the de+en train split, the 256 byte pieces and the 4 special ids. Found by training it:
+# 361 fails ("Vocabulary size is smaller than required_chars. 361 vs 362"), 362 trains.
+MIN_VOCAB_SIZE = 362
 
 
 @dataclasses.dataclass(frozen=True)
@@ -27,7 +32,7 @@ class TranslateConfig(RunConfig):
       model: a name of `train.translate.registry` ('transformer', 'gru', 'bahdanau', ...);
         model_config is that model's own config, resolved from the preset.
       preset: 'tiny' | 'cpu' | 'gpu' | 'base' (see PRESETS).
-      vocab_size: joint German+English SentencePiece pieces.
+      vocab_size: joint German+English SentencePiece pieces (at least MIN_VOCAB_SIZE).
       tokens_per_batch: token budget N * L of each padded batch array (src or tgt).
       buckets: the allowed padded lengths L (one compiled shape per bucket in use).
       optimizer: 'noam' (Adam 0.9/0.98/1e-9 on lr_factor * D^-0.5 * min(s^-0.5,
@@ -88,6 +93,10 @@ class TranslateConfig(RunConfig):
         check_positive(self, ("vocab_size", "tokens_per_batch", "warmup_steps", "beam_size",
                               "eval_batch_size"))
         check_positive(self, ("eval_sentences", "decode_margin"), minimum=0)
+        if self.vocab_size < MIN_VOCAB_SIZE:
+            raise ValueError(f"vocab_size: the Multi30k tokenizer needs at least "
+                             f"{MIN_VOCAB_SIZE} pieces (4 special, 256 byte pieces and the 102 "
+                             f"characters of its training text), got {self.vocab_size}")
         check_finite(self, ("learning_rate", "lr_factor"), positive=True)
         check_finite(self, ("length_penalty",), positive=False)
         if not 0.0 <= self.label_smoothing < 1.0:

@@ -4,7 +4,7 @@ Every model here (Transformer, Transformer-XL, the RNN and ConvS2S baselines) co
 attention through `attend` (scores already made) or `dot_product_attention` (scores from q and
 k). There is no second copy of the mask-softmax-dropout-mix code anywhere.
 
-Shape glossary (used in every model file of the project):
+Shapes (the project's one alphabet is transformer_jax/shapes.py; here):
   B: batch          T: query length      S: key/value length     M: memory length
   H: heads          K: head width        D: model width          V: vocabulary
 

@@ -14,9 +14,9 @@ z + e = `values`, d = `query`, c = `context`.
 Not from the paper: no weight normalisation, flax's default initialisers, no sqrt(S) scaling of
 the attention output and no encoder gradient scaling (bentrevett's tutorial omits them too).
 
-Shape glossary (as in attention.py):
+Shapes (transformer_jax/shapes.py):
   B: batch   T: target length   S: source length   V: vocabulary
-  E: embedding width   D: hidden (convolution) width   L: decoder layers   k: kernel size
+  E: embedding width   D: hidden (convolution) width   L: (decoder) layers   k: kernel size
 
 Decode cache: for every decoder layer the last k - 1 inputs of its convolution (a sliding window,
 zeros at the start exactly like the left padding of the full pass), plus the encoder keys, values

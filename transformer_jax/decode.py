@@ -6,11 +6,11 @@ Models reach this file only through the translation-model protocol:
     decode_step(tokens [B], cache, *, index) -> (logits [B, V], cache)
 
 Underneath, `search_greedy` and `search_beam` take a plain step function
-`step_fn(tokens [N], cache, index) -> (logits [N, V], cache)` and know nothing of models, so
+`step_fn(tokens [R], cache, index) -> (logits [R, V], cache)` and know nothing of models, so
 they can be tested on hand-written logits.
 
-Shapes: B batch, W beams, L = max_len output positions, V vocabulary, N = B * W rows fed to the
-step function.
+Shapes (transformer_jax/shapes.py): B batch, W beams, O = max_len output positions, V vocabulary,
+R = B * W rows fed to the step function.
 
 Conventions shared by both searches:
   * Decoding starts from BOS at position 0; the token decoded at step i is fed back at step i+1.
@@ -30,12 +30,12 @@ from jax import lax
 
 Array = jax.Array
 Cache = Any
-# step_fn(tokens [N] int32, cache, index int32 scalar) -> (logits [N, V], cache)
+# step_fn(tokens [R] int32, cache, index int32 scalar) -> (logits [R, V], cache)
 StepFn = Callable[[Array, Cache, Array], tuple[Array, Cache]]
 
 
 def _allowed_log_probs(logits: Array, *, pad_id: int, bos_id: int) -> Array:
-    """[N, V] logits -> [N, V] float32 log-probs with pad and bos impossible (-inf)."""
+    """[R, V] logits -> [R, V] float32 log-probs with pad and bos impossible (-inf)."""
     logits = logits.astype(jnp.float32)
     vocab = jnp.arange(logits.shape[-1])
     logits = jnp.where((vocab == pad_id) | (vocab == bos_id), -jnp.inf, logits)
@@ -63,9 +63,9 @@ def search_greedy(
       step_fn: (tokens [B], cache, index) -> (logits [B, V], cache).
       cache: the step function's initial state (for a model: `init_decode_cache(src, ...)`).
       batch_size: B.
-      max_len: L, the number of output positions.
+      max_len: O, the number of output positions.
     Returns:
-      [B, L] int32 tokens after BOS: the argmax at each step, pad_id after EOS.
+      [B, O] int32 tokens after BOS: the argmax at each step, pad_id after EOS.
     """
 
     def cond(state):
@@ -120,10 +120,10 @@ def search_beam(
       step_fn: (tokens [B*W], cache, index) -> (logits [B*W, V], cache); batch-major rows,
         beam w of example b at row b * W + w.
       cache: initial state with leading axis B (NOT repeated per beam; this repeats it).
-      batch_size: B.  beam_size: W.  max_len: L.
+      batch_size: B.  beam_size: W.  max_len: O.
       length_penalty_alpha: alpha of the GNMT length penalty; 0 ranks by total log-prob.
     Returns:
-      tokens [B, W, L] int32 (pad after EOS) and scores [B, W] float32, best first; a score is
+      tokens [B, W, O] int32 (pad after EOS) and scores [B, W] float32, best first; a score is
       the total log-prob (EOS included) divided by ((5 + len) / 6) ** alpha, len counting EOS.
     """
     b_, w_ = batch_size, beam_size
@@ -203,9 +203,9 @@ def greedy_decode(model, params, src: Array, *, max_len: int) -> Array:
       model: a translation model (Transformer or baseline) following the protocol.
       params: its 'params' collection.
       src: [B, S] int32 source, padded with pad_id.
-      max_len: L, output positions.
+      max_len: O, output positions.
     Returns:
-      [B, L] int32 tokens after BOS, pad_id after EOS.
+      [B, O] int32 tokens after BOS, pad_id after EOS.
     """
     c = model.config
     return search_greedy(
@@ -231,7 +231,7 @@ def beam_search(
       beam_size: W.
       length_penalty: alpha of the GNMT penalty ((5 + len) / 6) ** alpha.
     Returns:
-      tokens [B, W, L] int32 (pad after EOS) and scores [B, W] float32, best first.
+      tokens [B, W, O] int32 (pad after EOS) and scores [B, W] float32, best first.
     """
     c = model.config
     return search_beam(

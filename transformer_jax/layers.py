@@ -1,8 +1,8 @@
 """Transformer layers: multi-head attention, position-wise FFN, encoder and decoder layers.
 
-Shape glossary:
+Shapes (the project's alphabet, transformer_jax/shapes.py):
   B: batch          T: target (query) length     S: source (key/value) length
-  H: heads          K: head width (D / H)        D: model width      L: decode cache length
+  H: heads          K: head width (D / H)        D: model width      C: decode-cache positions
 
 Every attention here goes through `transformer_jax.attention.dot_product_attention`.
 Dtype policy: parameters float32; activations in `config.dtype`; attention logits and
@@ -219,7 +219,7 @@ class DecoderLayer(nn.Module):
     """Masked self-attention, cross-attention to the encoder output, FFN; each in a `Residual`.
 
     `__call__` runs a whole target sequence; `init_cache` + `step` run one position at a time
-    with a cache holding this layer's self-attention keys/values [B, L, H, K] (written at
+    with a cache holding this layer's self-attention keys/values [B, C, H, K] (written at
     `index`) and the cross-attention keys/values [B, S, H, K] (computed once from the encoder
     output, so a step does not project it again).
     """
@@ -281,7 +281,7 @@ class DecoderLayer(nn.Module):
         return y, {"decoder_self": self_weights, "cross": cross_weights}
 
     def init_cache(self, encoded: Array, *, max_len: int) -> DecoderLayerCache:
-        """encoded [B, S, D] -> {self_key, self_value: [B, L, H, K] zeros,
+        """encoded [B, S, D] -> {self_key, self_value: [B, C, H, K] zeros,
         cross_key, cross_value: [B, S, H, K]}."""
         cfg = self.config
         cross_key, cross_value = self.cross_attn.project_kv(encoded)
@@ -305,7 +305,7 @@ class DecoderLayer(nn.Module):
           y: [B, 1, D] the layer input at position `index`.
           cache: from `init_cache` or the previous step.
           index: int32 scalar, the position being decoded.
-          self_mask: [B, 1, 1, L], True for cached positions to attend (<= index, not pad).
+          self_mask: [B, 1, 1, C], True for cached positions to attend (<= index, not pad).
           src_mask: [B, 1, 1, S].
         Returns:
           [B, 1, D] and the cache with this position's key/value written at `index`.

@@ -1,8 +1,8 @@
 """The encoder-decoder Transformer of "Attention Is All You Need" (Vaswani et al., 2017).
 
-Shape glossary:
-  B: batch     S: source length     T: target length     L: decode cache length
-  H: heads     K: head width        D: model width       V: target vocabulary
+Shapes (the project's alphabet, transformer_jax/shapes.py):
+  B: batch     S: source length     T: target length     C: decode-cache positions
+  H: heads     K: head width        D: model width       V: target vocabulary   L: layers
 
 Follows the translation-model protocol (see `transformer_jax.decode`): `__call__(src, tgt)`,
 `init_decode_cache(src, *, max_len)`, `decode_step(tokens, cache, *, index)`, and the
@@ -239,9 +239,9 @@ class Transformer(nn.Module):
     def init_decode_cache(self, src: Array, *, max_len: int) -> DecodeCache:
         """Encodes src [B, S] once -> the cache for `decode_step` (every leaf leads with B).
 
-        Holds src_valid [B, S] bool, tgt_valid [B, L] bool (which target positions written so
+        Holds src_valid [B, S] bool, tgt_valid [B, C] bool (which target positions written so
         far may be attended to: not pad, see `_target_keys`) and, per decoder layer,
-        self-attention keys/values [B, L, H, K] and cross-attention keys/values [B, S, H, K].
+        self-attention keys/values [B, C, H, K] and cross-attention keys/values [B, S, H, K].
         """
         self._check_length(max_len, "max_len")
         encoded = self.encode(src)
@@ -254,7 +254,7 @@ class Transformer(nn.Module):
     def decode_step(self, tokens: Array, cache: DecodeCache, *,
                     index: Array) -> tuple[Array, DecodeCache]:
         """tokens [B] int32 at target position `index` (int32 scalar, BOS at 0)
-        -> next-token logits [B, V] float32 and the updated cache. Cost O(L), not O(L^2)."""
+        -> next-token logits [B, V] float32 and the updated cache. Cost O(C), not O(C^2)."""
         max_len = cache["tgt_valid"].shape[1]
         tgt_valid = lax.dynamic_update_slice(
             cache["tgt_valid"], self._target_keys(tokens[:, None]), (0, index))

@@ -32,7 +32,7 @@ models always had: layer 0's cell is `cell` (`forward_cell`/`backward_cell`), la
 or directions differ). An LSTM state is its (c, h) pair; attention and outputs read the top
 layer's h.
 
-Shape glossary (as in attention.py):
+Shapes (transformer_jax/shapes.py):
   B: batch   T: target length   S: source length   V: vocabulary
   E: embedding width   D: recurrent width   A: additive-attention width
 

@@ -1,6 +1,6 @@
 """Relative multi-head attention of Transformer-XL (the reference's attn_type 0).
 
-Shape glossary: B batch, T query (segment) length, M memory length, S = M + T key length,
+Shapes (transformer_jax/shapes.py): B batch, T query (segment) length, M memory length, S = M + T key length,
 H heads, K head width, D model width.
 
 Paper to code (Dai et al. 2019, section 3.3; reference `RelPartialLearnableMultiHeadAttn`):

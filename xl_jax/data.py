@@ -1,7 +1,7 @@
 """Language-model batches from one token stream, batch-major, as the reference's
 `LMOrderedIterator` (there time-major).
 
-Shape glossary: B batch (rows), T segment length (`tgt_len`), N tokens in the stream.
+Shapes (transformer_jax/shapes.py): B batch (rows), T segment length (`tgt_len`), N tokens in the stream.
 
 The stream is cut into B contiguous rows of n = N // B tokens (the remainder N mod B is
 dropped); row b holds tokens [b n, (b + 1) n). Batch i is the columns [i T, i T + T) of the rows

@@ -1,6 +1,7 @@
 """Sampling from a Transformer-XL: the memory is the only context carried between tokens.
 
-Shape glossary: B batch, P prompt length, N tokens to generate, M memory length, V vocabulary.
+Shapes (transformer_jax/shapes.py): B batch, P prompt length, G tokens to generate, M memory
+length, V vocabulary.
 
 The prompt is read in segments of `config.tgt_len` (as in evaluation), then each new token is
 one call with T = 1: it attends to the M memory slots and itself, so a token costs O(M), not
@@ -86,7 +87,7 @@ def generate(
     top_k: int | None = None,
     top_p: float | None = None,
     memory: Memory | None = None,   # default: an empty memory of config.mem_len slots
-) -> Array:                         # [B, N] int32, the tokens after the prompt
+) -> Array:                         # [B, G] int32, the tokens after the prompt
     """Continue `prompt` by `num_tokens` sampled tokens. `top_k=1` is greedy decoding.
 
     Each token is drawn from softmax(logits / temperature), restricted to the top_k most

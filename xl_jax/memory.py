@@ -1,6 +1,6 @@
 """Transformer-XL memory as explicit, fixed-shape state, and the attention mask it implies.
 
-Shape glossary: B batch, T segment (query) length, M memory length, S = M + T key length,
+Shapes (transformer_jax/shapes.py): B batch, T segment (query) length, M memory length, S = M + T key length,
 D model width, L layers.
 
 The reference (kimiyoung/transformer-xl, time-major) grows its memory from an empty tensor and

@@ -1,6 +1,6 @@
 """Transformer-XL language model (Dai et al. 2019) with memory carried as explicit state.
 
-Shape glossary: B batch, T segment length, M memory length, S = M + T key length, H heads,
+Shapes (transformer_jax/shapes.py): B batch, T segment length, M memory length, S = M + T key length, H heads,
 K head width, D model width, V vocabulary, L layers.
 
     out, memory = TransformerXL(config).apply({'params': params}, tokens, memory,

@@ -162,8 +162,10 @@ def xl_flops(config, *, batch: int, tgt_len: int, mem_len: int) -> FlopCount:
 
 
 def _adaptive_terms(config, *, rows: int) -> list[FlopTerm]:
-    """The adaptive embedding's projections and the (projected adaptive) softmax, as
-    `xl_jax.adaptive` computes them: every cluster for every token (static shapes)."""
+    """The adaptive embedding's projections and the (projected adaptive) softmax, every
+    cluster for every token: `xl_jax.adaptive`'s dense path (softmax_tails='dense'). The
+    grouped tails (the default) compute each tail only for its tokens, so they execute at
+    most this; the model FLOPs reported stay those of the dense softmax."""
     d, bounds = config.d_model, config.cluster_bounds
     n_clusters = len(config.cutoffs)
     projected = config.div_val > 1 or config.d_embed != d

@@ -25,11 +25,15 @@ import jax.numpy as jnp
 import numpy as np
 
 from train.core.metrics import read_metrics
+from transformer_jax.attention import combine_masks, make_causal_mask, make_padding_mask
+from transformer_jax.losses import smoothed_target_distribution
+from transformer_jax.positional import PositionalEncoding
 
 PLOTS_DIR = "plots"
 
 
 def _pyplot():
+    # Lazy: matplotlib is slow to import, and only the end of a run draws.
     import matplotlib
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
@@ -143,7 +147,6 @@ def positional_table(model, params, *, length: int) -> np.ndarray | None:
     config = model.config
     if not hasattr(config, "positional"):
         return None
-    from transformer_jax.positional import PositionalEncoding
     if config.positional == "learned":
         length = min(length, config.max_len)
     table = PositionalEncoding(config).apply({"params": params.get("positions", {})},
@@ -194,7 +197,6 @@ def decoder_masks(src: np.ndarray, tgt_in: np.ndarray, *, pad_id: int) -> dict[s
     """The masks of one batch as the models build them (True = attend):
     'subsequent' [T, T], 'padding' [B, S] (the source keys), 'decoder' [T, T] (causal & target
     padding) of the sentence with the most padding."""
-    from transformer_jax.attention import combine_masks, make_causal_mask, make_padding_mask
     t = tgt_in.shape[1]
     row = int(np.argmax((tgt_in == pad_id).sum(-1)))
     combined = combine_masks(make_causal_mask(t), make_padding_mask(tgt_in, pad_id))
@@ -239,7 +241,6 @@ def plot_label_smoothing(path: str, *, smoothing: float, vocab_size: int,
                          targets: Sequence[int], pad_id: int = 0) -> Drawn:
     """The target distribution q of `label_smoothed_cross_entropy` for each target (a row
     each, gray: 0 black, 1 white), as the Annotated Transformer draws it."""
-    from transformer_jax.losses import smoothed_target_distribution
     plt = _pyplot()
     q = np.asarray(smoothed_target_distribution(jnp.asarray(targets), vocab_size,
                                                 smoothing=smoothing, pad_id=pad_id))

@@ -84,7 +84,7 @@ def cpu_vs_torch_bench(config: BenchConfig, *, log: Callable[[str], None] = prin
                        ) -> dict[str, Any]:
     """The comparison rows (see the module docstring), with the setting they were taken in."""
     tr = import_torch_reference()
-    import torch
+    import torch  # optional, a test-only dependency: imported where the comparison runs
 
     threads = xla_cpu_threads()
     torch.set_num_threads(threads)
@@ -173,7 +173,7 @@ def _torch_arms(step_eager, step_compiled, batches) -> tuple[dict, Callable]:
 
 
 def _check_params(name: str, project: int, torch_model) -> int:
-    from train.bench.torch_reference import count_params as torch_count
+    from train.bench.torch_reference import count_params as torch_count  # needs torch
     theirs = torch_count(torch_model)
     if theirs != project:
         raise ValueError(f"{name}: the PyTorch model has {theirs:,} parameters, the project's "
@@ -187,7 +187,7 @@ def _n_batches(config: BenchConfig) -> int:
 
 # ------------------------------------------------------------------------------ the models
 def _transformer_arms(config: BenchConfig, b: int, t: int, cpu, tr) -> dict[str, Any]:
-    import torch
+    import torch  # optional, a test-only dependency: imported where the comparison runs
 
     cfg = config.torch_transformer.replace(dtype=jnp.float32)
     # The cpu preset's run: Adam 1e-3 after clipping to 1, EMA 0.99, label smoothing 0.1.
@@ -227,7 +227,7 @@ def _transformer_arms(config: BenchConfig, b: int, t: int, cpu, tr) -> dict[str,
 
 
 def _xl_arms(config: BenchConfig, cpu, tr, reference) -> dict[str, Any]:
-    import torch
+    import torch  # optional, a test-only dependency: imported where the comparison runs
 
     cfg = config.torch_xl.replace(dtype=jnp.float32)
     if cfg.dropout or cfg.dropatt:
@@ -282,7 +282,7 @@ def _official_init(model) -> None:
     """The official train.py's `weights_init` (init_std 0.02; LayerNorm scales around 1):
     the port leaves biases and projections at zero and embeddings at N(0, 1), which after the
     sqrt(D) scaling starts the loss near 48 instead of log V."""
-    import torch
+    import torch  # optional, a test-only dependency: imported where the comparison runs
 
     with torch.no_grad():
         for name, p in model.named_parameters():

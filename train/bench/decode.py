@@ -58,7 +58,7 @@ def decode_bench(model, params, sources: Sequence[Sequence[int]], *, beam_size: 
 
 def multi30k_decode_bench(config: BenchConfig, *, cache_dir: str) -> dict[str, Any]:
     """`decode_bench` on Multi30k test_2016_flickr with a random-init `config.decode_model`."""
-    from train.data.datasets import load_multi30k
+    from train.data.datasets import load_multi30k  # lazy: importing TFDS is not free
 
     tokenizer = multi30k_tokenizer(os.path.join(cache_dir, "tokenizer"),
                                    vocab_size=config.decode_vocab_size)

@@ -466,7 +466,7 @@ def test_local_m_window_is_centred_on_the_decoder_step():
 
 
 def test_train_registry_builds_the_new_models_and_stacked_cells():
-    from train import registry
+    from train.translate import registry
     from transformer_jax import losses
     assert {"luong_local_m", "hard_attention"} <= set(registry.names())
     config = registry.build_model_config("gru", "cpu", vocab_size=100,

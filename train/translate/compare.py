@@ -51,7 +51,8 @@ from train.core.metrics import read_metrics
 
 # Oldest first, so the table reads as the history: no attention, additive, multiplicative,
 # local, convolutional, self-attention.
-ORDER = ("gru", "bahdanau", "luong", "luong_local", "convs2s", "transformer")
+ORDER = ("gru", "bahdanau", "luong", "luong_local", "luong_local_m", "hard_attention", "convs2s",
+         "transformer")
 # Validation every this many steps when the caller does not say: enough points for the curve
 # at a small cost (a teacher-forced pass over the validation split, and a checkpoint).
 EVAL_EVERY = {"tiny": 5, "cpu": 100, "base": 1000}

@@ -1,7 +1,7 @@
 """Locating, verifying and reading the raw text files the TFDS builders are made from.
 
 Both builders (`multi30k`, `ptb`) read small gzipped text files. By default these are the copies
-shipped inside the package (`train/datasets/data/<dataset>/`), so a fresh clone prepares its
+shipped inside the package (`train/data/datasets/data/<dataset>/`), so a fresh clone prepares its
 datasets offline. The upstream URLs are kept next to each file and are used only when the user
 asks for them (`source='download'`). A third option is a directory of the user's own copies,
 named like the shipped files.

@@ -278,6 +278,14 @@ def finished(final: Mapping[str, Any], figure: str) -> int:
     return EXIT_OK
 
 
+def main_of(config_from_args: Callable, run: Callable, argv: Sequence[str] | None) -> int:
+    """An entry point's main: parse (config, workdir, args), then `run(config, workdir, args)`
+    under `run_command` -> the exit code (0 done, 1 error, 2 bad flags, 3 diverged, 75
+    stopped by a signal after saving)."""
+    config, workdir, args = config_from_args(sys.argv[1:] if argv is None else argv)
+    return run_command(lambda: run(config, workdir, args), workdir=workdir)
+
+
 def run_command(body: Callable[[], int], *, workdir: str | None) -> int:
     """Runs an entry point's body -> its exit code. An expected error prints one message
     (the cause and the path it names) to stderr and its traceback to W/error.log, instead of a

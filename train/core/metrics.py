@@ -86,10 +86,11 @@ class MetricsWriter:
     def write_final(self, step: int, split: str, values: Mapping[str, Any]) -> dict[str, Any]:
         """`write`, replacing a line of the same step and split (evaluating a finished run
         again gives one line, not two)."""
-        if self.enabled and any(r["step"] == step and r["split"] == split
-                                for r in read_metrics(self.path)):
-            self._rewrite([r for r in read_metrics(self.path)
-                           if not (r["step"] == step and r["split"] == split)])
+        if self.enabled:
+            records = read_metrics(self.path)
+            others = [r for r in records if not (r["step"] == step and r["split"] == split)]
+            if len(others) < len(records):
+                self._rewrite(others)
         return self.write(step, split, values)
 
     def hparams(self, config: Mapping[str, Any]) -> None:

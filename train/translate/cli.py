@@ -2,7 +2,6 @@
 from __future__ import annotations
 
 import argparse
-import sys
 from typing import Sequence
 
 from train.core import cli
@@ -61,10 +60,8 @@ def config_from_args(argv: Sequence[str] | None
 
 
 def main(argv: Sequence[str] | None = None) -> int:
-    """-> the exit code (train.core.cli: 0 done, 1 error, 2 bad flags, 3 diverged, 75
-    stopped by a signal after saving)."""
-    config, workdir, args = config_from_args(sys.argv[1:] if argv is None else argv)
-    return cli.run_command(lambda: _run(config, workdir, args), workdir=workdir)
+    """-> the exit code (see train.core.cli.main_of)."""
+    return cli.main_of(config_from_args, _run, argv)
 
 
 def _run(config: TranslateConfig | None, workdir: str, args: argparse.Namespace) -> int:

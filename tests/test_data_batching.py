@@ -114,6 +114,18 @@ def test_iterate_resumes_exactly_where_an_uninterrupted_run_is(batcher):
                 np.testing.assert_array_equal(a[key], b[key])
 
 
+def test_each_process_builds_only_its_rows_of_the_same_global_batches(batcher):
+    # Four devices on two processes: each packs the rows of its two devices, and together the
+    # shares are the one-process batches (nothing depends on the process count).
+    whole = list(itertools.islice(batcher.iterate(3), 6))
+    shares = [list(itertools.islice(batcher.iterate(3, rows=lambda n, p=p: slice(
+        p * n // 2, (p + 1) * n // 2)), 6)) for p in (0, 1)]
+    for full, first, second in zip(whole, *shares, strict=True):
+        for key in full:
+            assert first[key].shape[0] == second[key].shape[0] == full[key].shape[0] // 2
+            np.testing.assert_array_equal(np.concatenate([first[key], second[key]]), full[key])
+
+
 def test_eval_batches_keep_every_pair_in_order():
     pairs = make_pairs(53, seed=1, max_len=30)
     pairs.append(([10 + 53] + [5] * 40, [6] * 3))  # longer than the largest bucket: kept

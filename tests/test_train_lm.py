@@ -146,6 +146,17 @@ def test_each_epoch_starts_with_an_empty_memory_as_the_reference_does(data_dir):
         np.testing.assert_array_equal(got[1], was[1])    # row 1 kept
 
 
+def test_a_process_share_of_the_lm_batches_is_its_rows_of_the_stream(data_dir):
+    config = lm.make_config("ptb", "tiny", data_dir=str(data_dir))
+    stream = np.arange(8 * (16 * 3 + 1), dtype=np.int32) % 100
+    _, from_step = lm.train_batches(stream, config)
+    second_half = lambda n: slice(n // 2, n)  # noqa: E731 - process 1 of 2
+    for full, share, _ in zip(from_step(2), from_step(2, second_half), range(3)):
+        assert set(share) == set(full)
+        for key in full:
+            np.testing.assert_array_equal(share[key], full[key][config.batch_size // 2:])
+
+
 def test_generate_prints_a_sampled_continuation(straight, capsys):
     from train.lm import cli
     from train.lm.generate import generate_text

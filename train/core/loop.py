@@ -198,8 +198,9 @@ def train_loop(
 ) -> LoopResult:
     """Runs `train_step` from state.step to config.steps.
 
-    state: in `dp`'s step layout. batches: yields the global batch of step state.step, then
-      the next, ... (host arrays). evaluate: global-layout state -> {'loss', 'ppl', ...} on the
+    state: in `dp`'s step layout. batches: yields the batch of step state.step, then the
+      next, ... (host arrays; past one process, this process's `dp.local_rows` of each global
+      batch). evaluate: global-layout state -> {'loss', 'ppl', ...} on the
       validation set, run every eval_every steps and at the end, logged as split 'validation';
       its 'loss' ranks the checkpoints for the best one. elapsed: training seconds of earlier
       runs (from the checkpoint meta). carried: host metrics of the steps of the current

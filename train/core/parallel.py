@@ -12,8 +12,9 @@ The same code runs on one GPU, eight CPU devices or a TPU slice, and on several 
         its dropout masks are drawn per device, so with dropout on the two paths differ in the
         random draws (not in the maths). Single-process only.
 
-Every host computes the same global batch (the batchers are deterministic given seed and step)
-and feeds the rows of its own devices: `jax.make_array_from_process_local_data`.
+Every host plans the same global batch (the batchers are deterministic given seed and step)
+but builds only the rows of its own devices (`local_rows`), and `put_batch` assembles the
+global array from every host's share: `jax.make_array_from_process_local_data`.
 """
 from __future__ import annotations
 
@@ -195,26 +196,47 @@ class DataParallel:
             extra=jax.tree.map(lambda x: x.reshape((-1,) + x.shape[2:]), host.extra))
         return self.to_global(host, self.state_shardings(host))
 
+    def local_rows(self, global_rows: int) -> slice:
+        """The rows of a global batch of `global_rows` rows that this process builds and feeds:
+        those of its own devices, one contiguous run (all of them on one process).
+
+        The data-parallel contract: every process plans the same global batch of a step (the
+        batchers are deterministic given seed and step) and gathers only these rows of it, so
+        the global batch, and every number computed from it, does not depend on how many
+        processes share the devices."""
+        if global_rows % self.n_devices:
+            raise ValueError(f"the batch: {global_rows} rows do not split over "
+                             f"{self.n_devices} devices")
+        per_device = global_rows // self.n_devices
+        start = self._first_local * per_device
+        return slice(start, start + per_device * len(self.local_devices))
+
     def put_batch(self, batch: PyTree) -> PyTree:
-        """A global batch (host arrays, leading axis B, identical on every process) -> the
-        train step's layout: a global array split on B (jit) or [devices, B/devices, ...]."""
-        self._check_rows(batch, "the batch")
+        """This process's rows of a global batch (host arrays, leading axis: the
+        `local_rows` of the global batch; on one process the whole batch) -> the train step's
+        layout: a global array split on B (jit) or [devices, B/devices, ...] (pmap, which is
+        single-process)."""
         if self.mode == "pmap":
+            self._check_rows(batch, "the batch")
             return jax.tree.map(lambda x: _split(np.asarray(x), self.n_devices), batch)
-        return jax.tree.map(self._put_rows, batch)
+        return jax.tree.map(self._put_local_rows, batch)
 
     def put_global(self, tree: PyTree) -> PyTree:
         """Host arrays with leading axis B (identical on every process) -> global arrays split
         on B over the mesh: the layout of evaluation and decoding in both modes."""
         self._check_rows(tree, "the batch")
-        return jax.tree.map(self._put_rows, tree)
+        return jax.tree.map(lambda x: self._put_local_rows(
+            np.asarray(x)[self.local_rows(np.shape(x)[0])]), tree)
 
-    def _put_rows(self, x) -> jax.Array:
+    def _put_local_rows(self, x) -> jax.Array:
         x = np.asarray(x)
-        rows = x.shape[0] // self.n_devices
-        start = self._first_local * rows
-        local = x[start:start + rows * len(self.local_devices)]
-        return jax.make_array_from_process_local_data(self.batch_sharding, local, x.shape)
+        n_local = len(self.local_devices)
+        if x.ndim == 0 or x.shape[0] % n_local:
+            raise ValueError(f"the batch: leading (batch) axis of shape {np.shape(x)} (this "
+                             f"process's rows) must be divisible by the device count {n_local} "
+                             "(this process's devices)")
+        global_shape = (x.shape[0] // n_local * self.n_devices,) + x.shape[1:]
+        return jax.make_array_from_process_local_data(self.batch_sharding, x, global_shape)
 
     def _check_rows(self, tree: PyTree, what: str) -> None:
         for x in jax.tree.leaves(tree):

@@ -35,8 +35,11 @@ PyTree = Any
 class TaskData(Protocol):
     """What a task prepared for one run: the training stream and its evaluations."""
 
-    def batches(self, start_step: int) -> Iterator[Mapping[str, Any]]:
-        """The global batch of step `start_step`, then the next, ... (host arrays)."""
+    def batches(self, start_step: int, rows: Callable[[int], slice] | None = None
+                ) -> Iterator[Mapping[str, Any]]:
+        """The global batch of step `start_step`, then the next, ... (host arrays): only the
+        rows `rows(N)` of each N-row batch when given (this process's share), built from the
+        same global plan on every process."""
 
     def evaluate(self, dp: DataParallel, eval_step: Callable, params: PyTree) -> dict[str, float]:
         """Validation figures ('loss' ranks the checkpoints) of `params` (global layout)."""
@@ -190,7 +193,10 @@ def _train_and_evaluate(task: Task, config: RunConfig, workdir: str, *, start: f
 
     fitted: FitResult = fit(
         state, workdir=workdir, run_config=run_config, dp=dp, loss_fn=loss_fn,
-        lr_schedule=schedule, batches=data.batches, keep_checkpoints=config.keep_checkpoints,
+        lr_schedule=schedule,
+        # Each process builds only its own rows of every global batch.
+        batches=lambda step: data.batches(step, dp.local_rows),
+        keep_checkpoints=config.keep_checkpoints,
         config=LoopConfig.from_run(config, start=start), evaluate=evaluate, log=log,
         stop=stop, changes=changed)
     state, final = fitted.state, fitted.summary()

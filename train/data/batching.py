@@ -17,7 +17,8 @@ batches of N rows (the last one of a bucket is filled up with all-pad rows, so t
 fixed; an all-pad row has zero loss weight when weights come from tgt_out != pad), and shuffles
 the order of all batches. The shuffle depends only on (seed, epoch), and every epoch has the
 same number of batches, so global step k always maps to the same batch: `iterate(k)` resumes a
-stream exactly where an uninterrupted run would be. Pairs longer than the largest bucket are
+stream exactly where an uninterrupted run would be. Past one process every process plans the
+same batches and packs only its own rows of each (`iterate(k, rows=dp.local_rows)`). Pairs longer than the largest bucket are
 dropped (counted in `num_dropped`): with the default buckets that is none of Multi30k.
 
 Evaluation (`eval_batches`): no shuffling, nothing dropped, original order, fixed row count;
@@ -28,7 +29,7 @@ written in order.
 from __future__ import annotations
 
 import math
-from typing import Iterator, Sequence
+from typing import Callable, Iterator, Sequence
 
 import numpy as np
 
@@ -160,18 +161,22 @@ class TokenBatcher:
         for L, rows in self._epoch_plan(epoch):
             yield self._gather(L, rows)
 
-    def iterate(self, start_step: int = 0) -> Iterator[dict[str, np.ndarray]]:
+    def iterate(self, start_step: int = 0, rows: Callable[[int], slice] | None = None
+                ) -> Iterator[dict[str, np.ndarray]]:
         """The endless training stream from global step `start_step` (0-based) on.
 
         Step k is batch k % num_batches of epoch k // num_batches, so the stream resumed at k
         equals the uninterrupted stream with its first k batches removed.
+
+        rows: N -> the rows of each [N, L] batch to build (`DataParallel.local_rows`: this
+          process's share); by default all of them. Only those rows are packed.
         """
         if start_step < 0:
             raise ValueError(f'start_step must be >= 0, got {start_step}')
         epoch, offset = divmod(start_step, self.num_batches)
         while True:
-            for L, rows in self._epoch_plan(epoch)[offset:]:
-                yield self._gather(L, rows)
+            for L, members in self._epoch_plan(epoch)[offset:]:
+                yield self._gather(L, members if rows is None else members[rows(len(members))])
             epoch, offset = epoch + 1, 0
 
 

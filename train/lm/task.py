@@ -68,18 +68,22 @@ def as_batch(pair) -> dict[str, np.ndarray]:
 def train_batches(stream: np.ndarray, config: LMConfig):
     """-> (the epoch's batches, start step -> the endless batch stream from there): step k
     reads batch k mod (batches per epoch), so a resumed run reads exactly what an
-    uninterrupted one would. With reset_memory_each_epoch each batch carries 'reset' [B],
+    uninterrupted one would; `rows` (N -> a slice, `DataParallel.local_rows`) keeps this
+    process's rows of each batch. With reset_memory_each_epoch each batch carries 'reset' [B],
     True on the first batch of every epoch after the first."""
     batches = lm_batches(stream, batch_size=config.batch_size,
                          tgt_len=config.model_config.tgt_len, drop_last=True)
 
-    def from_step(start: int):
+    def from_step(start: int, rows: Callable[[int], slice] | None = None):
+        # This process's rows of every batch (rows of the stream: each is a contiguous part).
+        mine = slice(None) if rows is None else rows(config.batch_size)
         step = start
         while True:
-            batch = as_batch(batches[step % len(batches)])
+            inputs, targets = batches[step % len(batches)]
+            batch = {"inputs": inputs[mine], "targets": targets[mine]}
             if config.reset_memory_each_epoch:
                 batch["reset"] = np.full((config.batch_size,),
-                                         step > 0 and step % len(batches) == 0)
+                                         step > 0 and step % len(batches) == 0)[mine]
             yield batch
             step += 1
 
@@ -117,8 +121,8 @@ class LMData:
     test: np.ndarray
     log: Callable[[str], None] = print
 
-    def batches(self, start_step: int):
-        return self.from_step(start_step)
+    def batches(self, start_step: int, rows=None):
+        return self.from_step(start_step, rows)
 
     def evaluate(self, dp: DataParallel, eval_step: Callable, params) -> dict[str, float]:
         return evaluate_stream(dp, eval_step, params, self.valid, self.config)

@@ -121,12 +121,12 @@ class TranslationData:
     eval_rows: int
     log: Callable[[str], None] = print
 
-    def batches(self, start_step: int):
+    def batches(self, start_step: int, rows=None):
         if not self.config.uses_teacher_forcing():
-            yield from self.batcher.iterate(start_step)
+            yield from self.batcher.iterate(start_step, rows)
             return
         # The step's ratio rides with its batch (one copy per row, so it shards like one).
-        for step, batch in enumerate(self.batcher.iterate(start_step), start_step):
+        for step, batch in enumerate(self.batcher.iterate(start_step, rows), start_step):
             rows = batch["src"].shape[0]
             yield dict(batch, teacher_forcing=np.full(
                 (rows,), self.config.teacher_forcing_at(step), np.float32))

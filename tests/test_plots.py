@@ -60,6 +60,20 @@ def test_lr_schedule_png_draws_each_schedule_at_its_values(tmp_path):
     assert abs(int(np.argmin(rows)) - 4000) < 200
 
 
+def test_lr_schedule_png_draws_a_constant_rate_flat(tmp_path):
+    # The CPU preset trains at a constant rate; optax's constant schedule returns one scalar
+    # for an array of steps, which must still draw as a line over every step.
+    from train.translate.config import make_config
+    from transformer_jax.optim import make_schedule
+    config = make_config(preset="cpu")
+    fn = make_schedule(config.optimizer_config())
+    drawn = plots.plot_lr_schedule({config.optimizer: fn}, 300, str(tmp_path / "lr.png"))
+    np.testing.assert_allclose(drawn.data[config.optimizer],
+                               np.full(300, config.learning_rate), rtol=1e-6)
+    rows = drawn.pixels[config.optimizer][:, 0]
+    assert rows.min() == rows.max()                               # one horizontal line
+
+
 def test_label_smoothing_png_shows_the_loss_distribution(tmp_path):
     drawn = plots.plot_label_smoothing(str(tmp_path / "label_smoothing.png"), smoothing=0.4,
                                        vocab_size=5, targets=[2, 1, 0, 3, 3], pad_id=0)

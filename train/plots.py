@@ -227,7 +227,9 @@ def plot_lr_schedule(schedules: Mapping[str, Callable], steps: int, path: str) -
     plt = _pyplot()
     fig, ax = plt.subplots(figsize=(8, 4), dpi=100)
     x = np.arange(steps)
-    data = {name: np.asarray(fn(jnp.asarray(x)), np.float64) for name, fn in schedules.items()}
+    # A constant schedule (optax.constant_schedule) returns one scalar whatever the steps.
+    data = {name: np.broadcast_to(np.asarray(fn(jnp.asarray(x)), np.float64), x.shape)
+            for name, fn in schedules.items()}
     for name, rate in data.items():
         ax.plot(x, rate, label=name, linewidth=1.5)
     ax.set(xlabel="step", ylabel="learning rate", title="learning-rate schedule")

@@ -6,6 +6,8 @@
                        validation metrics orbax ranks by
   W/checksums/<step>.json  the sha256 of every file of that checkpoint, checked on restore
 
+W may be remote (gs://bucket/run): see train.core.workdir for what lives where.
+
 The last `keep` checkpoints are kept, and the best one by validation loss on top of those.
 A checkpoint that cannot be read is an error naming its path; nothing is ever deleted or
 overwritten to get past it.
@@ -20,9 +22,11 @@ from typing import Any, Callable, Mapping
 
 import jax
 import orbax.checkpoint as ocp
+from etils import epath
 from orbax.checkpoint.checkpoint_managers import preservation_policy as ocp_keep
 
 from train.core.state import TrainState
+from train.core.workdir import files_below, is_remote, local_dir, push
 
 CONFIG_FILE = "config.json"
 CHECKPOINT_DIR = "checkpoints"
@@ -45,6 +49,14 @@ class CheckpointError(RuntimeError):
     """A checkpoint or saved run config exists but cannot be used."""
 
 
+def checkpoint_dir(workdir: str) -> str:
+    """W/checkpoints: an absolute local path, or a URI under a remote W (orbax writes there
+    itself; gs:// needs google-cloud-storage, the `gcs` extra)."""
+    if is_remote(workdir):
+        return str(workdir).rstrip("/") + "/" + CHECKPOINT_DIR
+    return os.path.abspath(os.path.join(workdir, CHECKPOINT_DIR))
+
+
 class Checkpoints:
     """orbax CheckpointManager over W/checkpoints: keep the last `keep` and the best by
     `val_loss` (lowest). Saves are synchronous: the train step donates the state's buffers right
@@ -53,7 +65,10 @@ class Checkpoints:
     def __init__(self, workdir: str, *, keep: int = 3):
         if keep < 1:
             raise ValueError(f"keep_checkpoints: must be >= 1, got {keep}")
-        self.directory = os.path.abspath(os.path.join(workdir, CHECKPOINT_DIR))
+        # Remote (gs://...): orbax writes there itself; the checksums and the config live in
+        # the local mirror and go up with `push` after each save.
+        self.workdir = workdir
+        self.directory = checkpoint_dir(workdir)
         policy = ocp_keep.AnyPreservationPolicy([
             ocp_keep.LatestN(n=keep),
             ocp_keep.BestN(get_metric_fn=_best_key, reverse=True, n=1,
@@ -75,7 +90,7 @@ class Checkpoints:
         return list(self.manager.all_steps())
 
     def path(self, step: int) -> str:
-        return os.path.join(self.directory, str(step))
+        return f"{self.directory}/{step}"
 
     def save(self, state: TrainState, *, meta: Mapping[str, Any],
              metrics: Mapping[str, float] | None = None) -> bool:
@@ -92,25 +107,23 @@ class Checkpoints:
         self.manager.wait_until_finished()
         if jax.process_index() == 0:
             self._write_checksums(step)
+            push(self.workdir)  # a remote W: the files beside the checkpoint go up with it
         return True
 
     # ----------------------------------------------------------------- checksums
     # orbax checks a checkpoint's structure, not its bytes: a flipped bit in a data file
     # loads silently. So every file of a saved step gets a sha256, verified on restore.
     def checksum_path(self, step: int) -> str:
-        return os.path.join(os.path.dirname(self.directory), CHECKSUM_DIR, f"{step}.json")
+        return os.path.join(local_dir(self.workdir), CHECKSUM_DIR, f"{step}.json")
 
     def _file_hashes(self, step: int) -> dict[str, str]:
-        root = self.path(step)
         out = {}
-        for parent, _, files in os.walk(root):
-            for name in files:
-                full = os.path.join(parent, name)
-                digest = hashlib.sha256()
-                with open(full, "rb") as f:
-                    for chunk in iter(lambda: f.read(1 << 20), b""):
-                        digest.update(chunk)
-                out[os.path.relpath(full, root)] = digest.hexdigest()
+        for name, path in files_below(self.path(step)):
+            digest = hashlib.sha256()
+            with path.open("rb") as f:
+                for chunk in iter(lambda: f.read(1 << 20), b""):
+                    digest.update(chunk)
+            out[name] = digest.hexdigest()
         return out
 
     def _write_checksums(self, step: int) -> None:
@@ -189,23 +202,26 @@ def _best_key(metrics: Mapping[str, float]) -> float:
 
 # ------------------------------------------------------------------------- run config
 def save_run_config(workdir: str, config: Mapping[str, Any]) -> None:
+    """Process 0 writes W/config.json (and a remote W gets it at once); the others read it."""
     if jax.process_index() != 0:
         return
-    os.makedirs(workdir, exist_ok=True)
-    tmp = os.path.join(workdir, CONFIG_FILE + ".tmp")
+    local = local_dir(workdir)
+    os.makedirs(local, exist_ok=True)
+    tmp = os.path.join(local, CONFIG_FILE + ".tmp")
     with open(tmp, "w") as f:
         json.dump(config, f, indent=2, sort_keys=True)
-    os.replace(tmp, os.path.join(workdir, CONFIG_FILE))
+    os.replace(tmp, os.path.join(local, CONFIG_FILE))
+    push(workdir)
 
 
 def load_run_config(workdir: str) -> dict[str, Any] | None:
-    """The saved run config of `workdir`, or None if there is none."""
-    path = os.path.join(workdir, CONFIG_FILE)
-    if not os.path.exists(path):
-        return None
+    """The saved run config of `workdir` (read from the remote W itself when remote), or None
+    if there is none."""
+    path = epath.Path(workdir) / CONFIG_FILE
     try:
-        with open(path) as f:
-            return json.load(f)
+        if not path.exists():
+            return None
+        return json.loads(path.read_text())
     except (OSError, json.JSONDecodeError) as e:
         raise CheckpointError(f"run config {path} is unreadable: {e}") from e
 

@@ -26,6 +26,7 @@ from train.core.checkpoint import load_run_config
 from train.core.config import field_hints, replace
 from train.core.loop import TrainingDiverged
 from train.core.parallel import maybe_initialize_distributed
+from train.core.workdir import local_dir
 from train.core.task import config_from_saved
 
 MODEL_PREFIX = "model."
@@ -306,6 +307,7 @@ def run_command(body: Callable[[], int], *, workdir: str | None) -> int:
 
 
 def _log_traceback(workdir: str | None) -> str | None:
+    workdir = local_dir(workdir) if workdir else None  # a remote W: its local mirror
     if not workdir or not os.path.isdir(workdir):
         return None
     path = os.path.join(workdir, ERROR_LOG)

@@ -15,6 +15,8 @@ from typing import Any, Iterable, Mapping
 
 import jax
 
+from train.core.workdir import local_dir
+
 METRICS_FILE = "metrics.jsonl"
 TENSORBOARD_DIR = "tensorboard"
 
@@ -60,6 +62,7 @@ class MetricsWriter:
     """
 
     def __init__(self, workdir: str):
+        workdir = local_dir(workdir)  # a remote W: its mirror, pushed with each checkpoint
         self.path = os.path.join(workdir, METRICS_FILE)
         self.tensorboard_dir = os.path.join(workdir, TENSORBOARD_DIR)
         self.enabled = jax.process_index() == 0
@@ -153,6 +156,7 @@ class MetricsWriter:
 
 def read_metrics(path: str) -> list[dict[str, Any]]:
     """The records of a metrics.jsonl (a file path or a workdir)."""
+    path = local_dir(path)
     if os.path.isdir(path):
         path = os.path.join(path, METRICS_FILE)
     if not os.path.exists(path):

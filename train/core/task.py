@@ -9,6 +9,7 @@ resume, the training loop, checkpoints and the final evaluation hand-off.
 """
 from __future__ import annotations
 
+import json
 import os
 import time
 from typing import Any, Callable, Iterator, Mapping, Protocol, Sequence
@@ -22,11 +23,11 @@ from train.core.checkpoint import (Checkpoints, check_run_config, load_run_confi
                                    save_run_config)
 from train.core.config import RunConfig, config_from_dict, config_to_dict
 from train.core.loop import FitResult, LoopConfig, fit, printer, stop_on_signals
-from train.core.workdir import WorkdirLock
 from train.core.parallel import (DataParallel, check_same_on_every_process,
                                  maybe_initialize_distributed)
 from train.core.state import TrainState, count_params
 from train.core.step import LossFn
+from train.core.workdir import WorkdirLock, is_remote, local_dir, pull, push
 from transformer_jax.optim import OptimizerConfig, find_params_ema, make_optimizer
 
 PyTree = Any
@@ -125,6 +126,7 @@ def restore_for_inference(task: Task, workdir: str, *, step: int | None = None,
     if saved is None:
         raise FileNotFoundError(f"{workdir} has no config.json: not a train.{task.name} work "
                                 "directory")
+    pull(workdir)  # a remote W: the checksums (and the tokenizer) beside the checkpoints
     config = config_from_saved(task, saved)
     checkpoints = Checkpoints(workdir, keep=config.keep_checkpoints)
     try:
@@ -147,7 +149,8 @@ def train_and_evaluate(task: Task, config: RunConfig, workdir: str) -> dict[str,
     task's evaluation adds (val_/test_ figures, ...)."""
     t0 = time.monotonic()
     maybe_initialize_distributed(config.distributed)
-    check_same_on_every_process(os.path.abspath(workdir), "--workdir")
+    check_same_on_every_process(workdir if is_remote(workdir) else os.path.abspath(workdir),
+                                "--workdir")
     # From here on SIGTERM / SIGINT only set a flag (after JAX's own start-up, whose
     # preemption notifier would otherwise take SIGTERM): a signal during data preparation or
     # compilation stops the run cleanly after its first step, with a checkpoint.
@@ -158,25 +161,32 @@ def train_and_evaluate(task: Task, config: RunConfig, workdir: str) -> dict[str,
 def _train_and_evaluate(task: Task, config: RunConfig, workdir: str, *, start: float,
                         stop) -> dict[str, Any]:
     run_config = config_to_dict(config)
+    several = jax.process_count() > 1
+    if several:  # a flag missing on one host: an error on every host, not a hang
+        check_same_on_every_process(json.dumps(run_config, sort_keys=True),
+                                    "the run's settings (flags)")
     changed = check_run_config(workdir, run_config, may_change=config.MAY_CHANGE,
                                normalize=lambda saved: normal_form(task, saved))
     if load_run_config(workdir) is None:
         # First thing on disk: a run killed during data preparation or before its first
-        # checkpoint resumes as itself with --workdir alone.
+        # checkpoint resumes as itself with --workdir alone. Process 0 writes it.
         save_run_config(workdir, run_config)
+    pull(workdir)  # a remote W: its files (tokenizer, metrics, checksums) into the mirror
+    files = local_dir(workdir)
     log = printer()
     if changed:
         log("resuming with changed settings: " + "; ".join(changed))
     dp = DataParallel(config.parallel)
     eval_dp = dp if dp.mode == "jit" else DataParallel("jit")
     # Past one process, process 0 prepares first (TFDS builds the datasets, the tokenizer is
-    # trained and written) and the others then read what it wrote: two writers of the same
-    # files would race.
-    several = jax.process_count() > 1
+    # trained and written, and pushed when W is remote) and the others then read what it
+    # wrote: two writers of the same files would race.
     if several and jax.process_index() != 0:
         multihost_utils.sync_global_devices("train: process 0 prepared the data")
-    data = task.prepare(config, workdir, dp, log)
+        pull(workdir)
+    data = task.prepare(config, files, dp, log)
     if several and jax.process_index() == 0:
+        push(workdir)
         multihost_utils.sync_global_devices("train: process 0 prepared the data")
     log(f"prepared in {time.monotonic() - start:.1f}s")
 
@@ -204,9 +214,10 @@ def _train_and_evaluate(task: Task, config: RunConfig, workdir: str, *, start: f
     if fitted.interrupted:
         return final
     validation = fitted.last_eval or evaluate(state)
-    final.update(data.finish(workdir=workdir, dp=eval_dp, eval_step=eval_step, model=model,
+    final.update(data.finish(workdir=files, dp=eval_dp, eval_step=eval_step, model=model,
                              state=state, params=eval_params(state), validation=validation,
                              start=start))
+    push(workdir)  # the test figures, translations and plots
     return final
 
 

@@ -1,22 +1,127 @@
-"""One run per work directory: an advisory lock that a killed run cannot leave stuck.
+"""The work directory: local or remote (gs://, s3://), and one run at a time in it.
+
+Remote work directories (what a TPU VM or a cloud GPU node shares with its peers) go through
+`etils.epath`. orbax writes checkpoints there itself; every other file of the run (config.json,
+metrics.jsonl, TensorBoard events, checksums, the tokenizer, plots, translations) is written
+in a local mirror, `local_dir(W)`, and copied up by process 0 with `push(W)` after each
+checkpoint and at the end; `pull(W)` brings them down at the start (every process), so a run
+on a fresh VM resumes from the bucket alone. Everything that reads or writes those files works
+on plain local paths. For a local W, `local_dir(W)` is W itself and push/pull do nothing.
+Metrics logged after the last checkpoint are pushed with the next one; a resumed run rewinds
+to its checkpoint anyway (`MetricsWriter.rewind`), so nothing it keeps is lost.
+
+One run per work directory: an advisory lock that a killed run cannot leave stuck.
 
 `WorkdirLock(W)` takes an exclusive `flock` on W/.lock for the run's lifetime and writes who
 holds it (pid, host, start time) into the file (emptied again at the end). The kernel drops a flock when its process dies,
 however it dies, so a kill -9 never leaves the directory locked; a second run on W is refused
 with a message naming the holder. Process 0 locks for all processes of a multi-process run;
-paths on remote filesystems (gs://, ...) have no flock and are not locked.
+a remote work directory has no flock: its local mirror is locked instead.
 """
 from __future__ import annotations
 
 import fcntl
+import hashlib
 import json
 import os
 import socket
 import time
 
 import jax
+from etils import epath
 
 LOCK_FILE = ".lock"
+# Written by orbax straight to the remote directory; never mirrored.
+REMOTE_ONLY = ("checkpoints",)
+# Where remote work directories are mirrored; override with $ATTENTION_JAX_MIRROR.
+MIRROR_ENV = "ATTENTION_JAX_MIRROR"
+
+
+def is_remote(workdir: str) -> bool:
+    """A URI (gs://bucket/run, s3://...) rather than a local path."""
+    return "://" in str(workdir)
+
+
+def local_dir(workdir: str) -> str:
+    """The local directory holding `workdir`'s files other than checkpoints: W itself, or for a
+    remote W its mirror (a fixed function of the URI, so every run on this machine finds it)."""
+    if not is_remote(workdir):
+        return workdir
+    root = os.environ.get(MIRROR_ENV) or os.path.join(
+        os.path.expanduser("~"), ".cache", "attention-jax", "workdirs")
+    uri = str(workdir).rstrip("/")
+    tag = hashlib.sha256(uri.encode()).hexdigest()[:12]
+    # One mirror per process: processes sharing a machine must not write each other's files.
+    # (Asked before the distributed start-up too, which must come before any backend use.)
+    process = f"-p{jax.process_index()}" if jax.distributed.is_initialized() else ""
+    return os.path.join(root, f"{uri.rsplit('/', 1)[-1]}-{tag}{process}")
+
+
+def files_below(root, *, skip: tuple[str, ...] = ()):
+    """(name relative to `root`, epath.Path) of every file below `root` (local or remote),
+    leaving out the top-level entries named in `skip`."""
+    root = epath.Path(root)
+    if not root.exists():
+        return
+    pending = [root]
+    while pending:
+        for child in sorted(pending.pop().iterdir()):
+            name = str(child)[len(str(root)):].lstrip("/")
+            if name.split("/")[0] in skip:
+                continue
+            if child.is_dir():
+                pending.append(child)
+            else:
+                yield name, child
+
+
+def pull(workdir: str) -> int:
+    """Copies a remote work directory's files (not its checkpoints) into `local_dir`, replacing
+    what is there. Every process calls it; returns how many files came down."""
+    if not is_remote(workdir):
+        return 0
+    local = local_dir(workdir)
+    count = 0
+    for name, remote in files_below(workdir, skip=REMOTE_ONLY):
+        target = os.path.join(local, name)
+        os.makedirs(os.path.dirname(target), exist_ok=True)
+        tmp = f"{target}.{os.getpid()}.pull"
+        with open(tmp, "wb") as f:
+            f.write(remote.read_bytes())
+        os.replace(tmp, target)
+        _pushed[target] = _signature(target)  # what is there is already up
+        count += 1
+    return count
+
+
+# Local file -> (size, mtime_ns) when it was last pushed or pulled: push sends what changed.
+_pushed: dict[str, tuple[int, int]] = {}
+
+
+def push(workdir: str) -> int:
+    """Copies the files of `local_dir(workdir)` that changed since the last push or pull up to
+    the remote work directory (process 0 only; a no-op for a local W). Returns how many went."""
+    if not is_remote(workdir) or jax.process_index() != 0:
+        return 0
+    local, root, count = local_dir(workdir), epath.Path(workdir), 0
+    for parent, _, files in os.walk(local):
+        for file in files:
+            path = os.path.join(parent, file)
+            if file == LOCK_FILE or file.endswith((".tmp", ".pull")) or \
+                    _pushed.get(path) == _signature(path):
+                continue
+            target = root / os.path.relpath(path, local)
+            target.parent.mkdir(parents=True, exist_ok=True)
+            with open(path, "rb") as f:
+                target.write_bytes(f.read())
+            _pushed[path] = _signature(path)
+            count += 1
+    return count
+
+
+def _signature(path: str) -> tuple[int, int]:
+    info = os.stat(path)
+    return info.st_size, info.st_mtime_ns
 
 
 class WorkdirError(RuntimeError):
@@ -24,13 +129,17 @@ class WorkdirError(RuntimeError):
 
 
 class WorkdirLock:
+    """The lock of a local work directory, or of a remote one's local mirror (so two runs on
+    this machine do not share a mirror; runs on other machines are not seen)."""
+
     def __init__(self, workdir: str):
+        workdir = local_dir(workdir)
         self.workdir = workdir
         self.path = os.path.join(workdir, LOCK_FILE)
         self._fd: int | None = None
 
     def __enter__(self) -> WorkdirLock:
-        if jax.process_index() != 0 or "://" in self.workdir:
+        if jax.process_index() != 0:
             return self
         try:
             os.makedirs(self.workdir, exist_ok=True)

@@ -22,7 +22,8 @@ class LMConfig(RunConfig):
       preset: 'tiny' | 'cpu' | 'gpu' | 'base' (see PRESETS).
       model_config: the TransformerXLConfig; its tgt_len and mem_len are the training segment
         and memory lengths.
-      batch_size: rows of the training stream (divisible by the device count).
+      batch_size: rows of the training stream: the GLOBAL batch, split over every device of
+        every process (divisible by the device count).
       decay_steps: the length of the cosine decay (the reference's max_step); part of the
         training recipe, so fixed for a run (0: equal to steps when the config is made).
       learning_rate, warmup_steps, min_learning_rate: Adam with linear warm-up over

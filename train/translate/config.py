@@ -33,7 +33,10 @@ class TranslateConfig(RunConfig):
         model_config is that model's own config, resolved from the preset.
       preset: 'tiny' | 'cpu' | 'gpu' | 'base' (see PRESETS).
       vocab_size: joint German+English SentencePiece pieces (at least MIN_VOCAB_SIZE).
-      tokens_per_batch: token budget N * L of each padded batch array (src or tgt).
+      tokens_per_batch: token budget N * L of each padded batch array (src or tgt): the
+        GLOBAL batch, split over every device of every process (N is rounded down to a
+        multiple of the device count), so the same run on more devices takes the same steps;
+        scale it yourself to keep a per-device load.
       buckets: the allowed padded lengths L (one compiled shape per bucket in use).
       optimizer: 'noam' (Adam 0.9/0.98/1e-9 on lr_factor * D^-0.5 * min(s^-0.5,
         s * warmup^-1.5)) or 'adam' (constant learning_rate).

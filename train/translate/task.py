@@ -20,6 +20,7 @@ from train import plots
 from train.core.metrics import MetricsWriter
 from train.core.parallel import DataParallel
 from train.core.state import TrainState
+from train.core.workdir import local_dir
 from train.data.batching import TokenBatcher, eval_batches
 from train.data.tokenizers import multi30k_tokenizer
 from train.translate import registry
@@ -41,7 +42,8 @@ class Split:
 
 
 def load_tokenizer(config: TranslateConfig, workdir: str):
-    return multi30k_tokenizer(config.tokenizer_dir or os.path.join(workdir, "tokenizer"),
+    return multi30k_tokenizer(config.tokenizer_dir or os.path.join(local_dir(workdir),
+                                                                   "tokenizer"),
                               vocab_size=config.vocab_size, data_dir=config.data_dir)
 
 

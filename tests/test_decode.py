@@ -219,3 +219,57 @@ def test_a_cache_leaf_returned_untouched_decodes_as_one_reordered(beam):
     # The bias matters: without it the search would pick other hypotheses for some example.
     plain, _ = _beam(3, beam, 0.6)
     assert not np.array_equal(np.asarray(tokens), np.asarray(plain))
+
+
+# ------------------------------------------------ best_only: stop once the best beam is final
+
+@functools.partial(jax.jit, static_argnames=("batch", "beam", "alpha", "max_len", "best_only"))
+def _beam_steps(batch, beam, alpha, max_len, best_only, eos_bias):
+    def step_fn(tokens, cache, index):
+        logits, new = _step_fn(tokens, cache, index)
+        # A per-example EOS bias: some examples end early, others run to max_len.
+        return logits.at[:, EOS].add(cache["eos_bias"]), {**new, "eos_bias": cache["eos_bias"]}
+
+    cache = {**_init_cache(batch), "eos_bias": eos_bias}
+    return search_beam(step_fn, cache, batch_size=batch, beam_size=beam, max_len=max_len,
+                       length_penalty_alpha=alpha, best_only=best_only, with_steps=True,
+                       **SPECIAL)
+
+
+@pytest.mark.parametrize("alpha", [0.0, 0.6, 1.3, 2.0])
+@pytest.mark.parametrize("beam", [1, 3, 6])
+def test_best_only_returns_the_full_searchs_best_beam(alpha, beam):
+    # Six examples, EOS made likely (+2) down to unlikely (-3), so they finish at different
+    # steps and some never do within max_len.
+    eos_bias = jnp.array([2.0, 1.0, 0.0, -1.0, -2.0, -3.0])
+    full_tokens, full_scores, full_steps = _beam_steps(6, beam, alpha, 12, False, eos_bias)
+    tokens, scores, steps = _beam_steps(6, beam, alpha, 12, True, eos_bias)
+    np.testing.assert_array_equal(np.asarray(tokens[:, 0]), np.asarray(full_tokens[:, 0]))
+    np.testing.assert_array_equal(np.asarray(scores[:, 0]), np.asarray(full_scores[:, 0]))
+    assert int(steps) <= int(full_steps)
+
+
+def test_best_only_stops_as_soon_as_the_best_is_final():
+    # At step 0 EOS has probability ~0.9; later it is all but impossible, so the full search
+    # runs all max_len steps while the hypotheses it extends only lose probability. After
+    # step 0, "EOS" (log .9 / lp(1)) beats anything the alive beams can reach (at best
+    # log .05 / lp(max_len)), so the early-stopping search ends after one step.
+    def step_fn(tokens, cache, index):
+        logits = jnp.where(index == 0, jnp.array([0.0, 0.0, 3.0, 0.0, 0.0]),
+                           jnp.array([0.0, 0.0, -30.0, 0.0, 0.0]))
+        return jnp.broadcast_to(jnp.log(jnp.array([1e-9, 1e-9, 1.0, 1.0, 1.0])) + logits,
+                                (tokens.shape[0], 5)), cache
+
+    def run(best_only, alpha):
+        return jax.jit(lambda c: search_beam(step_fn, c, batch_size=2, beam_size=3, max_len=10,
+                                             length_penalty_alpha=alpha, best_only=best_only,
+                                             with_steps=True, **SPECIAL))(
+            jnp.zeros((2,), jnp.int32))
+
+    for alpha in (0.0, 0.6, 2.0):
+        full_tokens, full_scores, full_steps = run(False, alpha)
+        tokens, scores, steps = run(True, alpha)
+        assert int(full_steps) == 10 and int(steps) == 1
+        np.testing.assert_array_equal(np.asarray(tokens[:, 0]), [[EOS] + [PAD] * 9] * 2)
+        np.testing.assert_array_equal(np.asarray(tokens[:, 0]), np.asarray(full_tokens[:, 0]))
+        np.testing.assert_array_equal(np.asarray(scores[:, 0]), np.asarray(full_scores[:, 0]))

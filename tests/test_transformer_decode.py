@@ -130,3 +130,21 @@ def test_beam_scores_are_normalised_log_probs_of_the_returned_sequences():
                                              length_penalty=alpha)
     np.testing.assert_array_equal(np.asarray(greedy_beam[:, 0]), greedy)
     assert np.all(np.asarray(scores[:, 0]) >= np.asarray(greedy_scores[:, 0]) - 1e-5)
+
+
+@pytest.mark.parametrize("alpha", [0.0, 0.6, 1.3, 2.0])
+@pytest.mark.parametrize("beam_size", [2, 4])
+def test_best_only_beam_equals_the_full_searchs_best(alpha, beam_size):
+    # A random tiny model with EOS made likely (one example more than the others), so the
+    # sentences end at different steps; the early-stopping search must return the same best.
+    model, params, src = _model(5, share_embeddings=False, tie_output=False)
+    params = jax.tree_util.tree_map(lambda x: x, params)
+    params["output"]["bias"] = params["output"]["bias"].at[EOS].set(1.0)
+    src = jnp.concatenate([src, src[:1] * 0 + jnp.array([[3, 3, 3, 2, 0, 0]])])
+    tokens, scores = beam_search(model, params, src, beam_size=beam_size, max_len=10,
+                                 length_penalty=alpha)
+    best, best_scores = beam_search(model, params, src, beam_size=beam_size, max_len=10,
+                                    length_penalty=alpha, best_only=True)
+    assert np.any(np.asarray(tokens[:, 0]) == EOS)
+    np.testing.assert_array_equal(np.asarray(best[:, 0]), np.asarray(tokens[:, 0]))
+    np.testing.assert_array_equal(np.asarray(best_scores[:, 0]), np.asarray(scores[:, 0]))

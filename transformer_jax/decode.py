@@ -103,7 +103,9 @@ def search_beam(
     eos_id: int,
     pad_id: int,
     length_penalty_alpha: float = 0.6,
-) -> tuple[Array, Array]:
+    best_only: bool = False,
+    with_steps: bool = False,
+) -> tuple[Array, Array] | tuple[Array, Array, Array]:
     """Beam search with any step function.
 
     Each of the W beam slots holds one hypothesis, alive or finished. At every step the
@@ -122,17 +124,26 @@ def search_beam(
       cache: initial state with leading axis B (NOT repeated per beam; this repeats it).
       batch_size: B.  beam_size: W.  max_len: O.
       length_penalty_alpha: alpha of the GNMT length penalty; 0 ranks by total log-prob.
+      best_only: stop as soon as no example's best finished hypothesis can be beaten any more
+        (see `_best_is_final`). Beam 0 (tokens and score) is then exactly what the full search
+        returns; beams 1.. are the beam as it stood when the search stopped.
+      with_steps: also return the number of decoding steps the search ran (int32 scalar).
     Returns:
       tokens [B, W, O] int32 (pad after EOS) and scores [B, W] float32, best first; a score is
       the total log-prob (EOS included) divided by ((5 + len) / 6) ** alpha, len counting EOS.
+      With `with_steps`, the step count as a third value.
     """
     b_, w_ = batch_size, beam_size
     cache = jax.tree_util.tree_map(lambda x: jnp.repeat(x, w_, axis=0), cache)
     batch_offsets = (jnp.arange(b_) * w_)[:, None]  # [B, 1]: row of beam 0 of each example
 
     def cond(state):
-        i, *_, finished, _ = state
-        return (i < max_len) & ~jnp.all(finished)
+        i, _, _, log_prob, lengths, finished, _ = state
+        done = jnp.all(finished)
+        if best_only:
+            done = done | jnp.all(_best_is_final(log_prob, lengths, finished, max_len=max_len,
+                                                 alpha=length_penalty_alpha))
+        return (i < max_len) & ~done
 
     def body(state):
         i, tokens, last, log_prob, lengths, finished, old_cache = state
@@ -177,9 +188,47 @@ def search_beam(
         jnp.zeros((b_, w_), bool),
         cache,
     )
-    _, tokens, _, log_prob, lengths, _, _ = lax.while_loop(cond, body, init)
+    steps, tokens, _, log_prob, lengths, _, _ = lax.while_loop(cond, body, init)
     # The last top_k sorted by exactly these scores, so the slots are already best first.
-    return tokens, log_prob / gnmt_length_penalty(lengths, length_penalty_alpha)
+    scores = log_prob / gnmt_length_penalty(lengths, length_penalty_alpha)
+    return (tokens, scores, steps) if with_steps else (tokens, scores)
+
+
+def _best_is_final(log_prob: Array, lengths: Array, finished: Array, *, max_len: int,
+                   alpha: float) -> Array:
+    """[B] bool: no alive hypothesis of the example can still end with a score that reaches its
+    best finished one, so its beam 0 will not change again (`search_beam(best_only=True)`).
+
+    Args: log_prob [B, W] total log-probs, lengths [B, W], finished [B, W] (the loop state).
+
+    The bound. Write p(n) = ((5 + n) / 6) ** alpha > 0 for the penalty. An alive hypothesis
+    with total log-prob s <= 0 at length n ends (by EOS, or still alive at O) with some
+    s' <= s (each step adds a log-prob <= 0, and float32 addition of a number <= 0 never
+    rounds up) at a length n' in (n, O], so its final score s' / p(n') <= s / p(n'). With
+    s <= 0 that is largest where the penalty is largest: every final score is at most
+    s / max_{n' >= n} p(n'), which is s / p(O) when alpha >= 0 (dividing a negative log-prob
+    by the LONGER hypothesis's larger penalty makes it less negative, so the bound is not
+    s / p(n)), and s / p(n) when alpha < 0. The maximum is taken over the penalties as this
+    function computes them, not over a formula for them.
+    A finished hypothesis keeps its score and its slot, and a candidate evicts it only by
+    scoring higher; so once the best finished score is above every alive bound, beam 0 is
+    final.
+
+    The comparison is strict and keeps a margin of 1e-5 relative (1e-6 absolute) for the
+    float32 rounding of the sums and quotients: a tie or a near-tie goes on searching, and
+    the top_k order of exact ties never comes into it. A search that stops later than
+    necessary only costs time; one that stopped too early would change the answer.
+    """
+    penalty = gnmt_length_penalty(jnp.arange(max_len + 1), alpha)  # [O + 1]
+    # Largest penalty at any length >= n, for each n: a reversed running maximum.
+    largest_from = lax.cummax(penalty, reverse=True)  # [O + 1]
+    alive_bound = jnp.where(finished, -jnp.inf, log_prob / largest_from[lengths])  # [B, W]
+    finished_score = jnp.where(finished, log_prob / gnmt_length_penalty(lengths, alpha),
+                               -jnp.inf)  # [B, W]
+    best = jnp.max(finished_score, axis=1)  # [B]; -inf while none has finished
+    reach = jnp.max(alive_bound, axis=1)  # [B]
+    margin = 1e-5 * jnp.abs(best) + 1e-6
+    return (best > -jnp.inf) & (reach < best - margin)
 
 
 def model_step_fn(model, params) -> StepFn:
@@ -214,7 +263,8 @@ def greedy_decode(model, params, src: Array, *, max_len: int) -> Array:
         bos_id=c.bos_id, eos_id=c.eos_id, pad_id=c.pad_id)
 
 
-@functools.partial(jax.jit, static_argnames=("model", "beam_size", "max_len", "length_penalty"))
+@functools.partial(jax.jit, static_argnames=("model", "beam_size", "max_len", "length_penalty",
+                                             "best_only"))
 def beam_search(
     model,
     params,
@@ -223,6 +273,7 @@ def beam_search(
     beam_size: int,
     max_len: int,
     length_penalty: float = 0.6,
+    best_only: bool = False,
 ) -> tuple[Array, Array]:
     """Beam search over any protocol model (jitted; `model` is a static argument).
 
@@ -230,6 +281,8 @@ def beam_search(
       model, params, src, max_len: as in `greedy_decode`.
       beam_size: W.
       length_penalty: alpha of the GNMT penalty ((5 + len) / 6) ** alpha.
+      best_only: stop once every sentence's best hypothesis is final (`search_beam`): beam 0
+        is exactly the full search's, the other beams are not.
     Returns:
       tokens [B, W, O] int32 (pad after EOS) and scores [B, W] float32, best first.
     """
@@ -238,4 +291,4 @@ def beam_search(
         model_step_fn(model, params), _init_cache(model, params, src, max_len),
         batch_size=src.shape[0], beam_size=beam_size, max_len=max_len,
         bos_id=c.bos_id, eos_id=c.eos_id, pad_id=c.pad_id,
-        length_penalty_alpha=length_penalty)
+        length_penalty_alpha=length_penalty, best_only=best_only)

@@ -20,7 +20,7 @@ from train.lm.task import TASK
 def test_a_config_saved_before_newer_fields_existed_still_resumes(tmp_path):
     config = lm.make_config("ptb", "tiny", steps=6)
     old = config_to_dict(config)
-    for newer in ("on_nonfinite", "reset_memory_each_epoch"):
+    for newer in ("on_nonfinite", "reset_memory_each_epoch", "compile_ahead"):
         old.pop(newer)
     old["model_config"].pop("softmax_tails")
     save_run_config(str(tmp_path), old)

@@ -7,6 +7,7 @@ from __future__ import annotations
 import hashlib
 import math
 import os
+import re
 import shutil
 import signal
 import subprocess
@@ -97,6 +98,25 @@ def test_ema_leaves_training_alone_evaluates_the_average_and_resumes_exactly(str
     assert train_losses(tmp_path / "resumed") == train_losses(tmp_path / "whole")
     assert resumed["val_loss"] == whole["val_loss"]  # the average was checkpointed too
     assert resumed["test_bleu"] == whole["test_bleu"]
+
+
+def test_compiling_ahead_trains_exactly_like_the_lazy_step(tmp_path, data_dir, capsys):
+    # Three buckets, so batches come in three shapes; compiled before step 1 in threads, or
+    # each at its first batch: the same executables, so the same losses to the last bit.
+    runs = {}
+    for ahead in (True, False):
+        config = tiny_config(data_dir, steps=8, buckets=(16, 32, 64), compile_ahead=ahead,
+                             plots=False, checkpoint_every=0, eval_sentences=8)
+        translate.train_and_evaluate(config, str(tmp_path / str(ahead)))
+        runs[ahead] = train_losses(tmp_path / str(ahead)), capsys.readouterr().out
+    (losses, out), (lazy_losses, lazy_out) = runs[True], runs[False]
+    assert len(losses) == 8 and losses == lazy_losses
+    shapes = int(re.search(r"(\d+) batch shapes to compile", out).group(1))
+    assert shapes >= 2
+    assert f"compiled the train step for {shapes} batch shape(s) ahead" in out
+    assert "compiled the train step for" not in lazy_out
+    # No shape was compiled again lazily: the count the trainer logs is the batcher's.
+    assert f"the train step compiled {shapes} batch shape(s)" in out
 
 
 def test_a_mismatched_config_is_an_error_and_changes_nothing(straight):

@@ -39,6 +39,9 @@ class RunConfig:
       plots: write W/plots/ at the end.
       on_nonfinite: what a step with a NaN or infinite loss or gradient does (its update is
         never applied): 'stop' the run naming the step, or 'skip' it and go on.
+      compile_ahead: compile the train step for every batch shape the task names, in
+        threads, before the first step (else each compiles when its first batch comes); the
+        same executables either way, so the same losses.
     """
 
     preset: str = "cpu"
@@ -56,12 +59,14 @@ class RunConfig:
     progress: bool = True
     plots: bool = True
     on_nonfinite: str = "stop"
+    compile_ahead: bool = True
 
     # Fields a resumed run may change: they do not alter the training trajectory. A task
     # adds its own (evaluation settings) with `RunConfig.MAY_CHANGE + (...)`.
     MAY_CHANGE: ClassVar[tuple[str, ...]] = (
         "steps", "minutes", "parallel", "distributed", "log_every", "eval_every",
-        "checkpoint_every", "keep_checkpoints", "data_dir", "progress", "plots", "on_nonfinite")
+        "checkpoint_every", "keep_checkpoints", "data_dir", "progress", "plots", "on_nonfinite",
+        "compile_ahead")
 
     def __post_init__(self):
         if self.model_config is None:

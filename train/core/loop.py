@@ -28,7 +28,7 @@ import signal
 import sys
 import threading
 import time
-from typing import Any, Callable, Iterator, Mapping
+from typing import Any, Callable, Iterator, Mapping, Sequence
 
 import jax
 import numpy as np
@@ -397,6 +397,7 @@ def fit(
     log: Callable[[str], None] = print,
     stop: StopFlag | None = None,
     changes: list[str] | None = None,
+    example_batches: Sequence[Mapping[str, Any]] | None = None,
 ) -> FitResult:
     """Resume-or-start, train, save: what every entry point does between data and evaluation.
 
@@ -405,6 +406,10 @@ def fit(
       restored, so a failed restore changes nothing on disk.
     batches: start step -> the batch stream from that step on.
     changes: settings a resumed run changed ('field: old -> new'), recorded in the metrics.
+    example_batches: one host batch of each shape the stream can yield (as `batches` yields
+      them): the train step is compiled for all of them, in threads, before the first step
+      (`DataParallel.compile_ahead`), instead of one after another as each shape first
+      comes. None: lazily only.
     stop: a flag the caller installed earlier (signals during set-up then count too); by
       default SIGTERM and SIGINT handlers are installed for the training loop.
     """
@@ -427,6 +432,13 @@ def fit(
         start = int(jax.device_get(state.step))
         dstate = dp.put_state(state)
         train_step = dp.compile_train_step(loss_fn, dstate, lr_schedule=lr_schedule)
+        if example_batches and start < config.steps:
+            t0 = time.monotonic()
+            train_step = dp.compile_ahead(train_step, dstate, example_batches)
+            ahead = getattr(train_step, "compiled_ahead", 0)
+            if ahead:
+                log(f"compiled the train step for {ahead} batch shape(s) ahead in "
+                    f"{time.monotonic() - t0:.1f}s")
         with contextlib.ExitStack() as stack:
             if stop is None:
                 stop = stack.enter_context(stop_on_signals())

@@ -18,6 +18,7 @@ global array from every host's share: `jax.make_array_from_process_local_data`.
 """
 from __future__ import annotations
 
+import concurrent.futures
 import hashlib
 import os
 from typing import Any, Callable, Literal, Sequence
@@ -259,6 +260,31 @@ class DataParallel:
         return jax.jit(step, in_shardings=(state_sh, self.batch_sharding),
                        out_shardings=(state_sh, self.replicated), donate_argnums=(0,))
 
+    def compile_ahead(self, train_step, state: TrainState, batches: Sequence[PyTree], *,
+                      workers: int | None = None):
+        """`train_step` (from `compile_train_step`) compiled now for the shape of each of
+        `batches` (host batches as `put_batch` takes them) -> a step that runs those
+        executables and compiles any other shape lazily, as before (`PrecompiledStep`).
+
+        Tracing and lowering hold the GIL, so they run in turn here; XLA's compilations release
+        it and run in `workers` threads (default: one per shape, at most one per CPU core).
+        Each executable is the one the lazy jit would build (same function, shardings and
+        donation), so the numbers do not change. The pmap path stays lazy.
+        """
+        if self.mode == "pmap":
+            return train_step
+        placed = {}
+        for batch in batches:
+            batch = self.put_batch(batch)
+            placed.setdefault(batch_signature(batch), batch)
+        if not placed:
+            return train_step
+        lowered = [train_step.lower(state, batch) for batch in placed.values()]
+        workers = workers or min(len(lowered), os.cpu_count() or 1)
+        with concurrent.futures.ThreadPoolExecutor(max_workers=workers) as pool:
+            executables = list(pool.map(lambda low: low.compile(), lowered))
+        return PrecompiledStep(train_step, dict(zip(placed, executables)))
+
     def compile_eval_step(self, loss_fn: LossFn, state: TrainState):
         """-> eval(params, batch, extra) -> (sums, extra), always in the global layout (params
         of a global-layout state, batch and extra placed by `put_global`): evaluation is not
@@ -282,6 +308,38 @@ class DataParallel:
         if self.mode == "pmap":  # psummed, so every device holds the same value
             host = [jax.tree.map(lambda x: x[0], m) for m in host]
         return [{k: float(v) for k, v in m.items()} for m in host]
+
+
+def batch_signature(batch: PyTree) -> tuple:
+    """A placed batch's tree structure, shapes and dtypes: what decides which executable of
+    the train step runs it."""
+    leaves, treedef = jax.tree.flatten(batch)
+    return treedef, tuple((tuple(np.shape(x)), np.dtype(x.dtype)) for x in leaves)
+
+
+class PrecompiledStep:
+    """step(state, batch) -> (state, metrics) through an executable compiled ahead for the
+    batch's signature; a batch of any other signature goes to the lazily compiling jit.
+
+    executables: `batch_signature` -> `jax.stages.Compiled` of `jitted` (its donation too).
+    """
+
+    def __init__(self, jitted, executables: dict):
+        self.jitted = jitted
+        self.executables = executables
+
+    def __call__(self, state, batch):
+        executable = self.executables.get(batch_signature(batch))
+        return (self.jitted if executable is None else executable)(state, batch)
+
+    @property
+    def compiled_ahead(self) -> int:
+        return len(self.executables)
+
+    def _cache_size(self) -> int:
+        """Shapes compiled, ahead and lazily (named like the jit's own count, which `fit`
+        reads)."""
+        return len(self.executables) + self.jitted._cache_size()
 
 
 def _stack(x, n: int) -> np.ndarray:

@@ -42,6 +42,10 @@ class TaskData(Protocol):
         rows `rows(N)` of each N-row batch when given (this process's share), built from the
         same global plan on every process."""
 
+    # Optional: example_batches(rows) -> one host batch of each shape `batches(..., rows)` can
+    # yield, in its format; the train step is then compiled for all of them before step 1.
+    # A task whose stream has one shape leaves it out (its step compiles at step 1 anyway).
+
     def evaluate(self, dp: DataParallel, eval_step: Callable, params: PyTree) -> dict[str, float]:
         """Validation figures ('loss' ranks the checkpoints) of `params` (global layout)."""
 
@@ -201,6 +205,8 @@ def _train_and_evaluate(task: Task, config: RunConfig, workdir: str, *, start: f
     def evaluate(global_state: TrainState) -> dict[str, float]:
         return data.evaluate(eval_dp, eval_step, eval_params(global_state))
 
+    examples = getattr(data, "example_batches", None) if config.compile_ahead else None
+
     fitted: FitResult = fit(
         state, workdir=workdir, run_config=run_config, dp=dp, loss_fn=loss_fn,
         lr_schedule=schedule,
@@ -208,7 +214,8 @@ def _train_and_evaluate(task: Task, config: RunConfig, workdir: str, *, start: f
         batches=lambda step: data.batches(step, dp.local_rows),
         keep_checkpoints=config.keep_checkpoints,
         config=LoopConfig.from_run(config, start=start), evaluate=evaluate, log=log,
-        stop=stop, changes=changed)
+        stop=stop, changes=changed,
+        example_batches=examples(dp.local_rows) if examples else None)
     state, final = fitted.state, fitted.summary()
     final.update(params=count_params(state.params), train_seconds=fitted.elapsed)
     if fitted.interrupted:

@@ -140,6 +140,16 @@ class TokenBatcher:
         """The (N, L) shapes batches can have (one per non-empty bucket), by increasing L."""
         return [(self.rows[L], L) for L in sorted(self.bucket_counts)]
 
+    def example_batches(self, rows: Callable[[int], slice] | None = None
+                        ) -> list[dict[str, np.ndarray]]:
+        """One batch of each shape of `shape_set()`, in its order, as `iterate(..., rows)`
+        builds them (all fill rows, so all pad): what a trainer compiles its step for ahead."""
+        out = []
+        for L in sorted(self.bucket_counts):
+            members = np.full(self.rows[L], self.bucket_counts[L])  # the all-pad fill row
+            out.append(self._gather(L, members if rows is None else members[rows(len(members))]))
+        return out
+
     def _epoch_plan(self, epoch: int) -> list[tuple[int, np.ndarray]]:
         """The epoch's batches as (L, row indices [N]) in order."""
         if epoch < 0:

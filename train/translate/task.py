@@ -127,11 +127,21 @@ class TranslationData:
         if not self.config.uses_teacher_forcing():
             yield from self.batcher.iterate(start_step, rows)
             return
-        # The step's ratio rides with its batch (one copy per row, so it shards like one).
         for step, batch in enumerate(self.batcher.iterate(start_step, rows), start_step):
-            rows = batch["src"].shape[0]
-            yield dict(batch, teacher_forcing=np.full(
-                (rows,), self.config.teacher_forcing_at(step), np.float32))
+            yield self._with_ratio(batch, step)
+
+    def example_batches(self, rows=None) -> list[dict[str, np.ndarray]]:
+        """One batch of each of the batcher's shapes, as `batches(..., rows)` yields them."""
+        examples = self.batcher.example_batches(rows)
+        if self.config.uses_teacher_forcing():
+            examples = [self._with_ratio(batch, 0) for batch in examples]
+        return examples
+
+    def _with_ratio(self, batch, step: int):
+        # The step's teacher-forcing ratio rides with its batch (one copy per row, so it
+        # shards like one).
+        return dict(batch, teacher_forcing=np.full(
+            (batch["src"].shape[0],), self.config.teacher_forcing_at(step), np.float32))
 
     def _eval_batches(self, split: Split, dp: DataParallel):
         return eval_batches(split.pairs, batch_size=self.eval_rows, buckets=self.config.buckets,

@@ -1,5 +1,6 @@
 """train.translate end to end on a tiny Transformer and real Multi30k: loss goes down, outputs
-are written, a resumed run repeats an uninterrupted one exactly, bad input is a clear error
+are written, a resumed run repeats an uninterrupted one exactly (also when it changes the
+sharding between replicated and fsdp), bad input is a clear error
 that leaves the checkpoints alone, and the command line works (flags, SIGTERM, --translate).
 """
 from __future__ import annotations
@@ -14,6 +15,7 @@ import subprocess
 import sys
 
 import jax
+import numpy as np
 import pytest
 
 from train import translate
@@ -83,6 +85,22 @@ def test_resume_repeats_the_uninterrupted_run_exactly(straight, tmp_path):
     second = translate.train_and_evaluate(config, str(tmp_path))
     assert train_losses(tmp_path) == train_losses(workdir)  # exactly equal, step by step
     assert second["val_loss"] == final["val_loss"]
+
+
+def test_resume_across_shardings_repeats_the_uninterrupted_run(straight, tmp_path):
+    """fsdp -> replicated -> fsdp, two steps each: every checkpoint is restored into the other
+    layout (orbax reads into the current run's shardings), and the losses are the straight
+    replicated run's up to summation order. The last leg decodes its test set from split
+    weights, and translate_text restores the fsdp run for inference."""
+    config, workdir, final = straight
+    for steps, sharding in ((2, "fsdp"), (4, "replicated"), (6, "fsdp")):
+        last = translate.train_and_evaluate(
+            translate.replace(config, steps=steps, sharding=sharding), str(tmp_path))
+    assert [s for s, _ in train_losses(tmp_path)] == [1, 2, 3, 4, 5, 6]
+    np.testing.assert_allclose([loss for _, loss in train_losses(tmp_path)],
+                               [loss for _, loss in train_losses(workdir)], rtol=1e-5)
+    np.testing.assert_allclose(last["val_loss"], final["val_loss"], rtol=1e-5)
+    assert len(translate.translate_text(str(tmp_path), ["Zwei Hunde."])) == 1
 
 
 def test_ema_leaves_training_alone_evaluates_the_average_and_resumes_exactly(straight,

@@ -16,6 +16,7 @@ from typing import Any, ClassVar, Mapping
 
 
 PARALLEL_MODES = ("jit", "pmap")
+SHARDINGS = ("replicated", "fsdp")
 
 
 @dataclasses.dataclass(frozen=True)
@@ -31,6 +32,9 @@ class RunConfig:
       seed: parameters, dropout and batch order all derive from it.
       parallel: 'jit' (Mesh + NamedSharding) or 'pmap'. distributed: initialise JAX's
         distributed runtime first (several processes).
+      sharding: 'replicated' (every device holds all parameters and optimizer state) or
+        'fsdp' (each leaf split over the devices along one axis, ZeRO-3 style; jit only). A
+        resumed run may change it: the numbers are the same either way.
       log_every, eval_every, checkpoint_every: in steps; eval_every 0 = at the end only (a
         checkpoint is saved at each evaluation, and at checkpoint_every).
       keep_checkpoints: the last N are kept (and the best by validation loss).
@@ -50,6 +54,7 @@ class RunConfig:
     minutes: float = 0.0
     seed: int = 0
     parallel: str = "jit"
+    sharding: str = "replicated"
     distributed: bool = False
     log_every: int = 100
     eval_every: int = 0
@@ -64,7 +69,7 @@ class RunConfig:
     # Fields a resumed run may change: they do not alter the training trajectory. A task
     # adds its own (evaluation settings) with `RunConfig.MAY_CHANGE + (...)`.
     MAY_CHANGE: ClassVar[tuple[str, ...]] = (
-        "steps", "minutes", "parallel", "distributed", "log_every", "eval_every",
+        "steps", "minutes", "parallel", "sharding", "distributed", "log_every", "eval_every",
         "checkpoint_every", "keep_checkpoints", "data_dir", "progress", "plots", "on_nonfinite",
         "compile_ahead")
 
@@ -74,6 +79,11 @@ class RunConfig:
         if self.parallel not in PARALLEL_MODES:
             raise ValueError(f"parallel: expected one of {PARALLEL_MODES}, got "
                              f"{self.parallel!r}")
+        if self.sharding not in SHARDINGS:
+            raise ValueError(f"sharding: expected one of {SHARDINGS}, got {self.sharding!r}")
+        if self.sharding == "fsdp" and self.parallel == "pmap":
+            raise ValueError("sharding: 'fsdp' needs parallel='jit' (pmap keeps a whole copy "
+                             "of the state on every device)")
         for name in ("log_every", "keep_checkpoints"):
             _check(name, getattr(self, name), minimum=1)
         for name in ("steps", "eval_every", "checkpoint_every", "seed"):

@@ -7,6 +7,10 @@ The same code runs on one GPU, eight CPU devices or a TPU slice, and on several 
         (`NamedSharding(mesh, P('data'))`), params and optimizer state are replicated
         (`P()`), the carried `extra` state (XL memory, leading axis B) is split like the batch.
         XLA inserts the gradient all-reduce itself.
+        With sharding='fsdp' (ZeRO-3, as MaxText's 'fsdp' axis) params and optimizer state are
+        instead split over the same 'data' axis, each leaf along one axis (`fsdp_spec`): each
+        device keeps 1/N of them, and XLA all-gathers a weight where the step uses it and
+        reduce-scatters its gradient. Same maths, so the same losses as replicated.
   pmap: the classic per-device program with an explicit `lax.psum` over axis 'data'. Kept for
         the design's sake and for comparison; it computes the same update (see train.step), but
         its dropout masks are drawn per device, so with dropout on the two paths differ in the
@@ -34,6 +38,7 @@ from train.core.step import LossFn, make_eval_step, make_train_step
 PyTree = Any
 DATA_AXIS = "data"
 ParallelMode = Literal["jit", "pmap"]
+Sharding = Literal["replicated", "fsdp"]
 
 # Setting this in the environment (e.g. by a cluster launcher script) asks for multi-host set-up
 # exactly like the --distributed flag.
@@ -99,6 +104,22 @@ def _env_int(name: str) -> int | None:
         raise ValueError(f"${name}: expected an integer, got {value!r}") from None
 
 
+def fsdp_spec(shape: Sequence[int], n_devices: int) -> P:
+    """How fsdp splits one leaf of shape `shape` over `n_devices`: along its largest axis whose
+    size the device count divides (the first of equal ones), e.g. [V, D] = [1000, 64] on 8
+    devices -> P('data', None), [64, 1000] -> P(None, 'data'); replicated (P()) when no axis
+    divides: scalars (Adam's step count), biases shorter than or not a multiple of N.
+
+    The largest axis, so that one rule fits every leaf and the leaves that matter (embeddings,
+    [D, F] kernels) split on a long axis; only divisible axes, because an uneven split would
+    be padded, and a leaf with no such axis is too small for its saving to matter."""
+    divisible = [axis for axis, size in enumerate(shape) if size > 0 and size % n_devices == 0]
+    if not divisible:
+        return P()
+    axis = max(divisible, key=lambda a: (shape[a], -a))   # ties: the first axis
+    return P(*([None] * axis), DATA_AXIS)
+
+
 def make_mesh(devices: Sequence[jax.Device] | None = None) -> Mesh:
     """A 1-D mesh over `devices` (default: every device of every process) with axis 'data'."""
     devices = jax.devices() if devices is None else list(devices)
@@ -108,18 +129,26 @@ def make_mesh(devices: Sequence[jax.Device] | None = None) -> Mesh:
 class DataParallel:
     """Places state and batches and compiles the steps for one parallel mode.
 
-    "Global layout" below means the jit layout: jax.Arrays over the mesh, params replicated,
-    `extra` split on axis 0. Checkpoints, evaluation helpers and decoding use the global layout;
+    "Global layout" below means the jit layout: jax.Arrays over the mesh, params and optimizer
+    state replicated (sharding='replicated') or split by `fsdp_spec` (sharding='fsdp'), `extra`
+    split on axis 0. Checkpoints, evaluation and decoding use the global layout;
     `put_state` / `get_state` convert to and from the layout the train step wants.
     """
 
-    def __init__(self, mode: ParallelMode = "jit", devices: Sequence[jax.Device] | None = None):
+    def __init__(self, mode: ParallelMode = "jit", devices: Sequence[jax.Device] | None = None,
+                 *, sharding: Sharding = "replicated"):
         if mode not in ("jit", "pmap"):
             raise ValueError(f"parallel: expected 'jit' or 'pmap', got {mode!r}")
         if mode == "pmap" and jax.process_count() > 1:
             raise ValueError("parallel: the pmap path is single-process; use 'jit' on several "
                              "hosts")
+        if sharding not in ("replicated", "fsdp"):
+            raise ValueError(f"sharding: expected 'replicated' or 'fsdp', got {sharding!r}")
+        if sharding == "fsdp" and mode == "pmap":
+            raise ValueError("sharding: 'fsdp' needs parallel='jit' (pmap keeps a whole copy "
+                             "of the state on every device)")
         self.mode = mode
+        self.sharding = sharding
         self.mesh = make_mesh(devices)
         self.n_devices = self.mesh.size
         self.replicated = NamedSharding(self.mesh, P())
@@ -137,12 +166,33 @@ class DataParallel:
 
     # ----------------------------------------------------------------- layouts
     def state_shardings(self, state: TrainState) -> TrainState:
-        """The global-layout sharding of every leaf of `state` (a TrainState of shardings)."""
-        rep = lambda _: self.replicated  # noqa: E731
+        """The global-layout sharding of every leaf of `state` (a TrainState of shardings).
+        The optimizer state (Adam's moments, the EMA) is split like the params: its leaves
+        have the params' shapes, so each device updates exactly its own slice."""
         return state.replace(
             step=self.replicated, rng=self.replicated,
-            params=jax.tree.map(rep, state.params), opt_state=jax.tree.map(rep, state.opt_state),
+            params=self.param_sharding(state.params),
+            opt_state=self.param_sharding(state.opt_state),
             extra=jax.tree.map(self._extra_sharding, state.extra))
+
+    def param_sharding(self, tree: PyTree) -> PyTree:
+        """The sharding of each leaf (arrays or ShapeDtypeStructs) of a params-like tree:
+        replicated, or `fsdp_spec` of its shape over the mesh."""
+        if self.sharding == "replicated":
+            return jax.tree.map(lambda _: self.replicated, tree)
+        return jax.tree.map(
+            lambda x: NamedSharding(self.mesh, fsdp_spec(np.shape(x), self.n_devices)), tree)
+
+    def replicate(self, tree: PyTree) -> PyTree:
+        """A (possibly fsdp-split) tree of global arrays -> the same values replicated on
+        every device: decoding runs a step per token, and gathering the weights once beats
+        gathering them in every step. A tree with no split array (replicated, or host
+        values) is returned as it is."""
+        split = [x for x in jax.tree.leaves(tree) if isinstance(x, jax.Array)
+                 and not x.sharding.is_equivalent_to(self.replicated, x.ndim)]
+        if not split:
+            return tree
+        return jax.jit(lambda t: t, out_shardings=self.replicated)(tree)
 
     def _extra_sharding(self, x) -> NamedSharding:
         # Carried state with a batch axis (XL memory) is split like the batch; scalars (a

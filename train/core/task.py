@@ -137,7 +137,7 @@ def restore_for_inference(task: Task, workdir: str, *, step: int | None = None,
         if checkpoints.latest_step() is None:
             raise FileNotFoundError(f"no checkpoint in {checkpoints.directory}: train first")
         step = checkpoints.best_step() if step is None else step
-        dp = dp or DataParallel("jit")
+        dp = dp or DataParallel("jit", sharding=config.sharding)
         model = task.build_model(config)
         tx, _ = make_optimizer(task.optimizer_config(config))
         template = init_state(task, config, model, tx, dp)  # what to restore into
@@ -180,7 +180,7 @@ def _train_and_evaluate(task: Task, config: RunConfig, workdir: str, *, start: f
     log = printer()
     if changed:
         log("resuming with changed settings: " + "; ".join(changed))
-    dp = DataParallel(config.parallel)
+    dp = DataParallel(config.parallel, sharding=config.sharding)
     eval_dp = dp if dp.mode == "jit" else DataParallel("jit")
     # Past one process, process 0 prepares first (TFDS builds the datasets, the tokenizer is
     # trained and written, and pushed when W is remote) and the others then read what it

@@ -39,6 +39,7 @@ def translate_pairs(model, params, dp: DataParallel, config, tokenizer, pairs, *
     beam_size, length_penalty and model_config's special ids (a TranslateConfig, or
     `train.translate.pretrained.DecodeSettings`)."""
     out: list[str] = [""] * len(pairs)
+    params = dp.replicate(params)  # fsdp-split weights: gathered once, not in every step
     # Decoded shortest source first, so no batch runs as long as its longest sentence. Only
     # the sources are batched: the reference's length has no say in the output budget.
     mc = config.model_config

@@ -72,9 +72,12 @@ def make_train_step(loss_fn: LossFn, *, lr_schedule: optax.Schedule | None = Non
         # the clipping's own norm let XLA reorder it, moving XL's losses in the 8th digit.)
         finite = jnp.isfinite(loss_sum) & jnp.all(jnp.stack(
             [jnp.all(jnp.isfinite(g)) for g in jax.tree.leaves(grads)]))
-        updated = state.apply_gradients(grads, extra=extra)
-        new_state = jax.tree.map(lambda new, old: jnp.where(finite, new, old), updated,
-                                 state.replace(step=updated.step))
+        # A cond, not a select per leaf of the state: XLA fused the whole chain of per-leaf
+        # checks into each of those selects (~70k extra ops for the cpu Transformer, whose
+        # step then compiled in 27 s instead of 10.5 s), and a skipped step does no
+        # optimizer work.
+        new_state = lax.cond(finite, lambda s: s.apply_gradients(grads, extra=extra),
+                             lambda s: s.replace(step=s.step + 1), state)
         metrics = dict(sums, grad_norm=grad_norm,
                        nonfinite=jnp.float32(1.0) - finite.astype(jnp.float32))
         if lr_schedule is not None:

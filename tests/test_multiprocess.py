@@ -1,6 +1,7 @@
 """Two JAX processes on this machine (coordinator on 127.0.0.1, two CPU devices each, gloo
 collectives) train with the project's own flags exactly as one process with four devices does,
-evaluate alike, resume, and stop together when only one of them gets SIGTERM."""
+evaluate alike, resume (also into sharded parameters split across both processes), decode
+from parameters split across both, and stop together when only one of them gets SIGTERM."""
 from __future__ import annotations
 
 import json
@@ -78,9 +79,12 @@ def test_two_processes_train_evaluate_and_resume_as_one(tmp_path, data_dir):
     # One process, four devices: the reference (it also prepares the data both will read).
     _one("train.lm", [*common, "--workdir", str(tmp_path / "one"), "--steps", "6"])
     two = str(tmp_path / "two")
-    # Three steps, then the same command with six: a resumed two-process run.
-    for steps in ("3", "6"):
-        for code, out in _pair("train.lm", [*common, "--workdir", two, "--steps", steps]):
+    # Three steps, then six: a resumed two-process run, whose second half splits parameters
+    # and optimizer state over the four devices of both processes (--sharding fsdp): the
+    # replicated checkpoint is read into the split layout, and the last one is saved split.
+    for steps, sharding in (("3", "replicated"), ("6", "fsdp")):
+        for code, out in _pair("train.lm", [*common, "--workdir", two, "--steps", steps,
+                                            "--sharding", sharding]):
             assert code == 0, out[-3000:]
     one_train, two_train = _records(tmp_path / "one", "train"), _records(two, "train")
     assert [r["step"] for r in two_train] == [1, 2, 3, 4, 5, 6]
@@ -99,10 +103,11 @@ def test_two_processes_translate_and_decode_as_one(tmp_path, data_dir):
               "--model.n_decoder_layers", "1"]
     one = tmp_path / "one"
     _one("train.translate", [*common, "--workdir", str(one)])
-    # The tokenizer the reference trained, so the two processes only read it.
+    # The tokenizer the reference trained, so the two processes only read it. Their parameters
+    # are split over both processes (fsdp): decoding gathers them from the other host.
     two = str(tmp_path / "two")
     results = _pair("train.translate", [*common, "--workdir", two, "--tokenizer_dir",
-                                        str(one / "tokenizer")])
+                                        str(one / "tokenizer"), "--sharding", "fsdp"])
     for code, out in results:
         assert code == 0, out[-3000:]
     a, b = _records(one, "train"), _records(two, "train")
@@ -112,6 +117,18 @@ def test_two_processes_translate_and_decode_as_one(tmp_path, data_dir):
     hypotheses = [open(os.path.join(w, "translations", "test_2016_flickr.step3.en")).read()
                   for w in (one, two)]
     assert hypotheses[0] == hypotheses[1] and len(hypotheses[0].splitlines()) == 8
+    # --translate_file with both processes (weights still split over them): one file, written
+    # by process 0, equal to the one-process translation of the one-process run.
+    source = tmp_path / "de.txt"
+    source.write_text("Ein Mann fährt Fahrrad.\nZwei Hunde spielen im Schnee.\nEine Frau.\n",
+                      encoding="utf-8")
+    _one("train.translate", ["--workdir", str(one), "--translate_file", str(source),
+                             "--output", str(tmp_path / "one.en")])
+    for code, out in _pair("train.translate", ["--workdir", two, "--translate_file",
+                                               str(source), "--output", str(tmp_path / "two.en")]):
+        assert code == 0, out[-3000:]
+    translated = [(tmp_path / f"{w}.en").read_text(encoding="utf-8") for w in ("one", "two")]
+    assert translated[0] == translated[1] and len(translated[0].splitlines()) == 3
 
 
 def test_sigterm_to_one_process_stops_both_with_a_checkpoint(tmp_path, data_dir):

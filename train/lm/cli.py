@@ -4,6 +4,8 @@ from __future__ import annotations
 import argparse
 from typing import Sequence
 
+import jax
+
 from train.core import cli
 from train.core.task import default_workdir, train_and_evaluate
 from train.lm.config import LMConfig
@@ -48,9 +50,11 @@ def main(argv: Sequence[str] | None = None) -> int:
 
 def _run(config: LMConfig | None, workdir: str, args: argparse.Namespace) -> int:
     if config is None:
-        print(generate_text(workdir, args.generate, num_tokens=args.num_tokens,
-                            seed=getattr(args, "seed", 0), temperature=args.temperature,
-                            top_k=args.top_k, top_p=args.top_p))
+        text = generate_text(workdir, args.generate, num_tokens=args.num_tokens,
+                             seed=getattr(args, "seed", 0), temperature=args.temperature,
+                             top_k=args.top_k, top_p=args.top_p)
+        if jax.process_index() == 0:  # the same sample on every process (same seed): once
+            print(text)
         return cli.EXIT_OK
     print(f"workdir: {workdir}", flush=True)
     final = train_and_evaluate(TASK, config, workdir)

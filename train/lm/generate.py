@@ -51,11 +51,12 @@ def generate_text(workdir: str, prompt: str, *, num_tokens: int = 100, seed: int
                   top_p: float | None = None) -> str:
     """The continuation of `prompt` sampled from `workdir`'s checkpoint (the best by
     validation loss, else the latest)."""
-    config, model, state, _ = restore_for_inference(TASK, workdir)
+    config, model, state, dp = restore_for_inference(TASK, workdir)
     level = DATASETS[config.dataset]
     vocab = load_vocab(config)
     ids = np.asarray([encode_prompt(vocab, prompt, level=level)], np.int32)   # [1, P]
-    out = generate(model, jax.device_get(state.params), ids, num_tokens=num_tokens,
+    # replicate: a run with sharding='fsdp' may hold parts of the weights on other hosts.
+    out = generate(model, jax.device_get(dp.replicate(state.params)), ids, num_tokens=num_tokens,
                    rng=jax.random.PRNGKey(seed), temperature=temperature, top_k=top_k,
                    top_p=top_p)
     return decode_text(vocab, out[0], level=level)

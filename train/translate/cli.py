@@ -4,6 +4,8 @@ from __future__ import annotations
 import argparse
 from typing import Sequence
 
+import jax
+
 from train.core import cli
 from train.core.task import default_workdir, train_and_evaluate
 from train.translate.config import TranslateConfig
@@ -71,6 +73,8 @@ def _run(config: TranslateConfig | None, workdir: str, args: argparse.Namespace)
                                      data_dir=getattr(args, "data_dir", None),
                                      sentences=getattr(args, "eval_sentences", 0),
                                      beam_size=getattr(args, "beam_size", None))
+        if jax.process_index() != 0:  # every process decoded its rows; one reports
+            return cli.EXIT_OK
         if args.output:
             write_lines(args.output, result["hypotheses"])
         print(f"{result['split']}: BLEU {result['bleu']:.2f} (sacreBLEU, cased, 13a) of "
@@ -87,6 +91,10 @@ def _run(config: TranslateConfig | None, workdir: str, args: argparse.Namespace)
                                beam_size=getattr(args, "beam_size", None)).translate(sentences)
         else:
             lines = translate_text(workdir, sentences)
+        # With several processes each holds every line (decoding gathers them); one writes,
+        # or two would race on the same output file.
+        if jax.process_index() != 0:
+            return cli.EXIT_OK
         if args.output:
             write_lines(args.output, lines)
         else:

@@ -2,13 +2,14 @@
 from __future__ import annotations
 
 import chex
+import jax
 import jax.numpy as jnp
 import numpy as np
 import optax
 import pytest
 
 from transformer_jax import (OptimizerConfig, label_smoothed_cross_entropy, make_optimizer,
-                             noam_schedule)
+                             noam_schedule, smoothed_target_distribution, token_cross_entropy)
 from transformer_jax.optim import find_params_ema, params_ema
 
 
@@ -47,6 +48,36 @@ def test_label_smoothing_equals_explicit_distribution(smoothing):
     ref_sum, ref_count = _explicit_smoothed_ce(logits, targets, smoothing, 0)
     assert int(n_tokens) == ref_count == 9
     np.testing.assert_allclose(float(loss_sum), ref_sum, rtol=1e-5)
+
+
+@pytest.mark.parametrize("smoothing", [0.0, 0.1])
+def test_label_smoothing_gradient_is_autodiffs_of_the_explicit_distribution(smoothing):
+    # The loss has a closed-form VJP ((softmax - q) per real position); it must be the
+    # gradient autodiff takes through log_softmax against the written-out q, pad rows zero.
+    rng = np.random.default_rng(2)
+    logits = jnp.asarray(rng.normal(size=(3, 4, 7)) * 3, jnp.float32)
+    targets = np.asarray(rng.integers(1, 7, size=(3, 4)), np.int32)
+    targets[0, 2:] = 0
+    targets = jnp.asarray(targets)
+    scale = jnp.float32(0.7)   # a cotangent other than 1
+
+    def ours(x):
+        return scale * label_smoothed_cross_entropy(x, targets, smoothing=smoothing,
+                                                     pad_id=0)[0]
+
+    def explicit(x):
+        q = smoothed_target_distribution(targets, 7, smoothing=smoothing, pad_id=0)
+        return scale * -jnp.sum(q * jax.nn.log_softmax(x, axis=-1))
+
+    chex.assert_trees_all_close(ours(logits), explicit(logits), rtol=1e-5)
+    got, want = jax.grad(ours)(logits), jax.grad(explicit)(logits)
+    chex.assert_trees_all_close(got, want, rtol=1e-5, atol=1e-6)
+    assert float(jnp.abs(got[0, 2:]).max()) == 0.0          # pad targets: no gradient
+    # The unsmoothed per-position form without an excluded id is the plain NLL.
+    nll = jax.grad(lambda x: jnp.sum(token_cross_entropy(x, targets)))(logits)
+    want = jax.grad(lambda x: -jnp.sum(jnp.take_along_axis(
+        jax.nn.log_softmax(x), targets[..., None], axis=-1)))(logits)
+    chex.assert_trees_all_close(nll, want, rtol=1e-5, atol=1e-6)
 
 
 def test_label_smoothing_differs_from_kl_by_the_entropy_of_q():

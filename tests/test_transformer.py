@@ -268,6 +268,13 @@ def test_half_output_projection_multiplies_in_bf16_and_returns_float32():
     np.testing.assert_allclose(np.asarray(logits32),
                                np.asarray(y, np.float64) @ np.asarray(table, np.float64).T,
                                rtol=1e-5, atol=1e-5)
+    # and its gradients (the custom VJP's transposed table product) are autodiff's.
+    with jax.default_matmul_precision("highest"):
+        got = jax.grad(lambda y, t: jnp.sum(output_logits(y, t, jnp.float32) * weight),
+                       argnums=(0, 1))(y, table)
+        want = jax.grad(lambda y, t: jnp.sum(jnp.einsum("btd,vd->btv", y, t) * weight),
+                        argnums=(0, 1))(y, table)
+    chex.assert_trees_all_close(got, want, rtol=1e-5, atol=1e-5)
 
 
 @pytest.mark.parametrize("positional", ["sinusoidal_concat", "learned"])

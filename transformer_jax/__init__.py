@@ -20,6 +20,7 @@ from transformer_jax.losses import (
     label_smoothed_cross_entropy,
     score_function_surrogate,
     smoothed_target_distribution,
+    token_cross_entropy,
 )
 from transformer_jax.model import Transformer
 from transformer_jax.optim import OptimizerConfig, make_optimizer, noam_schedule, params_ema

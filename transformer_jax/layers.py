@@ -43,29 +43,38 @@ def output_logits(y: Array, table: Array, dtype) -> Array:
     """
     dtype = jnp.dtype(dtype)
     if dtype not in (jnp.dtype(jnp.bfloat16), jnp.dtype(jnp.float16)):
-        return jnp.einsum("...d,vd->...v", y.astype(jnp.float32), table.astype(jnp.float32))
-    return _half_logits(y.astype(dtype), table.astype(dtype))
+        dtype = jnp.dtype(jnp.float32)
+    return tied_logits(y.astype(dtype), table.astype(dtype))
 
 
 @jax.custom_vjp
-def _half_logits(y: Array, table: Array) -> Array:
-    """y [..., D], table [V, D] in one half dtype -> [..., V] float32."""
-    return jnp.einsum("...d,vd->...v", y, table, preferred_element_type=jnp.float32)
+def tied_logits(y: Array, table: Array) -> Array:
+    """y [..., D], table [V, D], both in one dtype -> y table^T [..., V] in float32 (float64
+    for float64 operands).
+
+    Its VJP keeps the cotangent [..., V] in the operands' dtype and writes the table's
+    gradient as (y^T grad)^T, [D, V] transposed, rather than grad^T y: autodiff's form made
+    XLA's CPU backend copy the whole [N, V] logits gradient into a transposed layout (the
+    largest array of a translation step) where this form transposes y [N, D] and the result.
+    """
+    return jnp.einsum("...d,vd->...v", y, table,
+                      preferred_element_type=jnp.promote_types(y.dtype, jnp.float32))
 
 
-def _half_logits_fwd(y, table):
-    return _half_logits(y, table), (y, table)
+def _tied_logits_fwd(y, table):
+    return tied_logits(y, table), (y, table)
 
 
-def _half_logits_bwd(saved, grad):
+def _tied_logits_bwd(saved, grad):
     y, table = saved
     grad = grad.astype(y.dtype)                                           # [..., V]
-    d_y = jnp.einsum("...v,vd->...d", grad, table, preferred_element_type=jnp.float32)
-    d_table = jnp.einsum("...v,...d->vd", grad, y, preferred_element_type=jnp.float32)
+    acc = jnp.promote_types(y.dtype, jnp.float32)
+    d_y = jnp.einsum("...v,vd->...d", grad, table, preferred_element_type=acc)
+    d_table = jnp.einsum("...d,...v->dv", y, grad, preferred_element_type=acc).T
     return d_y.astype(y.dtype), d_table.astype(table.dtype)
 
 
-_half_logits.defvjp(_half_logits_fwd, _half_logits_bwd)
+tied_logits.defvjp(_tied_logits_fwd, _tied_logits_bwd)
 
 
 def layer_norm(config: TransformerConfig, **kwargs) -> nn.LayerNorm:

@@ -5,6 +5,8 @@ Shapes: B batch, T target length, V vocabulary.
 """
 from __future__ import annotations
 
+import functools
+
 import jax
 import jax.numpy as jnp
 
@@ -39,13 +41,61 @@ def label_smoothed_cross_entropy(
     vocab = logits.shape[-1]
     if vocab < 3:
         raise ValueError(f"label smoothing needs a vocabulary of at least 3, got {vocab}")
-    log_p = jax.nn.log_softmax(logits.astype(jnp.float32), axis=-1)  # [B, T, V]
-    true_lp = jnp.take_along_axis(log_p, targets[..., None], axis=-1)[..., 0]  # [B, T]
-    # Sum of log p over the tokens that share the smoothing mass: all but pad and the target.
-    rest_lp = jnp.sum(log_p, axis=-1) - log_p[..., pad_id] - true_lp
-    loss = -(1.0 - smoothing) * true_lp - (smoothing / (vocab - 2)) * rest_lp
+    loss = token_cross_entropy(logits, targets, smoothing, pad_id)       # [B, T]
     real = targets != pad_id
     return jnp.sum(jnp.where(real, loss, 0.0)), jnp.sum(real, dtype=jnp.int32)
+
+
+@functools.partial(jax.custom_vjp, nondiff_argnums=(2, 3))
+def token_cross_entropy(logits: Array, targets: Array, smoothing: float = 0.0,
+                        excluded_id: int | None = None) -> Array:
+    """Per-position cross-entropy -sum_v q_v log softmax(logits)_v: [..., V], [...] -> [...]
+    in float32 (float64 for float64 logits).
+
+    q puts 1 - smoothing on the target and spreads smoothing evenly over the other ids but
+    `excluded_id` (pad; None excludes nothing); smoothing 0 is the negative log-likelihood.
+    Its VJP is the closed form (softmax - q) * cotangent, built in one pass over the logits
+    from an iota compare: autodiff's gradient of the target's log-probability is a scatter
+    into a zeroed [..., V] array, several extra passes over the largest array of a step.
+    """
+    return _token_cross_entropy_fwd(logits, targets, smoothing, excluded_id)[0]
+
+
+def _smoothing_weights(vocab: int, smoothing: float, excluded_id: int | None) -> float:
+    """The q of every id that is neither the target nor excluded."""
+    return smoothing / (vocab - 1 - (excluded_id is not None))
+
+
+def _token_cross_entropy_fwd(logits, targets, smoothing, excluded_id):
+    vocab = logits.shape[-1]
+    x = logits.astype(jnp.promote_types(logits.dtype, jnp.float32))
+    lse = jax.nn.logsumexp(x, axis=-1)                                       # [...]
+    true_lp = jnp.take_along_axis(x, targets[..., None], axis=-1)[..., 0] - lse
+    loss = -(1.0 - smoothing) * true_lp
+    if smoothing:
+        # Sum of log p over the ids that share the smoothing mass: all but the target and
+        # the excluded id.
+        rest_lp = jnp.sum(x, axis=-1) - vocab * lse - true_lp
+        if excluded_id is not None:
+            rest_lp = rest_lp - (x[..., excluded_id] - lse)
+        loss = loss - _smoothing_weights(vocab, smoothing, excluded_id) * rest_lp
+    return loss, (logits, lse, targets)
+
+
+def _token_cross_entropy_bwd(smoothing, excluded_id, saved, grad):
+    logits, lse, targets = saved
+    vocab = logits.shape[-1]
+    ids = jnp.arange(vocab)
+    other = _smoothing_weights(vocab, smoothing, excluded_id)
+    if excluded_id is not None:
+        other = jnp.where(ids == excluded_id, 0.0, other)                  # [V]
+    q = jnp.where(ids == targets[..., None], 1.0 - smoothing, other)         # [..., V]
+    p = jnp.exp(logits.astype(lse.dtype) - lse[..., None])
+    d_logits = grad[..., None] * (p - q)
+    return d_logits.astype(logits.dtype), None
+
+
+token_cross_entropy.defvjp(_token_cross_entropy_fwd, _token_cross_entropy_bwd)
 
 
 def smoothed_target_distribution(targets: Array, vocab_size: int, *, smoothing: float,

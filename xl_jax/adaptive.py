@@ -34,6 +34,8 @@ import jax
 import jax.numpy as jnp
 from jax import lax
 
+from transformer_jax.layers import tied_logits
+from transformer_jax.losses import token_cross_entropy
 from xl_jax.config import TransformerXLConfig
 
 Array = jax.Array
@@ -150,18 +152,21 @@ class ProjectedAdaptiveLogSoftmax(nn.Module):
             lo, hi = cfg.cluster_bounds[k], cfg.cluster_bounds[k + 1]
             return tables[0][lo:hi], biases[0][lo:hi]
 
-        def log_softmax(weight, bias, p, x=hidden) -> Array:     # [..., D] -> [..., rows]
+        def logits_of(weight, bias, p, x=hidden) -> Array:       # [..., D] -> [..., rows]
             h = x if p is None else jnp.einsum("...d,ed->...e", x, p.astype(cfg.dtype))
-            logits = jnp.einsum("...e,ve->...v", h, weight.astype(h.dtype),
-                                preferred_element_type=f)
-            return jax.nn.log_softmax(logits + bias.astype(f), axis=-1)
+            # tied_logits: float32 products and a weight gradient without a transposed copy
+            # of the logits' gradient.
+            return tied_logits(h, weight.astype(h.dtype)).astype(f) + bias.astype(f)
+
+        def log_softmax(weight, bias, p, x=hidden) -> Array:     # [..., D] -> [..., rows]
+            return jax.nn.log_softmax(logits_of(weight, bias, p, x), axis=-1)
 
         if n_clusters == 0:
             weight, bias = cluster(0)
-            logprobs = log_softmax(weight, bias, proj(0))
             if targets is None:
-                return logprobs
-            return -jnp.take_along_axis(logprobs, targets[..., None], axis=-1)[..., 0]
+                return log_softmax(weight, bias, proj(0))
+            # The NLL with its closed-form gradient (no scatter into a [B, T, V] zero array).
+            return token_cross_entropy(logits_of(weight, bias, proj(0)), targets)
 
         cluster_weight = self.param("cluster_weight", init, (n_clusters, cfg.d_embed),
                                     cfg.param_dtype)

@@ -6,6 +6,7 @@ import dataclasses
 
 import jax.numpy as jnp
 
+from train.lm import config as lm_config
 from train.translate import registry
 from transformer_jax.config import TransformerConfig
 from xl_jax.config import TransformerXLConfig
@@ -149,9 +150,9 @@ def _cpu_vs_torch(*, steps: int, warmup: int) -> dict:
     presets (a CPU measure; `full` times more steps), dropout off (no random numbers timed)."""
     # The vocabulary of train.translate's cpu preset (its tokenizer's size).
     transformer = registry.build_model_config("transformer", "cpu", vocab_size=4000)
-    # train.lm's cpu preset for PTB words (MODEL_PRESETS['ptb']['cpu']), batch 16.
-    xl = TransformerXLConfig.ptb(n_layers=3, n_heads=4, d_model=256, d_head=64, d_inner=768,
-                                 dropout=0.0, dropatt=0.0, tgt_len=35, mem_len=35)
+    # train.lm's cpu preset for PTB words, taken from it so that the two cannot drift apart.
+    lm = lm_config.make_config("ptb", "cpu")
+    xl = lm.model_config.replace(dropout=0.0, dropatt=0.0)
     return dict(torch_transformer=transformer.replace(dropout=0.0, attention_dropout=0.0),
-                torch_shapes=((32, 16), (64, 32)), torch_xl=xl, torch_xl_batch=16,
+                torch_shapes=((32, 16), (64, 32)), torch_xl=xl, torch_xl_batch=lm.batch_size,
                 torch_steps=steps, torch_warmup=warmup, torch_compile=True)

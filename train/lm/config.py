@@ -87,9 +87,10 @@ class LMConfig(RunConfig):
 MODEL_PRESETS: dict[str, dict[str, tuple[str, dict[str, Any]]]] = {
     "ptb": {
         "tiny": ("tiny", dict(tgt_len=16, mem_len=16)),
-        # A small model a 2-core CPU trains for about an epoch in minutes.
+        # A small model a 2-core CPU trains for about an epoch in minutes. Its activations
+        # are small, so recomputing nothing (remat 'none') is faster (benchmarks/README.md).
         "cpu": ("ptb", dict(n_layers=3, n_heads=4, d_model=256, d_head=64, d_inner=768,
-                            dropout=0.1, dropatt=0.0, tgt_len=35, mem_len=35)),
+                            dropout=0.1, dropatt=0.0, tgt_len=35, mem_len=35, remat="none")),
         # One GPU, ten minutes: 8 x 512 (32.4M parameters with the 10k embedding), heavily
         # regularised, as the paper's PTB model (24M) needs.
         "gpu": ("ptb", dict(n_layers=8, n_heads=8, d_model=512, d_head=64, d_inner=2048,

@@ -160,7 +160,8 @@ class Checkpoints:
     def restore(self, template: TrainState, step: int | None = None
                 ) -> tuple[TrainState, dict[str, Any]]:
         """Reads checkpoint `step` (default: the latest) into the structure, shapes and
-        shardings of `template` (a global-layout state, arrays or ShapeDtypeStructs).
+        shardings of `template` (a global-layout state, arrays or ShapeDtypeStructs; leaves
+        that are `ocp.PLACEHOLDER` are neither read nor built, and stay placeholders).
         Raises CheckpointError naming the path if it is missing or unreadable."""
         step = self.latest_step() if step is None else step
         if step is None:
@@ -175,10 +176,9 @@ class Checkpoints:
                 + (f"The newest earlier checkpoint that verifies is step {others[-1]}: move "
                    f"{path} out of {self.directory} to resume from it."
                    if others else "No earlier checkpoint verifies; start a new workdir."))
-        abstract = jax.tree.map(ocp.utils.to_shape_dtype_struct, template)
         try:
             restored = self.manager.restore(step, args=ocp.args.Composite(
-                state=ocp.args.StandardRestore(abstract), meta=ocp.args.JsonRestore()))
+                state=_restore_args(template), meta=ocp.args.JsonRestore()))
         except Exception as e:  # orbax raises many types; all mean "unusable" here
             others = [s for s in self.all_steps() if s != step]
             cause = str(e).strip().splitlines()[0][:300] if str(e).strip() else ""
@@ -194,6 +194,25 @@ class Checkpoints:
 
     def close(self) -> None:
         self.manager.close()
+
+
+def _restore_args(template: TrainState):
+    """orbax's restore arguments for `template`: the standard restore of the whole state, or,
+    when some leaves are placeholders, a partial PyTree restore of the others. (One manager
+    must not mix the two: a manager registers one handler per item; see restore_for_inference,
+    which uses a manager of its own.)"""
+    leaves = jax.tree.leaves(template)
+    if not any(x is ocp.PLACEHOLDER for x in leaves):
+        return ocp.args.StandardRestore(jax.tree.map(ocp.utils.to_shape_dtype_struct, template))
+
+    def restore_arg(x):
+        if x is ocp.PLACEHOLDER:
+            return x
+        return ocp.ArrayRestoreArgs(sharding=x.sharding, global_shape=x.shape, dtype=x.dtype)
+
+    abstract = jax.tree.map(
+        lambda x: x if x is ocp.PLACEHOLDER else ocp.utils.to_shape_dtype_struct(x), template)
+    return ocp.args.PyTreeRestore(abstract, restore_args=jax.tree.map(restore_arg, abstract))
 
 
 def _best_key(metrics: Mapping[str, float]) -> float:
@@ -221,9 +240,14 @@ def load_run_config(workdir: str) -> dict[str, Any] | None:
     try:
         if not path.exists():
             return None
-        return json.loads(path.read_text())
-    except (OSError, json.JSONDecodeError) as e:
-        raise CheckpointError(f"run config {path} is unreadable: {e}") from e
+        values = json.loads(path.read_text())
+    except (OSError, json.JSONDecodeError, UnicodeDecodeError) as e:
+        raise CheckpointError(f"run config {path} is unreadable ({e}); restore it, or start a "
+                              "new --workdir") from e
+    if not isinstance(values, dict):
+        raise CheckpointError(f"run config {path} is not a JSON object (it holds a "
+                              f"{type(values).__name__}); restore it, or start a new --workdir")
+    return values
 
 
 def config_mismatches(saved: Mapping[str, Any], given: Mapping[str, Any], *,
@@ -249,19 +273,14 @@ def check_run_config(workdir: str, config: Mapping[str, Any], *,
                      ) -> list[str]:
     """An existing run config in `workdir` must match `config` except in `may_change` fields;
     else ValueError listing the differences. `normalize` maps the saved JSON to today's form
-    of the same config (fields added since then at their defaults). Writes nothing (see
+    of the same config (fields added since then at their defaults; a CheckpointError naming
+    the file when it describes no such run). Writes nothing (see
     `save_run_config`). Returns the may-change fields that differ ('field: saved -> given')."""
     saved = load_run_config(workdir)
     if saved is None:
         return []
-    if normalize is not None:
-        try:
-            saved = normalize(saved)
-        except (ValueError, TypeError, KeyError) as e:
-            raise CheckpointError(
-                f"run config {os.path.join(workdir, CONFIG_FILE)} does not describe a run this "
-                f"version can resume ({e}). Start a new --workdir, or edit that file to today's "
-                "fields (see the README's 'Reliability' section).") from e
+    if normalize is not None:  # raises CheckpointError when the file describes no such run
+        saved = normalize(saved)
     diff = config_mismatches(saved, config, may_change=may_change)
     if diff:
         raise ValueError(

@@ -1,12 +1,21 @@
-"""Command-line flags generated from config dataclasses, shared by every entry point.
+"""Command-line flags generated from config dataclasses, and the flow of every entry point.
 
-Every field of a run config becomes `--field VALUE`; every field of the model config becomes
+Every field of a run config becomes `--field VALUE`; every field of the model configs becomes
 `--model.field VALUE`; `--set field=VALUE` (or `--set model.field=VALUE`) reaches either one.
 Values are parsed by the field's type hint (int, float, bool, str, Optional, tuple, Literal);
 other types take a Python literal or fall back to the string. Flags default to "not given", so
 the entry points know exactly which fields the user set: a resumed run compares only those
 with the saved config.
+
+An entry point runs in two phases. Parsing (`task_parser(...).parse_args`) reads argv only: it
+touches no file and no JAX backend, and a bad flag exits with EXIT_USAGE. Then, inside
+`run_command` (so a damaged work directory is one line, not a traceback), the run starts:
+`start(args)` reads W/config.json and starts JAX's distributed runtime when asked, and
+`resolve(...)` makes the run config from the saved one, the preset and the given flags.
+Model flags are parsed as text and typed by the chosen (or saved) model's config there: which
+model a resumed run trains is known only from its config.json.
 """
+
 from __future__ import annotations
 
 import argparse
@@ -18,16 +27,17 @@ import time
 import traceback
 import types
 import typing
-from typing import Any, Callable, Iterable, Literal, Mapping, Sequence
+from collections.abc import Callable, Iterable, Mapping, Sequence
+from typing import Any, Literal
 
 import jax
 
-from train.core.checkpoint import load_run_config
-from train.core.config import field_hints, replace
+from train.core.checkpoint import CONFIG_FILE, load_run_config
+from train.core.config import RunConfig, field_hints, replace
 from train.core.loop import TrainingDiverged
 from train.core.parallel import maybe_initialize_distributed
+from train.core.task import Task, config_from_saved, default_workdir
 from train.core.workdir import local_dir
-from train.core.task import config_from_saved
 
 MODEL_PREFIX = "model."
 
@@ -108,7 +118,12 @@ def split_given(args: argparse.Namespace, *, run_cls: type, model_cls: type | No
     run, model = {}, {}
     for key, value in vars(args).items():
         if key.startswith(MODEL_PREFIX):
-            model[key[len(MODEL_PREFIX):]] = value
+            name = key[len(MODEL_PREFIX):]
+            if name not in model_fields:
+                raise ValueError(f"--{key}: the model config has no field {name!r}")
+            # Model flags arrive as text (see the module docstring); typed here.
+            model[name] = (_convert(model_fields[name], value, f"--{key}")
+                           if isinstance(value, str) else value)
         elif key in run_fields:
             run[key] = value
     for item in sets:
@@ -136,39 +151,39 @@ def _convert(hint: Any, text: str, flag: str) -> Any:
 
 
 # ------------------------------------------------------------------- entry-point flow
-def base_parser(prog: str, description: str, *, choice_flag: str, choices: Sequence[str],
-                presets: Sequence[str], run_cls: type, model_cls: type,
-                model_title: str) -> argparse.ArgumentParser:
-    """The flags every entry point shares: --workdir, --<choice_flag> (model or dataset),
-    --preset, --dtype, --set, then one flag per run field and per model field."""
-    parser = argparse.ArgumentParser(prog=prog, description=description,
+def task_parser(task: Task, *, description: str) -> argparse.ArgumentParser:
+    """The parser of `task`'s entry point: --workdir, --<choice_flag> (model or dataset),
+    --preset, --dtype, --set, one flag per run field, `--model.FIELD` for every field of any
+    of the task's model configs (text, typed by `resolve`), and the per-process flags."""
+    parser = argparse.ArgumentParser(prog=f"python -m train.{task.name}",
+                                     description=description,
                                      formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--workdir", default=None,
                         help="run directory (default: a new one under runs/); an existing one "
                              "is resumed with its saved config")
-    parser.add_argument(f"--{choice_flag}", default=argparse.SUPPRESS, choices=list(choices))
-    parser.add_argument("--preset", default=argparse.SUPPRESS, choices=list(presets))
+    parser.add_argument(f"--{task.choice_flag}", default=argparse.SUPPRESS,
+                        choices=list(task.choices()))
+    parser.add_argument("--preset", default=argparse.SUPPRESS, choices=list(task.presets))
     parser.add_argument("--dtype", default=argparse.SUPPRESS,
                         choices=["float32", "bfloat16", "float16"],
                         help="compute dtype (params, softmax and loss stay float32); the same "
                              "as --model.dtype")
     parser.add_argument("--set", action="append", default=[], metavar="FIELD=VALUE",
                         help="set any run field, or a model field (model.FIELD=VALUE)")
-    add_dataclass_flags(parser, run_cls, exclude=(choice_flag, "preset", "model_config"),
-                        group_title="run")
-    add_dataclass_flags(parser, model_cls, prefix=MODEL_PREFIX, group_title=model_title)
+    add_dataclass_flags(parser, task.config_cls,
+                        exclude=(task.choice_flag, "preset", "model_config"), group_title="run")
+    model_fields: dict[str, Any] = {}
+    for choice in task.choices():
+        for name, hint in field_hints(task.model_config_cls(choice)).items():
+            model_fields.setdefault(name, hint)
+    group = parser.add_argument_group(f"model (fields of the chosen --{task.choice_flag}'s "
+                                      "model config)")
+    for name, hint in model_fields.items():
+        group.add_argument(f"--{MODEL_PREFIX}{name}", dest=f"{MODEL_PREFIX}{name}",
+                           default=argparse.SUPPRESS, metavar=name.upper(),
+                           help=f"({_hint_name(hint)})")
+    add_distributed_flags(parser)
     return parser
-
-
-def pre_parse(argv: Sequence[str] | None, choice_flag: str) -> argparse.Namespace:
-    """--workdir and --<choice_flag> alone, before the full parser (whose model flags depend
-    on the choice) is built."""
-    pre = argparse.ArgumentParser(add_help=False)
-    pre.add_argument("--workdir", default=None)
-    pre.add_argument(f"--{choice_flag}", default=None)
-    add_distributed_flags(pre)
-    pre.add_argument("--distributed", type=parse_bool, default=None)
-    return pre.parse_known_args(argv)[0]
 
 
 def add_distributed_flags(parser: argparse.ArgumentParser) -> None:
@@ -185,51 +200,38 @@ def add_distributed_flags(parser: argparse.ArgumentParser) -> None:
                             "cluster's)")
 
 
-def start_distributed(known: argparse.Namespace, saved: Mapping[str, Any] | None) -> None:
-    """Starts JAX's distributed runtime before anything touches a backend, when
-    --distributed true, $TRAIN_DISTRIBUTED or a resumed run's saved config asks for it."""
-    wanted = known.distributed if known.distributed is not None else bool(
-        (saved or {}).get("distributed", False))
+def start(args: argparse.Namespace) -> dict[str, Any] | None:
+    """The start of a command's run -> the saved config of --workdir (None: a new run).
+
+    Reads W/config.json (an unreadable one is a CheckpointError naming it), then starts JAX's
+    distributed runtime, before anything touches a backend, when --distributed true,
+    $TRAIN_DISTRIBUTED or the resumed run's saved config asks for it."""
+    saved = load_run_config(args.workdir) if args.workdir else None
+    wanted = getattr(args, "distributed", None)
+    if wanted is None:
+        wanted = bool((saved or {}).get("distributed", False))
     try:
-        maybe_initialize_distributed(wanted, coordinator_address=known.coordinator_address,
-                                     num_processes=known.num_processes,
-                                     process_id=known.process_id)
-    except ValueError as e:
-        print(f"error: {e}", file=sys.stderr)
-        raise SystemExit(EXIT_USAGE) from None
+        maybe_initialize_distributed(wanted, coordinator_address=args.coordinator_address,
+                                     num_processes=args.num_processes,
+                                     process_id=args.process_id)
+    except ValueError as e:  # the per-process flags or their environment variables
+        raise UsageError(str(e)) from None
+    return saved
 
 
 def default_preset() -> str:
     """The preset a run without --preset gets: 'gpu' where JAX's default backend is an
     accelerator (a GPU or a TPU: the bf16 ten-minute recipe), else 'cpu' (ten minutes on a
-    small CPU). Past one process, call it after `start_distributed`."""
+    small CPU). Past one process, call it after `start`."""
     return "gpu" if jax.default_backend() in ("gpu", "tpu") else "cpu"
 
 
-def task_parser(task: Any, argv: Sequence[str] | None, *, description: str
-                ) -> tuple[argparse.ArgumentParser, dict[str, Any] | None]:
-    """The full parser of `task`'s entry point (its model flags are those of the chosen or
-    saved model) and the saved config of --workdir, if any."""
-    known = pre_parse(argv, task.choice_flag)
-    saved = load_run_config(known.workdir) if known.workdir else None
-    start_distributed(known, saved)
-    choice = getattr(known, task.choice_flag) or (saved or {}).get(task.choice_flag,
-                                                                   task.default_choice)
-    if choice not in task.choices():
-        choice = task.default_choice  # the full parser reports the bad choice
-    parser = base_parser(
-        f"python -m train.{task.name}", description, choice_flag=task.choice_flag,
-        choices=task.choices(), presets=list(task.presets), run_cls=task.config_cls,
-        model_cls=task.model_config_cls(choice), model_title=f"model ({choice})")
-    add_distributed_flags(parser)
-    return parser, saved
-
-
-def resolve_config(parser: argparse.ArgumentParser, args: argparse.Namespace, *,
-                   saved: Mapping[str, Any] | None, task: Any) -> Any:
-    """The run config from the parsed flags: the saved config of --workdir with the given
-    fields changed, else task.make_config(choice, preset or default_preset(), ...). Errors
-    are argparse errors naming the field."""
+def resolve(task: Task, parser: argparse.ArgumentParser, args: argparse.Namespace,
+            saved: Mapping[str, Any] | None) -> tuple[RunConfig, str]:
+    """-> (the run config, the work directory). The config is the saved one of --workdir with
+    the given fields changed, else task.make_config(choice, preset or default_preset(), ...);
+    the work directory is --workdir or a new one under runs/. A bad value is a usage error
+    (exit 2) naming the field, raised before anything is written."""
     flag = task.choice_flag
     try:
         choice = getattr(args, flag, None)
@@ -243,16 +245,29 @@ def resolve_config(parser: argparse.ArgumentParser, args: argparse.Namespace, *,
             model["dtype"] = args.dtype
         preset = getattr(args, "preset", None)
         if saved is None:
-            return task.make_config(choice or task.default_choice, preset or default_preset(),
-                                    model_overrides=model, **run)
-        config = config_from_saved(task, saved)
-        if choice not in (None, getattr(config, flag)) or preset not in (None, config.preset):
-            raise ValueError(f"{args.workdir} holds a {getattr(config, flag)} "
-                             f"({config.preset}) run; use a new --workdir for another "
-                             f"{flag} or preset")
-        return replace(config, model_overrides=model, **run)
+            config = task.make_config(choice or task.default_choice,
+                                      preset or default_preset(), model_overrides=model, **run)
+        else:
+            config = config_from_saved(task, saved,
+                                       path=os.path.join(args.workdir, CONFIG_FILE))
+            if choice not in (None, getattr(config, flag)) or \
+                    preset not in (None, config.preset):
+                raise ValueError(f"{args.workdir} holds a {getattr(config, flag)} "
+                                 f"({config.preset}) run; use a new --workdir for another "
+                                 f"{flag} or preset")
+            config = replace(config, model_overrides=model, **run)
     except (ValueError, TypeError) as e:
         parser.error(str(e))
+    return config, args.workdir or default_workdir(task, config)
+
+
+def config_from_args(task: Task, parser: argparse.ArgumentParser, argv: Sequence[str] | None
+                     ) -> tuple[RunConfig, str, argparse.Namespace]:
+    """What a command line asks for, made as the command makes it (parse, `start`,
+    `resolve`) -> (config, workdir, args); for notebooks and tests."""
+    args = parser.parse_args(argv)
+    config, workdir = resolve(task, parser, args, start(args))
+    return config, workdir, args
 
 
 # ------------------------------------------------------------------- exit codes and errors
@@ -264,6 +279,10 @@ EXIT_INTERRUPTED = 75  # stopped by SIGTERM / SIGINT after saving (EX_TEMPFAIL: 
 ERROR_LOG = "error.log"
 # What these mean is known: one message says what went wrong and where.
 EXPECTED_ERRORS = (ValueError, OSError, RuntimeError)
+
+
+class UsageError(ValueError):
+    """A bad flag or value found once the run has started (exit EXIT_USAGE)."""
 
 
 def finished(final: Mapping[str, Any], figure: str) -> int:
@@ -279,12 +298,13 @@ def finished(final: Mapping[str, Any], figure: str) -> int:
     return EXIT_OK
 
 
-def main_of(config_from_args: Callable, run: Callable, argv: Sequence[str] | None) -> int:
-    """An entry point's main: parse (config, workdir, args), then `run(config, workdir, args)`
-    under `run_command` -> the exit code (0 done, 1 error, 2 bad flags, 3 diverged, 75
-    stopped by a signal after saving)."""
-    config, workdir, args = config_from_args(sys.argv[1:] if argv is None else argv)
-    return run_command(lambda: run(config, workdir, args), workdir=workdir)
+def main_of(parser: argparse.ArgumentParser, run: Callable[[argparse.Namespace], int],
+            argv: Sequence[str] | None) -> int:
+    """An entry point's main: parse argv (a bad flag exits with EXIT_USAGE), then `run(args)`
+    under `run_command` -> the exit code (0 done, 1 error, 2 bad flags or values, 3 diverged,
+    75 stopped by a signal after saving)."""
+    args = parser.parse_args(sys.argv[1:] if argv is None else argv)
+    return run_command(lambda: run(args), workdir=args.workdir)
 
 
 def run_command(body: Callable[[], int], *, workdir: str | None) -> int:
@@ -298,6 +318,9 @@ def run_command(body: Callable[[], int], *, workdir: str | None) -> int:
         print("interrupted (a second Ctrl-C: no checkpoint was saved after the first)",
               file=sys.stderr)
         return 130
+    except UsageError as e:
+        print(f"error: {e}", file=sys.stderr, flush=True)
+        return EXIT_USAGE
     except EXPECTED_ERRORS as e:
         where = _log_traceback(workdir)
         kind = "training diverged" if isinstance(e, TrainingDiverged) else "error"

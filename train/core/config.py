@@ -17,6 +17,23 @@ from typing import Any, ClassVar, Mapping
 
 PARALLEL_MODES = ("jit", "pmap")
 SHARDINGS = ("replicated", "fsdp")
+# What a step with a NaN or infinite loss or gradient does: stop the run, or skip the update.
+NONFINITE_POLICIES = ("stop", "skip")
+
+
+def check_choice(name: str, value: Any, choices: tuple[str, ...]) -> None:
+    """`value` must be one of `choices` (ValueError naming the field)."""
+    if value not in choices:
+        raise ValueError(f"{name}: expected one of {choices}, got {value!r}")
+
+
+def check_parallel(mode: str, sharding: str) -> None:
+    """The parallel mode and the sharding of the state, and whether they go together."""
+    check_choice("parallel", mode, PARALLEL_MODES)
+    check_choice("sharding", sharding, SHARDINGS)
+    if sharding == "fsdp" and mode == "pmap":
+        raise ValueError("sharding: 'fsdp' needs parallel='jit' (pmap keeps a whole copy "
+                         "of the state on every device)")
 
 
 @dataclasses.dataclass(frozen=True)
@@ -76,21 +93,12 @@ class RunConfig:
     def __post_init__(self):
         if self.model_config is None:
             raise ValueError("model_config: build configs with the task's make_config(...)")
-        if self.parallel not in PARALLEL_MODES:
-            raise ValueError(f"parallel: expected one of {PARALLEL_MODES}, got "
-                             f"{self.parallel!r}")
-        if self.sharding not in SHARDINGS:
-            raise ValueError(f"sharding: expected one of {SHARDINGS}, got {self.sharding!r}")
-        if self.sharding == "fsdp" and self.parallel == "pmap":
-            raise ValueError("sharding: 'fsdp' needs parallel='jit' (pmap keeps a whole copy "
-                             "of the state on every device)")
+        check_parallel(self.parallel, self.sharding)
         for name in ("log_every", "keep_checkpoints"):
             _check(name, getattr(self, name), minimum=1)
         for name in ("steps", "eval_every", "checkpoint_every", "seed"):
             _check(name, getattr(self, name), minimum=0)
-        if self.on_nonfinite not in ("stop", "skip"):
-            raise ValueError(f"on_nonfinite: expected 'stop' or 'skip', got "
-                             f"{self.on_nonfinite!r}")
+        check_choice("on_nonfinite", self.on_nonfinite, NONFINITE_POLICIES)
         if not (math.isfinite(self.minutes) and self.minutes >= 0):
             raise ValueError(f"minutes: must be a finite number >= 0, got {self.minutes}")
 

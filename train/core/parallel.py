@@ -32,6 +32,7 @@ import numpy as np
 from jax.experimental import multihost_utils
 from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
 
+from train.core.config import check_parallel
 from train.core.state import TrainState
 from train.core.step import LossFn, make_eval_step, make_train_step
 
@@ -137,16 +138,10 @@ class DataParallel:
 
     def __init__(self, mode: ParallelMode = "jit", devices: Sequence[jax.Device] | None = None,
                  *, sharding: Sharding = "replicated"):
-        if mode not in ("jit", "pmap"):
-            raise ValueError(f"parallel: expected 'jit' or 'pmap', got {mode!r}")
+        check_parallel(mode, sharding)
         if mode == "pmap" and jax.process_count() > 1:
             raise ValueError("parallel: the pmap path is single-process; use 'jit' on several "
                              "hosts")
-        if sharding not in ("replicated", "fsdp"):
-            raise ValueError(f"sharding: expected 'replicated' or 'fsdp', got {sharding!r}")
-        if sharding == "fsdp" and mode == "pmap":
-            raise ValueError("sharding: 'fsdp' needs parallel='jit' (pmap keeps a whole copy "
-                             "of the state on every device)")
         self.mode = mode
         self.sharding = sharding
         self.mesh = make_mesh(devices)
@@ -299,41 +294,37 @@ class DataParallel:
     # ----------------------------------------------------------------- steps
     def compile_train_step(self, loss_fn: LossFn, state: TrainState, *,
                            lr_schedule=None):
-        """-> step(state, batch) -> (state, metrics), in this mode's layouts, compiled once per
-        batch shape, with the state's buffers donated (updated in place)."""
+        """-> step(state, batch) -> (state, metrics), in this mode's layouts, with the state's
+        buffers donated (updated in place). jit: a `CompiledStep`, which compiles once per
+        batch shape and counts them (`compile_ahead` does it before the first step); pmap: the
+        pmapped function, compiled lazily by JAX."""
         if self.mode == "pmap":
             step = make_train_step(loss_fn, lr_schedule=lr_schedule, axis_name=DATA_AXIS)
             return jax.pmap(step, axis_name=DATA_AXIS, donate_argnums=(0,),
                             devices=self.local_devices)
         step = make_train_step(loss_fn, lr_schedule=lr_schedule)
         state_sh = self.state_shardings(state)
-        return jax.jit(step, in_shardings=(state_sh, self.batch_sharding),
-                       out_shardings=(state_sh, self.replicated), donate_argnums=(0,))
+        return CompiledStep(jax.jit(step, in_shardings=(state_sh, self.batch_sharding),
+                                    out_shardings=(state_sh, self.replicated),
+                                    donate_argnums=(0,)))
 
     def compile_ahead(self, train_step, state: TrainState, batches: Sequence[PyTree], *,
-                      workers: int | None = None):
-        """`train_step` (from `compile_train_step`) compiled now for the shape of each of
-        `batches` (host batches as `put_batch` takes them) -> a step that runs those
-        executables and compiles any other shape lazily, as before (`PrecompiledStep`).
+                      workers: int | None = None) -> int:
+        """Compiles `train_step` (from `compile_train_step`) now for the shape of each of
+        `batches` (host batches as `put_batch` takes them) -> how many shapes it compiled.
 
         Tracing and lowering hold the GIL, so they run in turn here; XLA's compilations release
         it and run in `workers` threads (default: one per shape, at most one per CPU core).
-        Each executable is the one the lazy jit would build (same function, shardings and
-        donation), so the numbers do not change. The pmap path stays lazy.
+        Each executable is the one the step would build at that shape's first batch, so the
+        numbers do not change. The pmap path stays lazy (0).
         """
-        if self.mode == "pmap":
-            return train_step
+        if not isinstance(train_step, CompiledStep):
+            return 0
         placed = {}
         for batch in batches:
             batch = self.put_batch(batch)
             placed.setdefault(batch_signature(batch), batch)
-        if not placed:
-            return train_step
-        lowered = [train_step.lower(state, batch) for batch in placed.values()]
-        workers = workers or min(len(lowered), os.cpu_count() or 1)
-        with concurrent.futures.ThreadPoolExecutor(max_workers=workers) as pool:
-            executables = list(pool.map(lambda low: low.compile(), lowered))
-        return PrecompiledStep(train_step, dict(zip(placed, executables)))
+        return train_step.compile_for(state, list(placed.values()), workers=workers)
 
     def compile_eval_step(self, loss_fn: LossFn, state: TrainState):
         """-> eval(params, batch, extra) -> (sums, extra), always in the global layout (params
@@ -367,29 +358,51 @@ def batch_signature(batch: PyTree) -> tuple:
     return treedef, tuple((tuple(np.shape(x)), np.dtype(x.dtype)) for x in leaves)
 
 
-class PrecompiledStep:
-    """step(state, batch) -> (state, metrics) through an executable compiled ahead for the
-    batch's signature; a batch of any other signature goes to the lazily compiling jit.
+class CompiledStep:
+    """step(state, batch) -> (state, metrics) through one executable per batch signature,
+    each compiled by the public ahead-of-time path (`jitted.lower(state, batch).compile()`):
+    the first batch of a new shape compiles its executable (as jit would), and
+    `compile_for` compiles a set of them ahead, in threads. `compiled_shapes` counts them.
 
-    executables: `batch_signature` -> `jax.stages.Compiled` of `jitted` (its donation too).
+    jitted: the jit-wrapped step (its shardings and donation are the executables').
     """
 
-    def __init__(self, jitted, executables: dict):
+    def __init__(self, jitted):
         self.jitted = jitted
-        self.executables = executables
+        self.executables: dict[tuple, jax.stages.Compiled] = {}
 
     def __call__(self, state, batch):
-        executable = self.executables.get(batch_signature(batch))
-        return (self.jitted if executable is None else executable)(state, batch)
+        signature = batch_signature(batch)
+        executable = self.executables.get(signature)
+        if executable is None:
+            executable = self.executables[signature] = self.jitted.lower(state, batch).compile()
+        return executable(state, batch)
+
+    def lower(self, state, batch):
+        """The jitted step lowered for (state, batch): `.compile()` gives its executable."""
+        return self.jitted.lower(state, batch)
+
+    def compile_for(self, state, batches: Sequence[PyTree], *, workers: int | None = None
+                    ) -> int:
+        """Compiles the executables of `batches` (placed batches) not compiled yet, the XLA
+        compilations in threads -> how many were compiled."""
+        todo = {}
+        for batch in batches:
+            signature = batch_signature(batch)
+            if signature not in self.executables:
+                todo.setdefault(signature, batch)
+        if not todo:
+            return 0
+        lowered = [self.jitted.lower(state, batch) for batch in todo.values()]
+        workers = workers or min(len(lowered), os.cpu_count() or 1)
+        with concurrent.futures.ThreadPoolExecutor(max_workers=workers) as pool:
+            self.executables.update(zip(todo, pool.map(lambda low: low.compile(), lowered)))
+        return len(todo)
 
     @property
-    def compiled_ahead(self) -> int:
+    def compiled_shapes(self) -> int:
+        """How many batch shapes have an executable (ahead or at their first batch)."""
         return len(self.executables)
-
-    def _cache_size(self) -> int:
-        """Shapes compiled, ahead and lazily (named like the jit's own count, which `fit`
-        reads)."""
-        return len(self.executables) + self.jitted._cache_size()
 
 
 def _stack(x, n: int) -> np.ndarray:

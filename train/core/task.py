@@ -1,59 +1,76 @@
 """The `Task` protocol and the one run every task shares.
 
 A task (translation, language modelling) says how to build its model, its data, its loss and
-its evaluation; `train_and_evaluate(task, config, workdir)` does the rest once for all of them:
-distributed start-up, the work-directory config check, placement, fresh state from the seed,
-resume, the training loop, checkpoints and the final evaluation hand-off.
+its evaluation; `train_and_evaluate(task, config, workdir)` does the rest, once for all of
+them and in this order: start, restore, loop, final save, evaluate, close.
 
     train_and_evaluate(TRANSLATION, config, "runs/x")   # what train.translate.train_and_evaluate is
+
+It is the one owner of what a run holds: the distributed start, the work-directory lock, the
+signal handlers, W/config.json, the checkpoints and the metrics writer each have one home here.
 """
+
 from __future__ import annotations
 
 import json
 import os
 import time
-from typing import Any, Callable, Iterator, Mapping, Protocol, Sequence
+from collections.abc import Callable, Iterator, Mapping, Sequence
+from typing import Any, Protocol
 
 import flax.linen as nn
 import jax
 import numpy as np
+import orbax.checkpoint as ocp
 from jax.experimental import multihost_utils
 
-from train.core.checkpoint import (Checkpoints, check_run_config, load_run_config,
-                                   save_run_config)
+from train.core.checkpoint import (
+    CONFIG_FILE,
+    CheckpointError,
+    Checkpoints,
+    check_run_config,
+    checkpoint_dir,
+    load_run_config,
+    save_run_config,
+)
 from train.core.config import RunConfig, config_from_dict, config_to_dict
-from train.core.loop import FitResult, LoopConfig, fit, printer, stop_on_signals
-from train.core.parallel import (DataParallel, check_same_on_every_process,
-                                 maybe_initialize_distributed)
+from train.core.loop import LoopConfig, LoopResult, printer, stop_on_signals, train_loop
+from train.core.metrics import MetricsWriter
+from train.core.parallel import (
+    DataParallel,
+    check_same_on_every_process,
+    maybe_initialize_distributed,
+)
 from train.core.state import TrainState, count_params
 from train.core.step import LossFn
-from train.core.workdir import WorkdirLock, is_remote, local_dir, pull, push
+from train.core.workdir import WorkdirError, WorkdirLock, is_remote, local_dir, pull, push
 from transformer_jax.optim import OptimizerConfig, find_params_ema, make_optimizer
 
 PyTree = Any
+Rows = Callable[[int], slice]  # a global batch's row count -> this process's rows of it
 
 
 class TaskData(Protocol):
     """What a task prepared for one run: the training stream and its evaluations."""
 
-    def batches(self, start_step: int, rows: Callable[[int], slice] | None = None
+    def batches(self, start_step: int, rows: Rows | None = None
                 ) -> Iterator[Mapping[str, Any]]:
         """The global batch of step `start_step`, then the next, ... (host arrays): only the
         rows `rows(N)` of each N-row batch when given (this process's share), built from the
         same global plan on every process."""
 
-    # Optional: example_batches(rows) -> one host batch of each shape `batches(..., rows)` can
-    # yield, in its format; the train step is then compiled for all of them before step 1.
-    # A task whose stream has one shape leaves it out (its step compiles at step 1 anyway).
+    def example_batches(self, rows: Rows | None = None) -> list[Mapping[str, Any]]:
+        """One host batch of each shape `batches(..., rows)` can yield, in its format: the
+        train step is compiled for all of them before step 1 (RunConfig.compile_ahead)."""
 
     def evaluate(self, dp: DataParallel, eval_step: Callable, params: PyTree) -> dict[str, float]:
         """Validation figures ('loss' ranks the checkpoints) of `params` (global layout)."""
 
     def finish(self, *, workdir: str, dp: DataParallel, eval_step: Callable, model: nn.Module,
                state: TrainState, params: PyTree, validation: dict[str, float],
-               start: float) -> dict[str, Any]:
-        """The final evaluation after training (test figures, files, plots) -> the entries it
-        adds to the run's final metrics."""
+               writer: MetricsWriter, start: float) -> dict[str, Any]:
+        """The final evaluation after training (test figures, files, plots; its metrics
+        lines through `writer`) -> the entries it adds to the run's final metrics."""
 
 
 class Task(Protocol):
@@ -63,7 +80,7 @@ class Task(Protocol):
     name: str
     choice_flag: str
     default_choice: str
-    config_cls: type
+    config_cls: type[RunConfig]
     presets: Sequence[str]
 
     def choices(self) -> list[str]: ...
@@ -90,29 +107,41 @@ class Task(Protocol):
         """The model's name in log lines."""
 
 
-def config_from_saved(task: Task, values: Mapping[str, Any]) -> RunConfig:
-    """A task's config from its saved JSON form."""
-    choice = values.get(task.choice_flag, task.default_choice)
-    return config_from_dict(task.config_cls, task.model_config_cls(choice), values)
+def config_from_saved(task: Task, values: Mapping[str, Any], *,
+                      path: str = CONFIG_FILE) -> RunConfig:
+    """A task's config from its saved JSON form (read from `path`): one that does not
+    describe a run of this task is a CheckpointError naming the file."""
+    try:
+        choice = values.get(task.choice_flag, task.default_choice)
+        return config_from_dict(task.config_cls, task.model_config_cls(choice), values)
+    except (ValueError, TypeError, KeyError) as e:
+        raise CheckpointError(
+            f"run config {path} does not describe a run this version can resume (of "
+            f"train.{task.name}; {type(e).__name__}: {e}). Start a new --workdir, or edit that file to "
+            "today's fields (see the README's 'Reliability' section).") from e
 
 
-def normal_form(task: Task, values: Mapping[str, Any]) -> dict[str, Any]:
+def normal_form(task: Task, values: Mapping[str, Any], *,
+                path: str = CONFIG_FILE) -> dict[str, Any]:
     """Saved JSON -> config -> JSON: fields added since it was saved get their defaults, so an
     older work directory compares equal to the same run described today."""
-    return config_to_dict(config_from_saved(task, values))
+    return config_to_dict(config_from_saved(task, values, path=path))
 
 
 def init_state(task: Task, config: RunConfig, model: nn.Module, tx,
                dp: DataParallel) -> TrainState:
     """Fresh float32 params, optimizer state and carried state from the seed, in the global
     layout."""
+    return dp.init_state(_state_maker(task, config, model, tx), config.seed)
 
+
+def _state_maker(task: Task, config: RunConfig, model: nn.Module, tx):
     def create(seed):
         init_rng, train_rng = jax.random.split(jax.random.PRNGKey(seed))
         params, extra = task.init_params(config, model, init_rng)
         return TrainState.create(params=params, tx=tx, rng=train_rng, extra=extra)
 
-    return dp.init_state(create, config.seed)
+    return create
 
 
 def eval_params(state: TrainState) -> PyTree:
@@ -125,13 +154,18 @@ def eval_params(state: TrainState) -> PyTree:
 def restore_for_inference(task: Task, workdir: str, *, step: int | None = None,
                           dp: DataParallel | None = None):
     """-> (config, model, state, dp) of a trained work directory's checkpoint `step`
-    (default: the best by validation loss, else the latest)."""
+    (default: the best by validation loss, else the latest).
+
+    Only what decoding reads comes back: the params and the optimizer's parameter average.
+    Adam's moments and the carried state are neither built nor read (their leaves in the
+    returned state are `ocp.PLACEHOLDER`), which halves the memory of a large model's
+    inference."""
     saved = load_run_config(workdir)
     if saved is None:
         raise FileNotFoundError(f"{workdir} has no config.json: not a train.{task.name} work "
                                 "directory")
     pull(workdir)  # a remote W: the checksums (and the tokenizer) beside the checkpoints
-    config = config_from_saved(task, saved)
+    config = config_from_saved(task, saved, path=os.path.join(workdir, CONFIG_FILE))
     checkpoints = Checkpoints(workdir, keep=config.keep_checkpoints)
     try:
         if checkpoints.latest_step() is None:
@@ -140,92 +174,183 @@ def restore_for_inference(task: Task, workdir: str, *, step: int | None = None,
         dp = dp or DataParallel("jit", sharding=config.sharding)
         model = task.build_model(config)
         tx, _ = make_optimizer(task.optimizer_config(config))
-        template = init_state(task, config, model, tx, dp)  # what to restore into
+        # The state's shapes and shardings without computing it, then only the parts decoding
+        # reads: a template whose other leaves are placeholders orbax skips.
+        create = _state_maker(task, config, model, tx)
+        abstract = jax.eval_shape(
+            jax.jit(create, out_shardings=dp.state_shardings(jax.eval_shape(create, 0))), 0)
+        keep = {id(x) for x in jax.tree.leaves(find_params_ema(abstract.opt_state))}
+        template = abstract.replace(
+            opt_state=jax.tree.map(lambda x: x if id(x) in keep else ocp.PLACEHOLDER,
+                                   abstract.opt_state),
+            extra=jax.tree.map(lambda _: ocp.PLACEHOLDER, abstract.extra))
         state, _ = checkpoints.restore(template, step)
     finally:
         checkpoints.close()
     return config, model, state, dp
 
 
+# ----------------------------------------------------------------------------- the run
 def train_and_evaluate(task: Task, config: RunConfig, workdir: str) -> dict[str, Any]:
     """Trains (or resumes) `config` in `workdir`, then evaluates; returns the final metrics:
     step, stop reason, params (count), train_seconds (summed over resumed runs), and what the
     task's evaluation adds (val_/test_ figures, ...)."""
-    t0 = time.monotonic()
+    start = time.monotonic()
+    # 1. Start: the distributed runtime (a no-op when the command started it), one work
+    # directory for every process, and from here on SIGTERM / SIGINT only set a flag (after
+    # JAX's own start-up, whose preemption notifier would otherwise take SIGTERM): a signal
+    # during data preparation or compilation stops the run after its first step, saved.
     maybe_initialize_distributed(config.distributed)
     check_same_on_every_process(workdir if is_remote(workdir) else os.path.abspath(workdir),
                                 "--workdir")
-    # From here on SIGTERM / SIGINT only set a flag (after JAX's own start-up, whose
-    # preemption notifier would otherwise take SIGTERM): a signal during data preparation or
-    # compilation stops the run cleanly after its first step, with a checkpoint.
     with stop_on_signals() as stop, WorkdirLock(workdir):
-        return _train_and_evaluate(task, config, workdir, start=t0, stop=stop)
+        log = printer()
+        run_config = config_to_dict(config)
+        changed = check_workdir(task, workdir, run_config, config.MAY_CHANGE)
+        if changed:
+            log("resuming with changed settings: " + "; ".join(changed))
+        dp = DataParallel(config.parallel, sharding=config.sharding)
+        eval_dp = dp if dp.mode == "jit" else DataParallel("jit")
+        model = task.build_model(config)
+        tx, schedule = make_optimizer(task.optimizer_config(config))
+        checkpoints = Checkpoints(workdir, keep=config.keep_checkpoints)
+        writer = MetricsWriter(workdir)
+        try:
+            # 2. Restore: a fresh state from the seed, or the latest checkpoint into it.
+            state = init_state(task, config, model, tx, eval_dp)
+            elapsed, carried = 0.0, []
+            if checkpoints.latest_step() is not None:
+                state, meta = checkpoints.restore(state)
+                elapsed = float(meta.get("elapsed", 0.0))
+                carried = list(meta.get("interval_metrics", []))
+                log(f"resumed from {checkpoints.path(checkpoints.latest_step())}")
+            step = int(jax.device_get(state.step))
+            # config.json once, after a restore that worked (a failed one changes nothing on
+            # disk) and before anything slow, so a run killed from here on resumes as itself
+            # with --workdir alone.
+            save_run_config(workdir, run_config)
+            # Lines past the restored step were logged by a run that died before saving them.
+            writer.rewind(step)
+            if changed:
+                writer.write(step, "resume", {"changed": changed})
+            writer.hparams(run_config)
+            data = prepare_data(task, config, workdir, dp, log)
+            log(f"prepared in {time.monotonic() - start:.1f}s")
+            log(f"model: {task.describe(config)} ({config.preset}), "
+                f"{count_params(state.params):,} parameters")
+
+            # 3. The loop, and the final save (train_loop's last act).
+            loss_fn = task.loss_fn(config, model)
+            eval_step = eval_dp.compile_eval_step(loss_fn, state)
+
+            def evaluate(global_state: TrainState) -> dict[str, float]:
+                return data.evaluate(eval_dp, eval_step, eval_params(global_state))
+
+            dstate = dp.put_state(state)
+            train_step = dp.compile_train_step(loss_fn, dstate, lr_schedule=schedule)
+            if config.compile_ahead and step < config.steps:
+                t0 = time.monotonic()
+                ahead = dp.compile_ahead(train_step, dstate,
+                                         data.example_batches(dp.local_rows))
+                if ahead:
+                    log(f"compiled the train step for {ahead} batch shape(s) ahead in "
+                        f"{time.monotonic() - t0:.1f}s")
+            loop = LoopConfig.from_run(config, start=start)
+            log(f"training from step {step} to {config.steps}"
+                + (f" or until {_wall_clock(loop.deadline)}" if loop.deadline else "")
+                + "; SIGTERM saves a checkpoint and stops")
+            result = train_loop(dstate, dp=dp, train_step=train_step,
+                                batches=data.batches(step, dp.local_rows), config=loop,
+                                writer=writer, checkpoints=checkpoints, evaluate=evaluate,
+                                elapsed=elapsed, stop=stop, log=log, carried=carried)
+            state = dp.get_state(result.state)
+            log_stop(result, state, train_step, workdir, log)
+            final = {"step": int(jax.device_get(state.step)), "reason": result.reason,
+                     "params": count_params(state.params), "train_seconds": result.elapsed}
+            if result.skipped:
+                final["skipped_steps"] = result.skipped
+            if result.interrupted:
+                return final
+
+            # 4. Evaluate: the last validation (or a new one), then the task's test figures.
+            validation = result.last_eval or evaluate(state)
+            final.update(data.finish(workdir=local_dir(workdir), dp=eval_dp,
+                                     eval_step=eval_step, model=model, state=state,
+                                     params=eval_params(state), validation=validation,
+                                     writer=writer, start=start))
+        finally:
+            # 5. Close.
+            writer.close()
+            checkpoints.close()
+        push(workdir)  # the test figures, translations and plots
+        return final
 
 
-def _train_and_evaluate(task: Task, config: RunConfig, workdir: str, *, start: float,
-                        stop) -> dict[str, Any]:
-    run_config = config_to_dict(config)
-    several = jax.process_count() > 1
-    if several:  # a flag missing on one host: an error on every host, not a hang
+def check_workdir(task: Task, workdir: str, run_config: Mapping[str, Any],
+                  may_change: tuple[str, ...]) -> list[str]:
+    """Whether `workdir` can take this run, before anything is written or prepared: the run
+    it holds (if any) is this one, past one process every process was given the same run,
+    and its checkpoint directory can be written. Pulls a remote W's files into the mirror.
+    -> the may-change fields the run changes ('field: saved -> given')."""
+    if jax.process_count() > 1:  # a flag missing on one host: an error on every host, not a hang
         check_same_on_every_process(json.dumps(run_config, sort_keys=True),
                                     "the run's settings (flags)")
-    changed = check_run_config(workdir, run_config, may_change=config.MAY_CHANGE,
-                               normalize=lambda saved: normal_form(task, saved))
-    if load_run_config(workdir) is None:
-        # First thing on disk: a run killed during data preparation or before its first
-        # checkpoint resumes as itself with --workdir alone. Process 0 writes it.
-        save_run_config(workdir, run_config)
+    path = os.path.join(workdir, CONFIG_FILE)
+    changed = check_run_config(workdir, run_config, may_change=may_change,
+                               normalize=lambda saved: normal_form(task, saved, path=path))
+    if not is_remote(workdir) and jax.process_index() == 0:
+        _check_writable(checkpoint_dir(workdir))
     pull(workdir)  # a remote W: its files (tokenizer, metrics, checksums) into the mirror
-    files = local_dir(workdir)
-    log = printer()
-    if changed:
-        log("resuming with changed settings: " + "; ".join(changed))
-    dp = DataParallel(config.parallel, sharding=config.sharding)
-    eval_dp = dp if dp.mode == "jit" else DataParallel("jit")
-    # Past one process, process 0 prepares first (TFDS builds the datasets, the tokenizer is
-    # trained and written, and pushed when W is remote) and the others then read what it
-    # wrote: two writers of the same files would race.
+    return changed
+
+
+def _check_writable(directory: str) -> None:
+    """A directory that exists but cannot take a new entry (read-only, or not a directory):
+    found now, not at the first save after hours of training. Probed by making an entry,
+    since a mode check says nothing to root."""
+    if not os.path.lexists(directory):
+        return
+    probe = os.path.join(directory, f".write-test-{os.getpid()}")
+    try:
+        os.mkdir(probe)
+        os.rmdir(probe)
+    except OSError as e:
+        raise WorkdirError(f"checkpoint directory {directory} is not writable ({e.strerror}); "
+                           "make it writable, or use another --workdir") from e
+
+
+def prepare_data(task: Task, config: RunConfig, workdir: str, dp: DataParallel,
+                 log: Callable[[str], None]) -> TaskData:
+    """The task's data. Past one process, process 0 prepares first (TFDS builds the datasets,
+    the tokenizer is trained and written, and pushed when W is remote) and the others then
+    read what it wrote: two writers of the same files would race."""
+    several = jax.process_count() > 1
     if several and jax.process_index() != 0:
         multihost_utils.sync_global_devices("train: process 0 prepared the data")
         pull(workdir)
-    data = task.prepare(config, files, dp, log)
+    data = task.prepare(config, local_dir(workdir), dp, log)
     if several and jax.process_index() == 0:
         push(workdir)
         multihost_utils.sync_global_devices("train: process 0 prepared the data")
-    log(f"prepared in {time.monotonic() - start:.1f}s")
+    return data
 
-    model = task.build_model(config)
-    tx, schedule = make_optimizer(task.optimizer_config(config))
-    state = init_state(task, config, model, tx, eval_dp)
-    log(f"model: {task.describe(config)} ({config.preset}), {count_params(state.params):,} "
-        "parameters")
-    loss_fn = task.loss_fn(config, model)
-    eval_step = eval_dp.compile_eval_step(loss_fn, state)
 
-    def evaluate(global_state: TrainState) -> dict[str, float]:
-        return data.evaluate(eval_dp, eval_step, eval_params(global_state))
+def log_stop(result: LoopResult, state: TrainState, train_step, workdir: str,
+             log: Callable[[str], None]) -> None:
+    """How the loop ended, in the log."""
+    compiled = getattr(train_step, "compiled_shapes", None)  # None: the pmap path
+    log(f"stopped at step {int(jax.device_get(state.step))} ({result.reason}) after "
+        f"{result.elapsed:.0f}s of training"
+        + (f"; the train step compiled {compiled} batch shape(s)" if compiled else ""))
+    if result.interrupted:
+        log(f"{result.reason.upper()}: checkpoint saved; resume with --workdir {workdir}")
+    if result.skipped:
+        log(f"{result.skipped} step(s) with a non-finite loss or gradient were skipped")
 
-    examples = getattr(data, "example_batches", None) if config.compile_ahead else None
 
-    fitted: FitResult = fit(
-        state, workdir=workdir, run_config=run_config, dp=dp, loss_fn=loss_fn,
-        lr_schedule=schedule,
-        # Each process builds only its own rows of every global batch.
-        batches=lambda step: data.batches(step, dp.local_rows),
-        keep_checkpoints=config.keep_checkpoints,
-        config=LoopConfig.from_run(config, start=start), evaluate=evaluate, log=log,
-        stop=stop, changes=changed,
-        example_batches=examples(dp.local_rows) if examples else None)
-    state, final = fitted.state, fitted.summary()
-    final.update(params=count_params(state.params), train_seconds=fitted.elapsed)
-    if fitted.interrupted:
-        return final
-    validation = fitted.last_eval or evaluate(state)
-    final.update(data.finish(workdir=files, dp=eval_dp, eval_step=eval_step, model=model,
-                             state=state, params=eval_params(state), validation=validation,
-                             start=start))
-    push(workdir)  # the test figures, translations and plots
-    return final
+def _wall_clock(deadline: float) -> str:
+    """A time.monotonic() deadline as local wall-clock time."""
+    return time.strftime("%H:%M:%S", time.localtime(time.time() + deadline - time.monotonic()))
 
 
 def default_workdir(task: Task, config: RunConfig) -> str:
@@ -237,3 +362,8 @@ def default_workdir(task: Task, config: RunConfig) -> str:
     return os.path.join("runs", f"{task.name}-{getattr(config, task.choice_flag)}-"
                                 f"{config.preset}-"
                                 f"{time.strftime('%Y%m%d-%H%M%S', time.localtime(stamp))}")
+
+
+__all__ = ["CheckpointError", "Task", "TaskData", "config_from_saved", "default_workdir",
+           "eval_params", "init_state", "normal_form", "restore_for_inference",
+           "train_and_evaluate"]

@@ -1,13 +1,14 @@
 """The command line of `python -m train.lm` (flags from the config dataclasses)."""
+
 from __future__ import annotations
 
 import argparse
-from typing import Sequence
+from collections.abc import Sequence
 
 import jax
 
 from train.core import cli
-from train.core.task import default_workdir, train_and_evaluate
+from train.core.task import train_and_evaluate
 from train.lm.config import LMConfig
 from train.lm.generate import generate_text
 from train.lm.task import TASK
@@ -23,10 +24,9 @@ Word level reports perplexity, character level bits per character.
 """
 
 
-def config_from_args(argv: Sequence[str] | None
-                     ) -> tuple[LMConfig | None, str, argparse.Namespace]:
-    """-> (config, or None for --generate; workdir; the parsed args)."""
-    parser, saved = cli.task_parser(TASK, argv, description=DESCRIPTION)
+def make_parser() -> argparse.ArgumentParser:
+    """Every flag of `python -m train.lm` (building it reads no file and starts nothing)."""
+    parser = cli.task_parser(TASK, description=DESCRIPTION)
     sample = parser.add_argument_group("generation (with --workdir of a trained run)")
     sample.add_argument("--generate", metavar="PROMPT",
                         help="print a continuation of PROMPT sampled from the checkpoint")
@@ -34,28 +34,33 @@ def config_from_args(argv: Sequence[str] | None
     sample.add_argument("--temperature", type=float, default=1.0)
     sample.add_argument("--top_k", type=int, default=None)
     sample.add_argument("--top_p", type=float, default=None)
-    args = parser.parse_args(argv)
-    if args.generate is not None:
-        if not args.workdir:
-            parser.error("--generate needs --workdir (a trained run)")
-        return None, args.workdir, args
-    config = cli.resolve_config(parser, args, saved=saved, task=TASK)
-    return config, args.workdir or default_workdir(TASK, config), args
+    return parser
+
+
+def config_from_args(argv: Sequence[str] | None
+                     ) -> tuple[LMConfig, str, argparse.Namespace]:
+    """-> (config, workdir, args) of a training command line, as `main` makes them."""
+    return cli.config_from_args(TASK, make_parser(), argv)
 
 
 def main(argv: Sequence[str] | None = None) -> int:
     """-> the exit code (see train.core.cli.main_of)."""
-    return cli.main_of(config_from_args, _run, argv)
+    parser = make_parser()
+    return cli.main_of(parser, lambda args: _run(parser, args), argv)
 
 
-def _run(config: LMConfig | None, workdir: str, args: argparse.Namespace) -> int:
-    if config is None:
-        text = generate_text(workdir, args.generate, num_tokens=args.num_tokens,
+def _run(parser: argparse.ArgumentParser, args: argparse.Namespace) -> int:
+    if args.generate is not None and not args.workdir:
+        parser.error("--generate needs --workdir (a trained run)")
+    saved = cli.start(args)
+    if args.generate is not None:
+        text = generate_text(args.workdir, args.generate, num_tokens=args.num_tokens,
                              seed=getattr(args, "seed", 0), temperature=args.temperature,
                              top_k=args.top_k, top_p=args.top_p)
         if jax.process_index() == 0:  # the same sample on every process (same seed): once
             print(text)
         return cli.EXIT_OK
+    config, workdir = cli.resolve(TASK, parser, args, saved)
     print(f"workdir: {workdir}", flush=True)
     final = train_and_evaluate(TASK, config, workdir)
     figure = "bpc" if "test_bpc" in final else "ppl"

@@ -124,17 +124,20 @@ class LMData:
     def batches(self, start_step: int, rows=None):
         return self.from_step(start_step, rows)
 
+    def example_batches(self, rows=None) -> list[dict[str, np.ndarray]]:
+        """The stream's one shape: its first batch."""
+        return [next(self.from_step(0, rows))]
+
     def evaluate(self, dp: DataParallel, eval_step: Callable, params) -> dict[str, float]:
         return evaluate_stream(dp, eval_step, params, self.valid, self.config)
 
     def finish(self, *, workdir: str, dp: DataParallel, eval_step: Callable, model,
                state: TrainState, params, validation: Mapping[str, float],
-               start: float) -> dict[str, Any]:
+               writer: MetricsWriter, start: float) -> dict[str, Any]:
         config, step = self.config, int(jax.device_get(state.step))
         test = evaluate_stream(dp, eval_step, params, self.test, config)
         test["total_seconds"] = time.monotonic() - start
-        with MetricsWriter(workdir) as metrics:
-            metrics.write_final(step, "test", test)
+        writer.write_final(step, "test", test)
         out = {f"val_{k}": v for k, v in validation.items()}
         out.update({f"test_{k}": v for k, v in test.items()})
         figure = "bpc" if "bpc" in test else "ppl"

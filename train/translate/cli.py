@@ -1,13 +1,14 @@
 """The command line of `python -m train.translate` (flags from the config dataclasses)."""
+
 from __future__ import annotations
 
 import argparse
-from typing import Sequence
+from collections.abc import Sequence
 
 import jax
 
 from train.core import cli
-from train.core.task import default_workdir, train_and_evaluate
+from train.core.task import train_and_evaluate
 from train.translate.config import TranslateConfig
 from train.translate.evaluate import write_lines
 from train.translate.infer import translate_text
@@ -30,10 +31,10 @@ W/translations/.
 """
 
 
-def config_from_args(argv: Sequence[str] | None
-                     ) -> tuple[TranslateConfig | None, str, argparse.Namespace]:
-    """-> (config, or None for --translate; workdir; the parsed args)."""
-    parser, saved = cli.task_parser(TASK, argv, description=DESCRIPTION)
+def make_parser() -> argparse.ArgumentParser:
+    """Every flag of `python -m train.translate` (building it reads no file and starts
+    nothing)."""
+    parser = cli.task_parser(TASK, description=DESCRIPTION)
     parser.add_argument("--translate", nargs="+", metavar="SENTENCE",
                         help="translate with the checkpoint in --workdir (or --pretrained) "
                              "and exit")
@@ -46,32 +47,46 @@ def config_from_args(argv: Sequence[str] | None
                              "source.spm, target.spm, vocab.json) to translate or --eval with")
     parser.add_argument("--eval", action="store_true",
                         help="with --pretrained: sacreBLEU on the --test_split of Multi30k")
-    args = parser.parse_args(argv)
-    if args.pretrained:
-        if not (args.translate or args.translate_file or args.eval):
-            parser.error("--pretrained needs --translate, --translate_file or --eval")
-        return None, args.workdir or "", args
-    if args.eval:
+    return parser
+
+
+def check_modes(parser: argparse.ArgumentParser, args: argparse.Namespace) -> None:
+    """The flags that choose what the command does must go together (usage errors)."""
+    inference = bool(args.translate or args.translate_file)
+    if args.pretrained and not (inference or args.eval):
+        parser.error("--pretrained needs --translate, --translate_file or --eval")
+    if args.eval and not args.pretrained:
         parser.error("--eval needs --pretrained (a trained run is evaluated when it ends)")
-    if args.translate or args.translate_file:
-        if not args.workdir:
-            parser.error("--translate needs --workdir (a trained run) or --pretrained")
-        return None, args.workdir, args
-    config = cli.resolve_config(parser, args, saved=saved, task=TASK)
-    return config, args.workdir or default_workdir(TASK, config), args
+    if inference and not (args.workdir or args.pretrained):
+        parser.error("--translate needs --workdir (a trained run) or --pretrained")
+
+
+def config_from_args(argv: Sequence[str] | None
+                     ) -> tuple[TranslateConfig, str, argparse.Namespace]:
+    """-> (config, workdir, args) of a training command line, as `main` makes them."""
+    return cli.config_from_args(TASK, make_parser(), argv)
 
 
 def main(argv: Sequence[str] | None = None) -> int:
     """-> the exit code (see train.core.cli.main_of)."""
-    return cli.main_of(config_from_args, _run, argv)
+    parser = make_parser()
+    return cli.main_of(parser, lambda args: _run(parser, args), argv)
 
 
-def _run(config: TranslateConfig | None, workdir: str, args: argparse.Namespace) -> int:
+def _given(args: argparse.Namespace, name: str):
+    """A run field's flag, else its TranslateConfig default (for the commands that make no
+    run config: --pretrained)."""
+    return getattr(args, name, getattr(TranslateConfig, name))
+
+
+def _run(parser: argparse.ArgumentParser, args: argparse.Namespace) -> int:
+    check_modes(parser, args)
+    saved = cli.start(args)
     if args.pretrained and args.eval:
-        result = evaluate_pretrained(args.pretrained, split=getattr(args, "test_split",
-                                                                    "test_2016_flickr"),
-                                     data_dir=getattr(args, "data_dir", None),
-                                     sentences=getattr(args, "eval_sentences", 0),
+        result = evaluate_pretrained(args.pretrained, split=_given(args, "test_split"),
+                                     data_dir=_given(args, "data_dir"),
+                                     sentences=_given(args, "eval_sentences"),
+                                     # None: the checkpoint's own generation default
                                      beam_size=getattr(args, "beam_size", None))
         if jax.process_index() != 0:  # every process decoded its rows; one reports
             return cli.EXIT_OK
@@ -81,7 +96,7 @@ def _run(config: TranslateConfig | None, workdir: str, args: argparse.Namespace)
               f"{args.pretrained} on {result['sentences']} sentences, "
               f"{result['seconds']:.0f}s", flush=True)
         return cli.EXIT_OK
-    if config is None:
+    if args.translate or args.translate_file:
         sentences = list(args.translate or [])
         if args.translate_file:
             with open(args.translate_file, encoding="utf-8") as f:
@@ -90,7 +105,7 @@ def _run(config: TranslateConfig | None, workdir: str, args: argparse.Namespace)
             lines = Pretrained(args.pretrained,
                                beam_size=getattr(args, "beam_size", None)).translate(sentences)
         else:
-            lines = translate_text(workdir, sentences)
+            lines = translate_text(args.workdir, sentences)
         # With several processes each holds every line (decoding gathers them); one writes,
         # or two would race on the same output file.
         if jax.process_index() != 0:
@@ -101,6 +116,7 @@ def _run(config: TranslateConfig | None, workdir: str, args: argparse.Namespace)
             for line in lines:
                 print(line)
         return cli.EXIT_OK
+    config, workdir = cli.resolve(TASK, parser, args, saved)
     print(f"workdir: {workdir}", flush=True)
     final = train_and_evaluate(TASK, config, workdir)
     if "test_bleu" in final:

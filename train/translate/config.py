@@ -170,7 +170,7 @@ PRESETS: dict[str, dict[str, Any]] = {
 def make_config(model: str = "transformer", preset: str = "cpu", *,
                 model_overrides: Mapping[str, Any] = (), **run_overrides) -> TranslateConfig:
     """The config of `preset` for `model`, with field overrides (validated)."""
-    if preset not in PRESETS:
+    if preset not in PRESETS:  # the one list of run presets; the registry sizes each model
         raise ValueError(f"preset: expected one of {sorted(PRESETS)}, got {preset!r}")
     spec = registry.get(model)
     fields = {**spec.run_defaults, **PRESETS[preset], **run_overrides}

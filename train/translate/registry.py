@@ -16,8 +16,6 @@ from transformer_jax.config import TransformerConfig
 from transformer_jax.model import Transformer
 from transformer_jax.seq2seq import RNNSeq2SeqConfig
 
-PRESETS = ("tiny", "cpu", "gpu", "base")
-
 
 @dataclasses.dataclass(frozen=True)
 class TranslationModel:
@@ -102,9 +100,8 @@ def get(name: str) -> TranslationModel:
 
 def build_model_config(name: str, preset: str, *, vocab_size: int,
                        overrides: Mapping[str, Any] = ()) -> Any:
-    """The model config for `preset`, with the joint vocabulary size and field overrides."""
-    if preset not in PRESETS:
-        raise ValueError(f"preset: expected one of {PRESETS}, got {preset!r}")
+    """The model config for `preset` (a run preset of `train.translate.config.PRESETS`, which
+    checks the name), with the joint vocabulary size and field overrides."""
     overrides = dict(overrides)
     for key in ("src_vocab_size", "tgt_vocab_size"):
         if key in overrides and overrides[key] != vocab_size:
@@ -116,4 +113,7 @@ def build_model_config(name: str, preset: str, *, vocab_size: int,
     unknown = sorted(set(overrides) - fields)
     if unknown:
         raise ValueError(f"model {name!r} has no config field(s) {unknown}")
+    if preset not in spec.presets:
+        raise ValueError(f"preset: model {name!r} has no sizes for preset {preset!r} (it has "
+                         f"{sorted(spec.presets)})")
     return spec.presets[preset](vocab_size, **overrides)

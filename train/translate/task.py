@@ -152,7 +152,7 @@ class TranslationData:
 
     def finish(self, *, workdir: str, dp: DataParallel, eval_step: Callable, model: nn.Module,
                state: TrainState, params, validation: Mapping[str, float],
-               start: float) -> dict[str, Any]:
+               writer: MetricsWriter, start: float) -> dict[str, Any]:
         config, test, log = self.config, self.test, self.log
         step = int(jax.device_get(state.step))
         out = {f"val_{k}": v for k, v in validation.items() if k in ("loss", "nll", "ppl")}
@@ -166,8 +166,7 @@ class TranslationData:
                   "bleu": score, "sentences": len(hypotheses), "beam_size": config.beam_size,
                   "eval_seconds": time.monotonic() - t_eval,
                   "total_seconds": time.monotonic() - start}
-        with MetricsWriter(workdir) as metrics:
-            metrics.write_final(step, config.test_split, record)
+        writer.write_final(step, config.test_split, record)
         out.update({f"test_{k}": v for k, v in record.items()})
         out["hypotheses"] = path
         log(f"{config.test_split}: BLEU {score:.2f} (sacreBLEU, cased, 13a, beam "

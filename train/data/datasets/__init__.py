@@ -28,9 +28,28 @@ __all__ = ['DatasetError', 'DatasetSourceError', 'Multi30k', 'Ptb', 'load_multi3
 _PTB_SPLIT_ALIASES = {'valid': 'validation'}
 
 
+def _builder(cls: type, data_dir: str | os.PathLike | None, **kwargs) -> tfds.core.DatasetBuilder:
+    """`cls(data_dir=..., **kwargs)`, prepared. A prepared copy whose metadata
+    (dataset_info.json, features.json) cannot be read is a DatasetError naming its directory,
+    like a damaged data file: TFDS itself raises a protobuf or JSON parse error."""
+    try:
+        builder = cls(data_dir=data_dir, **kwargs)
+        builder.download_and_prepare()  # a no-op once the dataset is on disk
+    except DatasetSourceError:
+        raise
+    except Exception as e:  # TFDS raises protobuf, JSON and OS errors for damaged metadata
+        root = os.fspath(data_dir) if data_dir is not None else tfds.core.constants.DATA_DIR
+        where = os.path.join(root, cls.name, kwargs.get('config', '') or '')
+        cause = str(e).strip().splitlines()[0][:200] if str(e).strip() else type(e).__name__
+        raise DatasetError(
+            f'the prepared dataset {os.path.normpath(where)} cannot be read ({cause}). It is '
+            f'built from the files shipped with the package: delete that directory and run '
+            f'again to rebuild it.') from e
+    return builder
+
+
 def _read_split(builder: tfds.core.DatasetBuilder, split: str) -> list[dict]:
-    """Prepares `builder` if needed and returns every example of `split`, in key order."""
-    builder.download_and_prepare()  # a no-op once the dataset is on disk
+    """Every example of a prepared `builder`'s `split`, in key order."""
     if split not in builder.info.splits:
         raise ValueError(f'{builder.name} has no split {split!r}; '
                          f'splits: {sorted(builder.info.splits)}')
@@ -52,7 +71,7 @@ def load_multi30k(split: str, *, data_dir: str | os.PathLike | None = None
     Splits: train, validation, test_2016_flickr, test_2017_flickr, test_2017_mscoco,
     test_2018_flickr.
     """
-    examples = _read_split(Multi30k(data_dir=data_dir), split)
+    examples = _read_split(_builder(Multi30k, data_dir), split)
     return [(ex['de'].decode('utf-8'), ex['en'].decode('utf-8')) for ex in examples]
 
 
@@ -65,5 +84,5 @@ def load_ptb(level: str, split: str, *, data_dir: str | os.PathLike | None = Non
     if level not in ('word', 'char'):
         raise ValueError(f"level must be 'word' or 'char', got {level!r}")
     split = _PTB_SPLIT_ALIASES.get(split, split)
-    examples = _read_split(Ptb(config=level, data_dir=data_dir), split)
+    examples = _read_split(_builder(Ptb, data_dir, config=level), split)
     return [ex['text'].decode('utf-8') for ex in examples]

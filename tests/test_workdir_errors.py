@@ -1,0 +1,114 @@
+"""What a damaged work directory gets from a command: one line naming the problem and the path,
+exit 1, found before data preparation, and nothing on disk changed.
+
+The cases: a config.json cut short, one that holds a JSON list, a damaged TFDS
+dataset_info.json, and a checkpoint directory that cannot be written. They run the command's
+`main` in this process (the errors come before any training), through the same flow as
+`python -m train.lm`.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+
+import pytest
+
+from train.core import cli
+from train.core.checkpoint import CONFIG_FILE
+from train.data.datasets import DatasetError, load_ptb
+from train.lm import cli as lm_cli
+
+FRESH = ["--preset", "tiny", "--decay_steps", "20", "--eval_tokens", "300", "--plots", "false",
+         "--progress", "false"]
+
+
+def files_of(directory) -> dict[str, bytes]:
+    out = {}
+    for root, _, names in os.walk(directory):
+        for name in names:
+            path = os.path.join(root, name)
+            with open(path, "rb") as f:
+                out[os.path.relpath(path, directory)] = f.read()
+    return out
+
+
+def assert_one_line_error(code, captured, *needles):
+    assert code == cli.EXIT_ERROR, captured.out + captured.err
+    err = captured.err.strip()
+    assert "Traceback" not in err and len(err.splitlines()) <= 2, err  # the message + where
+    for needle in needles:
+        assert needle in err, err
+    assert "data:" not in captured.out  # refused before the data was prepared
+
+
+@pytest.mark.parametrize("content, problem", [
+    ('{"preset": "tiny", "steps": 20, "model_con', "is unreadable"),
+    ('["preset", "tiny"]', "is not a JSON object (it holds a list)"),
+])
+def test_a_damaged_config_json_is_one_line_naming_it(tmp_path, capsys, content, problem):
+    workdir = tmp_path / "run"
+    workdir.mkdir()
+    (workdir / CONFIG_FILE).write_text(content)
+    before = files_of(workdir)
+    code = lm_cli.main(["--workdir", str(workdir)])
+    assert_one_line_error(code, capsys.readouterr(), str(workdir / CONFIG_FILE), problem)
+    after = files_of(workdir)
+    after.pop(cli.ERROR_LOG, None)  # the traceback of the error, for whoever debugs it
+    assert after == before
+
+
+def test_a_damaged_dataset_info_json_names_the_prepared_directory(tmp_path, capsys):
+    data_dir = tmp_path / "tfds"
+    load_ptb("word", "valid", data_dir=data_dir)  # prepared
+    (info,) = (data_dir / "ptb" / "word").glob("*/dataset_info.json")
+    info.write_text('{"name": "ptb", cut short')
+    with pytest.raises(DatasetError, match="the prepared dataset .*ptb/word cannot be read"):
+        load_ptb("word", "valid", data_dir=data_dir)
+    capsys.readouterr()  # TFDS's progress lines while preparing
+    workdir = tmp_path / "run"
+    code = lm_cli.main([*FRESH, "--workdir", str(workdir), "--data_dir", str(data_dir)])
+    assert_one_line_error(code, capsys.readouterr(), f"{data_dir}/ptb/word cannot be read",
+                          "delete that directory and run again")
+
+
+@pytest.fixture
+def immutable(tmp_path):
+    """Makes directories immutable (chattr +i: even root cannot add an entry; a mode bit
+    would not stop root, who runs CI) and undoes it at the end."""
+    made = []
+
+    def make(path):
+        done = subprocess.run(["chattr", "+i", str(path)], capture_output=True)
+        if done.returncode != 0:
+            pytest.skip(f"chattr +i is not available here: {done.stderr.decode().strip()}")
+        made.append(path)
+
+    yield make
+    for path in made:
+        subprocess.run(["chattr", "-i", str(path)], check=False)
+
+
+def test_an_unwritable_checkpoint_directory_is_refused_before_the_run(tmp_path, capsys,
+                                                                      immutable):
+    workdir = tmp_path / "run"
+    checkpoints = workdir / "checkpoints"
+    checkpoints.mkdir(parents=True)
+    immutable(checkpoints)
+    code = lm_cli.main([*FRESH, "--workdir", str(workdir), "--data_dir",
+                        str(tmp_path / "tfds")])
+    assert_one_line_error(code, capsys.readouterr(),
+                          f"checkpoint directory {os.path.abspath(checkpoints)} is not "
+                          "writable")
+    assert not (tmp_path / "tfds").exists()  # nothing prepared
+    assert not (workdir / CONFIG_FILE).exists()
+
+
+def test_a_config_json_that_is_not_a_run_config_is_one_line(tmp_path, capsys):
+    workdir = tmp_path / "run"
+    workdir.mkdir()
+    (workdir / CONFIG_FILE).write_text(json.dumps({"preset": "tiny", "no_such_field": 1}))
+    code = lm_cli.main(["--workdir", str(workdir)])
+    assert_one_line_error(code, capsys.readouterr(), str(workdir / CONFIG_FILE),
+                          "does not describe a run")

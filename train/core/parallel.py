@@ -12,7 +12,7 @@ The same code runs on one GPU, eight CPU devices or a TPU slice, and on several 
         device keeps 1/N of them, and XLA all-gathers a weight where the step uses it and
         reduce-scatters its gradient. Same maths, so the same losses as replicated.
   pmap: the classic per-device program with an explicit `lax.psum` over axis 'data'. Kept for
-        the design's sake and for comparison; it computes the same update (see train.step), but
+        the design's sake and for comparison; it computes the same update (see train.core.step), but
         its dropout masks are drawn per device, so with dropout on the two paths differ in the
         random draws (not in the maths). Single-process only.
 

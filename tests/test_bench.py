@@ -1,5 +1,5 @@
-"""train.flops and train.bench: FLOP formulas against the traced program and XLA's count, the
-measuring helpers against hand arithmetic, and every benchmark section at tiny sizes.
+"""train.bench.flops and train.bench: FLOP formulas against the traced program and XLA's count,
+the measuring helpers against hand arithmetic, and every benchmark section at tiny sizes.
 
 No figure here is a timing: times are only checked to be used consistently (a rate is the FLOPs
 over the median, a throughput the work over the median).
@@ -509,8 +509,8 @@ def test_cpu_vs_torch_compares_the_cpu_presets_at_equal_parameter_counts():
     twins have exactly their parameter counts (4,978,688 and 4,739,344)."""
     torch = pytest.importorskip("torch")
     from train import lm, translate
-    from train.bench import cpu_vs_torch
     from train.bench.torch_reference import TorchTransformer, count_params as torch_params
+    from train.bench.xl_torch_reference import MemTransformerLM
     from train.core.state import count_params
 
     config = BenchConfig.full()
@@ -530,8 +530,7 @@ def test_cpu_vs_torch_compares_the_cpu_presets_at_equal_parameter_counts():
     assert jax_params(Transformer(cfg), dummy, dummy) == torch_params(TorchTransformer(cfg)) \
         == 4_978_688
     xl = config.torch_xl
-    reference = cpu_vs_torch.load_xl_reference()
-    torch_xl = reference.MemTransformerLM(
+    torch_xl = MemTransformerLM(
         n_token=xl.vocab_size, n_layer=xl.n_layers, n_head=xl.n_heads, d_model=xl.d_model,
         d_head=xl.d_head, d_inner=xl.d_inner, tie_weight=xl.tie_weights, mem_len=xl.mem_len)
     assert jax_params(TransformerXL(xl), dummy, init_memory(xl, 1)) == torch_params(torch_xl) \

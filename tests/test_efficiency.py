@@ -6,7 +6,7 @@
   * the compiled Transformer-XL step does not keep a [B, H, T, M + T] float32 score tensor per
     layer for the backward pass (it grows by less than one such tensor per layer);
   * no recompilation after warm-up across 100 steps of bucketed data through the trainer
-    (`train.loop.fit`), which compiles the step once per shape of the batcher's shape set and
+    (`train.core.loop.fit`), which compiles the step once per shape of the batcher's shape set and
     logs how many.
 
 Tiny configs (the 8 fake CPU devices of conftest.py split the batch).

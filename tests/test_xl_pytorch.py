@@ -11,7 +11,7 @@ import pytest
 from xl_jax import TransformerXL, TransformerXLConfig, init_memory, load_pytorch_state_dict
 
 torch = pytest.importorskip("torch")
-from xl_torch_reference import MemTransformerLM  # noqa: E402  (after importorskip)
+from train.bench.xl_torch_reference import MemTransformerLM  # noqa: E402  (after importorskip)
 
 B, T, N_SEGMENTS = 2, 4, 4
 

@@ -174,7 +174,7 @@ def dot_product_attention(
             mask = jnp.broadcast_to(mask, (b, h, t, s))
             # A query with every key masked (a row of a padding-only sequence) gets all its
             # keys back: its output is never read, and the fused kernel then has a finite
-            # softmax to differentiate (an all-masked row gave NaN losses on an H100).
+            # softmax to differentiate (else the losses turn NaN: benchmarks/README.md).
             mask = mask | ~jnp.any(mask, axis=-1, keepdims=True)
         if bias is not None:
             bias = jnp.broadcast_to(bias, (b, h, t, s)).astype(query.dtype)

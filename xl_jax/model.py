@@ -142,8 +142,8 @@ def _run_layers(
 
     def run(mdl, h, stacked_hidden):
         # 'none' unrolls the scan: with nothing to recompute, a loop only adds copies of each
-        # layer's residuals into [L, ...] stacks (23 vs 17 ms a step for 8 enwik8 layers on
-        # an H100); unrolled, it is the plain layer stack, the same numbers (same keys).
+        # layer's residuals into [L, ...] stacks, a slower step (benchmarks/README.md);
+        # unrolled, it is the plain layer stack, the same numbers (same keys).
         unroll = cfg.n_layers if cfg.remat == "none" else 1
         scan = nn.scan(layer_step, variable_axes={"params": 0},
                        split_rngs={"params": True, "dropout": True}, length=cfg.n_layers,

@@ -27,22 +27,22 @@ Sections (`--only` picks some; `matmul` runs first, the training sections divide
                      and Transformer-XL training steps on the CPU against PyTorch's, eager and
                      `torch.compile`d, same model size, interleaved: see `cpu_vs_torch`.
 
-Every training figure is the project's own train step (`train.step.make_train_step` jitted by
-`train.parallel.DataParallel`: state donated, metrics left on device) on one device, in the
+Every training figure is the project's own train step (`train.core.step.make_train_step` jitted by
+`train.core.parallel.DataParallel`: state donated, metrics left on device) on one device, in the
 compute dtype (bf16 on an accelerator: parameters, softmax and loss stay float32). Timing:
 `.lower(...).compile()` is the compile time; then warm-up steps, then the median of N steps each
-ended by `block_until_ready`. FLOPs: the itemized formulas of `train.flops` (stated in the
+ended by `block_until_ready`. FLOPs: the itemized formulas of `train.bench.flops` (stated in the
 output), beside XLA's `compiled.cost_analysis()['flops']` and their ratio. MFU = model FLOPs per
-second / the bf16 matrix rate measured in the same run (and / the datasheet peak when the device
-is known). Peak memory: `compiled.memory_analysis()` (arguments + outputs + temporaries -
-aliased). Results go to OUT/bench.json (every raw figure, the device, versions, date, command
-line) and OUT/bench.md (tables), and are printed.
+second / the bf16 matrix rate measured in the same run (and / the datasheet peak when the device is
+known). Peak memory: `compiled.memory_analysis()` (arguments + outputs + temporaries - aliased).
+Results go to OUT/bench.json (every raw figure, the device, versions, date, command line) and
+OUT/bench.md (tables), and are printed.
 
 One concern per module: config (BenchConfig, its presets, the sections), options (the flags),
-timing, profile (trace parsing), train_steps, decode, xl_eval, cpu_vs_torch (with
-torch_reference, its PyTorch models), report (json, markdown, merging) and run
-(`run_benchmarks`). `__main__` only parses flags and calls `run.run_and_report`; each section
-is an importable function that the tests run at tiny sizes.
+timing, profile (trace parsing), train_steps, decode, xl_eval, cpu_vs_torch (with torch_reference
+and xl_torch_reference, its PyTorch models), report (json, markdown, merging) and run
+(`run_benchmarks`). `__main__` only parses flags and calls `run.run_and_report`; each section is an
+importable function that the tests run at tiny sizes.
 """
 from train.bench.config import DEFAULT_SECTIONS, SECTIONS, BenchConfig
 from train.bench.options import BenchOptions, build_parser, config_from_options, parse_options

@@ -2,13 +2,13 @@
 
 The translation Transformer of the `cpu` preset at each of `config.torch_shapes` (sentences x
 length, sources and targets alike), and the Transformer-XL of train.lm's `cpu` preset (batch
-`torch_xl_batch`, memory carried from step to step) against tests/xl_torch_reference.py's
-MemTransformerLM (skipped outside a source checkout, where tests/ is absent). Per model:
+`torch_xl_batch`, memory carried from step to step) against `xl_torch_reference`'s
+MemTransformerLM (the official model's maths). Per model:
 
-  project        `train.step.make_train_step` with the preset's loss and optimizer, jitted by
-                 `train.parallel.DataParallel` on the CPU device (state donated);
-  torch_eager    `torch_reference`'s model of the same shape and parameter count (asserted),
-                 the same loss and optimizer chain;
+  project        `train.core.step.make_train_step` with the preset's loss and optimizer,
+                 jitted by `train.core.parallel.DataParallel` on the CPU device (state donated);
+  torch_eager    `torch_reference`'s (for XL `xl_torch_reference`'s) model of the same shape
+                 and parameter count (asserted), the same loss and optimizer chain;
   torch_compile  the same, forward and loss under `torch.compile` (its failure is reported,
                  not raised).
 
@@ -20,11 +20,8 @@ pool has: the CPUs this process may run on.
 from __future__ import annotations
 
 import copy
-import importlib.util
 import os
-import pathlib
 import statistics
-import sys
 import time
 from typing import Any, Callable, Mapping
 
@@ -43,8 +40,6 @@ from transformer_jax.optim import make_optimizer
 from xl_jax.memory import init_memory
 from xl_jax.model import TransformerXL
 
-XL_REFERENCE = pathlib.Path(__file__).resolve().parents[2] / "tests" / "xl_torch_reference.py"
-
 
 def import_torch_reference():
     """train.bench.torch_reference, with a sentence if torch is missing."""
@@ -56,20 +51,6 @@ def import_torch_reference():
         raise ImportError("cpu_vs_torch needs PyTorch, a test-only dependency of this project: "
                           "pip install torch (the CPU wheel is enough)") from e
     return torch_reference
-
-
-def load_xl_reference():
-    """tests/xl_torch_reference.py as a module, or None where the source tree has no tests/
-    (an installed package): it is a test file, so it is loaded from its path."""
-    if not XL_REFERENCE.exists():
-        return None
-    name = "_bench_xl_torch_reference"
-    if name not in sys.modules:
-        spec = importlib.util.spec_from_file_location(name, XL_REFERENCE)
-        module = importlib.util.module_from_spec(spec)
-        sys.modules[name] = module   # torch.compile looks functions' modules up here
-        spec.loader.exec_module(module)
-    return sys.modules[name]
 
 
 def xla_cpu_threads() -> int:
@@ -89,19 +70,14 @@ def cpu_vs_torch_bench(config: BenchConfig, *, log: Callable[[str], None] = prin
     threads = xla_cpu_threads()
     torch.set_num_threads(threads)
     cpu = jax.devices("cpu")[0]
-    rows, notes = [], []
+    rows = []
     for b, t in config.torch_shapes:
         log(f"[bench] cpu_vs_torch: Transformer {b} x {t}")
         rows.append(_compare(_transformer_arms(config, b, t, cpu, tr), config))
-    xl_reference = load_xl_reference()
-    if xl_reference is None:
-        notes.append(f"Transformer-XL skipped: {XL_REFERENCE} (a test file) is not in this tree")
-    else:
-        log("[bench] cpu_vs_torch: Transformer-XL")
-        rows.append(_compare(_xl_arms(config, cpu, tr, xl_reference), config))
+    log("[bench] cpu_vs_torch: Transformer-XL")
+    rows.append(_compare(_xl_arms(config, cpu, tr), config))
     return {"torch": torch.__version__, "threads": threads, "cpu": cpu.device_kind,
-            "steps": config.torch_steps, "warmup": config.torch_warmup, "rows": rows,
-            "notes": notes}
+            "steps": config.torch_steps, "warmup": config.torch_warmup, "rows": rows}
 
 
 # ------------------------------------------------------------------------------ one comparison
@@ -226,8 +202,9 @@ def _transformer_arms(config: BenchConfig, b: int, t: int, cpu, tr) -> dict[str,
             "losses": lambda: {"project": project_loss(), **torch_losses()}}
 
 
-def _xl_arms(config: BenchConfig, cpu, tr, reference) -> dict[str, Any]:
+def _xl_arms(config: BenchConfig, cpu, tr) -> dict[str, Any]:
     import torch  # optional, a test-only dependency: imported where the comparison runs
+    from train.bench.xl_torch_reference import MemTransformerLM  # needs torch
 
     cfg = config.torch_xl.replace(dtype=jnp.float32)
     if cfg.dropout or cfg.dropatt:
@@ -252,7 +229,7 @@ def _xl_arms(config: BenchConfig, cpu, tr, reference) -> dict[str, Any]:
     project, n_project, project_loss = _project_arm(lm.make_loss_fn(model), init_state,
                                                     batches, cpu)
     torch.manual_seed(0)
-    eager = reference.MemTransformerLM(
+    eager = MemTransformerLM(
         n_token=cfg.vocab_size, n_layer=cfg.n_layers, n_head=cfg.n_heads, d_model=cfg.d_model,
         d_head=cfg.d_head, d_inner=cfg.d_inner, dropout=0.0, dropatt=0.0,
         tie_weight=cfg.tie_weights, d_embed=cfg.d_embed, div_val=cfg.div_val,

@@ -24,7 +24,7 @@ def decode_bench(model, params, sources: Sequence[Sequence[int]], *, beam_size: 
                  batch_size: int, margin: int, repeats: int,
                  buckets: Sequence[int] | None = None) -> dict[str, Any]:
     """Beam search over every source (token ids ending in EOS), in the evaluation batches of
-    `train.batching.eval_batches` (one compiled shape per bucket in use), output length
+    `train.data.batching.eval_batches` (one compiled shape per bucket in use), output length
     bucket + margin as `train.translate`. A first pass compiles every shape; then `repeats`
     timed passes (each blocked at its end) -> sentences per second of the median pass."""
 

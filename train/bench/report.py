@@ -141,7 +141,9 @@ def _cpu_vs_torch_lines(cmp: Mapping[str, Any] | None) -> list[str]:
                      f"{_num(r['project_over_eager'], '.2f')} | "
                      f"{_num(r.get('project_over_compile'), '.2f')} |")
     notes = [f"{r['name']}: torch.compile failed: {r['compile_error']}"
-             for r in cmp["rows"] if r.get("compile_error")] + cmp["notes"]
+             for r in cmp["rows"] if r.get("compile_error")]
+    # Results of older runs may carry notes (such as an XL row skipped) in a bench.json.
+    notes += cmp.get("notes", [])
     return lines + [""] + [f"- {note}" for note in notes] + ([""] if notes else [])
 
 

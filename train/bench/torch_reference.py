@@ -2,9 +2,10 @@
 
 `TorchTransformer` is `transformer_jax.Transformer` as a PyTorch user writes it (one
 `nn.Transformer`, a shared embedding tied to the output), with the same shapes and parameter
-count; `TorchTrainStep` is `train.step.make_train_step` with the project's optax chain (clip
-the global gradient norm, Adam, then the parameter EMA of `transformer_jax.optim.params_ema`).
-The Transformer-XL twin is tests/xl_torch_reference.py (the official MemTransformerLM's maths).
+count; `TorchTrainStep` is `train.core.step.make_train_step` with the project's optax chain
+(clip the global gradient norm, Adam, then the parameter EMA of
+`transformer_jax.optim.params_ema`). The Transformer-XL twin is `train.bench.xl_torch_reference`
+(the official MemTransformerLM's maths).
 
 torch is a test-only dependency: only the cpu_vs_torch section imports this module.
 """

@@ -1,6 +1,6 @@
-"""Training-step benchmarks: the project's own train step (`train.step.make_train_step`, jitted
-by `train.parallel.DataParallel`: state donated, metrics left on device) on one device, timed,
-with its FLOPs (formula, XLA, jaxpr), memory, MFU and a profile."""
+"""Training-step benchmarks: the project's own train step (`train.core.step.make_train_step`,
+jitted by `train.core.parallel.DataParallel`: state donated, metrics left on device) on one
+device, timed, with its FLOPs (formula, XLA, jaxpr), memory, MFU and a profile."""
 from __future__ import annotations
 
 import dataclasses

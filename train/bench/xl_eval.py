@@ -28,7 +28,7 @@ def xl_eval_bench(xl_config: TransformerXLConfig, *, attn_lengths: Sequence[int]
       vanilla: the same network with no memory on windows [vanilla_batch, A]; each window
         yields one new prediction (its last position), as a model without memory that slides
         its window by one token: per token = median call / vanilla_batch.
-    Also the analytic forward FLOPs per token of each (`train.flops.xl_flops`).
+    Also the analytic forward FLOPs per token of each (`train.bench.flops.xl_flops`).
     """
 
     model = TransformerXL(xl_config)

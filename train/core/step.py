@@ -13,7 +13,7 @@ A model plugs in through one loss function,
 
 The step normalises by the GLOBAL token count after summing over devices, so one step on eight
 devices computes the same update as one step on one device, whatever the padding per shard.
-`jit` / `pmap` and shardings are applied by `train.parallel`, not here.
+`jit` / `pmap` and shardings are applied by `train.core.parallel`, not here.
 """
 from __future__ import annotations
 
@@ -68,14 +68,13 @@ def make_train_step(loss_fn: LossFn, *, lr_schedule: optax.Schedule | None = Non
         # A non-finite loss or gradient never reaches the parameters: the step counter moves
         # on (the next step reads the next batch), everything else stays as it was. The flag
         # travels with the metrics, so the host learns of it without an extra transfer.
-        # (Checked leaf by leaf rather than through grad_norm: sharing that reduction with
-        # the clipping's own norm let XLA reorder it, moving XL's losses in the 8th digit.)
+        # (Checked leaf by leaf, not through grad_norm: sharing that reduction with the
+        # clipping's own norm lets XLA reorder it and move the losses: benchmarks/README.md.)
         finite = jnp.isfinite(loss_sum) & jnp.all(jnp.stack(
             [jnp.all(jnp.isfinite(g)) for g in jax.tree.leaves(grads)]))
-        # A cond, not a select per leaf of the state: XLA fused the whole chain of per-leaf
-        # checks into each of those selects (~70k extra ops for the cpu Transformer, whose
-        # step then compiled in 27 s instead of 10.5 s), and a skipped step does no
-        # optimizer work.
+        # A cond, not a select per leaf of the state: XLA fuses the chain of per-leaf checks
+        # into each select, which multiplies compile time (benchmarks/README.md), and a
+        # skipped step does no optimizer work.
         new_state = lax.cond(finite, lambda s: s.apply_gradients(grads, extra=extra),
                              lambda s: s.replace(step=s.step + 1), state)
         metrics = dict(sums, grad_norm=grad_norm,

@@ -79,7 +79,7 @@ def load_ptb(level: str, split: str, *, data_dir: str | os.PathLike | None = Non
     """PTB lines of `level` ('word'|'char') and `split` ('train'|'valid'|'test'), in file order.
 
     Each line's tokens are its whitespace-separated symbols; append `<eos>` after each line to
-    get the standard LM stream (`train.tokenizers.WordVocab.encode_lines` does).
+    get the standard LM stream (`train.data.tokenizers.WordVocab.encode_lines` does).
     """
     if level not in ('word', 'char'):
         raise ValueError(f"level must be 'word' or 'char', got {level!r}")

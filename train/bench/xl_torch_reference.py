@@ -1,6 +1,7 @@
-"""A compact PyTorch Transformer-XL (attn_type 0), written for the tests from the paper and
-the definitions of the official code (kimiyoung/transformer-xl, pytorch/mem_transformer.py and
-pytorch/utils/proj_adaptive_softmax.py).
+"""A compact PyTorch Transformer-XL (attn_type 0), written from the paper and the definitions of
+the official code (kimiyoung/transformer-xl, pytorch/mem_transformer.py and
+pytorch/utils/proj_adaptive_softmax.py): the reference of tests/test_xl_pytorch.py and the
+PyTorch arm of the cpu_vs_torch section (`train.bench.cpu_vs_torch`).
 
 It is time-major ([T, B, ...]) like the official model, and its module and parameter names are
 the official ones (`layers.0.dec_attn.qkv_net.weight`, `crit.out_layers.0.bias`, ...), so its
@@ -13,6 +14,9 @@ code, none of which change a number:
   * `untie_r` puts u and v in each layer as `layers.{l}.dec_attn.r_w_bias` (the naming of the
     Hugging Face port; the official PyTorch code has shared biases only).
 Eval-mode only matters for the tests (dropout is defined, but tests run `.eval()`).
+
+torch is a test-only dependency: only the tests and the cpu_vs_torch section import this
+module.
 """
 from __future__ import annotations
 

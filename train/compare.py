@@ -1,4 +1,5 @@
 """python -m train.compare: flags only; the work is in `train.translate.compare`."""
+
 import sys
 
 from train.translate.compare import main

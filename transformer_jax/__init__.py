@@ -1,4 +1,6 @@
-"""transformer_jax: the Transformer of "Attention Is All You Need" and the seq2seq models before it."""
+"""transformer_jax: the Transformer of "Attention Is All You Need" and the seq2seq models
+before it."""
+
 from transformer_jax.attention import (
     attend,
     attention_weights,
@@ -7,7 +9,16 @@ from transformer_jax.attention import (
     make_causal_mask,
     make_padding_mask,
 )
+from transformer_jax.baselines import BASELINES, make_baseline
 from transformer_jax.config import TransformerConfig
+from transformer_jax.convs2s import ConvS2S, ConvS2SConfig
+from transformer_jax.decode import (
+    beam_search,
+    greedy_decode,
+    model_step_fn,
+    search_beam,
+    search_greedy,
+)
 from transformer_jax.layers import (
     DecoderLayer,
     EncoderLayer,
@@ -22,16 +33,18 @@ from transformer_jax.losses import (
     smoothed_target_distribution,
     token_cross_entropy,
 )
+from transformer_jax.marian import (
+    GenerationDefaults,
+    load_marian,
+    marian_config,
+    marian_generation_defaults,
+    marian_params,
+    read_marian_weights,
+)
+from transformer_jax.marian_tokenizer import MarianTokenizer
 from transformer_jax.model import Transformer
 from transformer_jax.optim import OptimizerConfig, make_optimizer, noam_schedule, params_ema
 from transformer_jax.positional import PositionalEncoding, sinusoidal_positions, sinusoids_at
-from transformer_jax.decode import (
-    beam_search,
-    greedy_decode,
-    model_step_fn,
-    search_beam,
-    search_greedy,
-)
 from transformer_jax.seq2seq import (
     BahdanauSeq2Seq,
     GRUSeq2Seq,
@@ -41,14 +54,54 @@ from transformer_jax.seq2seq import (
     LuongSeq2Seq,
     RNNSeq2SeqConfig,
 )
-from transformer_jax.convs2s import ConvS2S, ConvS2SConfig
-from transformer_jax.baselines import BASELINES, make_baseline
-from transformer_jax.marian_tokenizer import MarianTokenizer
-from transformer_jax.marian import (
-    GenerationDefaults,
-    load_marian,
-    marian_config,
-    marian_generation_defaults,
-    marian_params,
-    read_marian_weights,
-)
+
+__all__ = [
+    "attend",
+    "attention_weights",
+    "BahdanauSeq2Seq",
+    "BASELINES",
+    "beam_search",
+    "combine_masks",
+    "ConvS2S",
+    "ConvS2SConfig",
+    "DecoderLayer",
+    "dot_product_attention",
+    "EncoderLayer",
+    "FeedForward",
+    "GenerationDefaults",
+    "greedy_decode",
+    "GRUSeq2Seq",
+    "hard_attention_surrogate",
+    "HardAttentionSeq2Seq",
+    "init_reinforce_baseline",
+    "label_smoothed_cross_entropy",
+    "load_marian",
+    "LuongLocalMSeq2Seq",
+    "LuongLocalSeq2Seq",
+    "LuongSeq2Seq",
+    "make_baseline",
+    "make_causal_mask",
+    "make_optimizer",
+    "make_padding_mask",
+    "marian_config",
+    "marian_generation_defaults",
+    "marian_params",
+    "MarianTokenizer",
+    "model_step_fn",
+    "MultiHeadAttention",
+    "noam_schedule",
+    "OptimizerConfig",
+    "params_ema",
+    "PositionalEncoding",
+    "read_marian_weights",
+    "RNNSeq2SeqConfig",
+    "score_function_surrogate",
+    "search_beam",
+    "search_greedy",
+    "sinusoidal_positions",
+    "sinusoids_at",
+    "smoothed_target_distribution",
+    "token_cross_entropy",
+    "Transformer",
+    "TransformerConfig",
+]

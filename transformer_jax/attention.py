@@ -13,6 +13,7 @@ Masks are boolean with True = attend, broadcastable to [B, H, T, S].
 dtype policy: q, k, v may be bf16; scores, softmax and the returned weights are float32 (float64
 when the inputs are float64); the mixed output comes back in v's dtype.
 """
+
 from __future__ import annotations
 
 from typing import Literal
@@ -106,8 +107,12 @@ def attend(
       out [B, T, H, K] in value's dtype, weights [B, H, T, S] float32.
     """
     weights = attention_weights(
-        scores, mask=mask, dropout_rate=dropout_rate, dropout_rng=dropout_rng,
-        deterministic=deterministic)
+        scores,
+        mask=mask,
+        dropout_rate=dropout_rate,
+        dropout_rng=dropout_rng,
+        deterministic=deterministic,
+    )
     out = jnp.einsum("bhts,bshk->bthk", weights.astype(value.dtype), value)
     return out, weights
 
@@ -124,8 +129,14 @@ def _use_fused(query, key, dropout_rate, deterministic, return_weights, implemen
     # decoding step's single row gains nothing). `jax.nn.dot_product_attention` must be told
     # so explicitly: its own default (implementation=None) is the XLA path.
     k = query.shape[-1]
-    return (jax.default_backend() == "gpu" and query.dtype in (jnp.bfloat16, jnp.float16)
-            and key.dtype == query.dtype and k % 8 == 0 and k <= 128 and query.shape[1] > 1)
+    return (
+        jax.default_backend() == "gpu"
+        and query.dtype in (jnp.bfloat16, jnp.float16)
+        and key.dtype == query.dtype
+        and k % 8 == 0
+        and k <= 128
+        and query.shape[1] > 1
+    )
 
 
 def dot_product_attention(
@@ -163,8 +174,7 @@ def dot_product_attention(
       out [B, T, H, K] (and weights if asked).
     """
     if implementation not in IMPLEMENTATIONS:
-        raise ValueError(f"implementation must be one of {IMPLEMENTATIONS}, got "
-                         f"{implementation!r}")
+        raise ValueError(f"implementation must be one of {IMPLEMENTATIONS}, got {implementation!r}")
     if scale is None:
         scale = query.shape[-1] ** -0.5
     if _use_fused(query, key, dropout_rate, deterministic, return_weights, implementation):
@@ -178,13 +188,24 @@ def dot_product_attention(
             mask = mask | ~jnp.any(mask, axis=-1, keepdims=True)
         if bias is not None:
             bias = jnp.broadcast_to(bias, (b, h, t, s)).astype(query.dtype)
-        return jax.nn.dot_product_attention(query, key, value, bias=bias, mask=mask, scale=scale,
-                                            implementation="cudnn")
-    scores = jnp.einsum("bthk,bshk->bhts", query, key,
-                        preferred_element_type=jnp.promote_types(query.dtype, jnp.float32))
+        return jax.nn.dot_product_attention(
+            query, key, value, bias=bias, mask=mask, scale=scale, implementation="cudnn"
+        )
+    scores = jnp.einsum(
+        "bthk,bshk->bhts",
+        query,
+        key,
+        preferred_element_type=jnp.promote_types(query.dtype, jnp.float32),
+    )
     scores = scores * scale
     if bias is not None:
         scores = scores + bias.astype(scores.dtype)
-    out, weights = attend(scores, value, mask=mask, dropout_rate=dropout_rate,
-                          dropout_rng=dropout_rng, deterministic=deterministic)
+    out, weights = attend(
+        scores,
+        value,
+        mask=mask,
+        dropout_rate=dropout_rate,
+        dropout_rng=dropout_rng,
+        deterministic=deterministic,
+    )
     return (out, weights) if return_weights else out

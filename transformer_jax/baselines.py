@@ -8,9 +8,11 @@ Each entry is (config class, module class, defaults): `defaults` are the config 
 the model what its paper describes (e.g. Luong's unidirectional encoder and score), applied
 before the caller's overrides.
 """
+
 from __future__ import annotations
 
-from typing import Any, Mapping, NamedTuple
+from collections.abc import Mapping
+from typing import Any, NamedTuple
 
 from flax import linen as nn
 
@@ -39,16 +41,20 @@ BASELINES: dict[str, Baseline] = {
     "bahdanau": Baseline(RNNSeq2SeqConfig, BahdanauSeq2Seq, {"bidirectional": True}),
     # Luong et al. 2015: one-directional encoder; `dot` was their best global score,
     # `general` their best local-p score.
-    "luong": Baseline(RNNSeq2SeqConfig, LuongSeq2Seq,
-                      {"bidirectional": False, "luong_score": "dot"}),
-    "luong_local": Baseline(RNNSeq2SeqConfig, LuongLocalSeq2Seq,
-                            {"bidirectional": False, "luong_score": "general"}),
-    "luong_local_m": Baseline(RNNSeq2SeqConfig, LuongLocalMSeq2Seq,
-                              {"bidirectional": False, "luong_score": "general"}),
+    "luong": Baseline(
+        RNNSeq2SeqConfig, LuongSeq2Seq, {"bidirectional": False, "luong_score": "dot"}
+    ),
+    "luong_local": Baseline(
+        RNNSeq2SeqConfig, LuongLocalSeq2Seq, {"bidirectional": False, "luong_score": "general"}
+    ),
+    "luong_local_m": Baseline(
+        RNNSeq2SeqConfig, LuongLocalMSeq2Seq, {"bidirectional": False, "luong_score": "general"}
+    ),
     # Xu et al. 2015's stochastic attention on Luong's decoder; trained with REINFORCE
     # (transformer_jax.losses.hard_attention_surrogate).
-    "hard_attention": Baseline(RNNSeq2SeqConfig, HardAttentionSeq2Seq,
-                               {"bidirectional": False, "luong_score": "general"}),
+    "hard_attention": Baseline(
+        RNNSeq2SeqConfig, HardAttentionSeq2Seq, {"bidirectional": False, "luong_score": "general"}
+    ),
     # Gehring et al. 2017 / bentrevett tutorial 5.
     "convs2s": Baseline(ConvS2SConfig, ConvS2S, {}),
 }
@@ -56,8 +62,14 @@ BASELINES: dict[str, Baseline] = {
 PRESETS = ("tutorial", "tiny")
 
 
-def make_baseline(name: str, *, src_vocab_size: int, tgt_vocab_size: int,
-                  preset: str = "tutorial", **overrides: Any) -> nn.Module:
+def make_baseline(
+    name: str,
+    *,
+    src_vocab_size: int,
+    tgt_vocab_size: int,
+    preset: str = "tutorial",
+    **overrides: Any,
+) -> nn.Module:
     """Builds baseline `name` with `preset` sizes; `overrides` replace config fields.
 
     The config is `model.config`. Raises ValueError for an unknown name, preset or field value.
@@ -68,6 +80,8 @@ def make_baseline(name: str, *, src_vocab_size: int, tgt_vocab_size: int,
         raise ValueError(f"preset must be one of {PRESETS}, got {preset!r}")
     entry = BASELINES[name]
     config = getattr(entry.config_cls, preset)(
-        src_vocab_size=src_vocab_size, tgt_vocab_size=tgt_vocab_size,
-        **{**entry.defaults, **overrides})
+        src_vocab_size=src_vocab_size,
+        tgt_vocab_size=tgt_vocab_size,
+        **{**entry.defaults, **overrides},
+    )
     return entry.model_cls(config)

@@ -1,9 +1,11 @@
 """TransformerConfig: every hyper-parameter of the encoder-decoder Transformer, validated once."""
+
 from __future__ import annotations
 
 import dataclasses
 import functools
-from typing import Any, Callable
+from collections.abc import Callable
+from typing import Any
 
 import jax
 import jax.numpy as jnp
@@ -88,29 +90,42 @@ class TransformerConfig:
     attention_impl: str = "auto"
 
     def __post_init__(self):
-        for name in ("src_vocab_size", "tgt_vocab_size", "d_model", "n_heads", "d_ff",
-                     "n_encoder_layers", "n_decoder_layers", "max_len"):
+        for name in (
+            "src_vocab_size",
+            "tgt_vocab_size",
+            "d_model",
+            "n_heads",
+            "d_ff",
+            "n_encoder_layers",
+            "n_decoder_layers",
+            "max_len",
+        ):
             value = getattr(self, name)
             if not isinstance(value, (int, np.integer)) or isinstance(value, bool) or value <= 0:
                 raise ValueError(f"{name} must be a positive integer, got {value!r}")
         if self.d_model % self.n_heads:
             raise ValueError(
-                f"d_model ({self.d_model}) must be divisible by n_heads ({self.n_heads})")
+                f"d_model ({self.d_model}) must be divisible by n_heads ({self.n_heads})"
+            )
         for name in ("dropout", "attention_dropout"):
             value = getattr(self, name)
             if not 0.0 <= value < 1.0:
                 raise ValueError(f"{name} must be in [0, 1), got {value!r}")
         if self.activation not in ACTIVATIONS:
-            raise ValueError(f"activation must be one of {tuple(ACTIVATIONS)}, got "
-                             f"{self.activation!r}")
+            raise ValueError(
+                f"activation must be one of {tuple(ACTIVATIONS)}, got {self.activation!r}"
+            )
         if not self.layer_norm_eps > 0.0:
             raise ValueError(f"layer_norm_eps must be positive, got {self.layer_norm_eps!r}")
         if self.output_bias and not self.tie_output:
-            raise ValueError("output_bias applies to the tied output projection; with "
-                             "tie_output=False the projection has its own bias")
+            raise ValueError(
+                "output_bias applies to the tied output projection; with "
+                "tie_output=False the projection has its own bias"
+            )
         if self.attention_impl not in IMPLEMENTATIONS:
-            raise ValueError(f"attention_impl must be one of {IMPLEMENTATIONS}, got "
-                             f"{self.attention_impl!r}")
+            raise ValueError(
+                f"attention_impl must be one of {IMPLEMENTATIONS}, got {self.attention_impl!r}"
+            )
         if self.positional not in POSITIONAL:
             raise ValueError(f"positional must be one of {POSITIONAL}, got {self.positional!r}")
         if self.positional.startswith("sinusoidal") and self.d_model % 2:
@@ -118,14 +133,17 @@ class TransformerConfig:
         if self.share_embeddings and self.src_vocab_size != self.tgt_vocab_size:
             raise ValueError(
                 f"share_embeddings needs src_vocab_size == tgt_vocab_size, got "
-                f"{self.src_vocab_size} and {self.tgt_vocab_size}")
+                f"{self.src_vocab_size} and {self.tgt_vocab_size}"
+            )
         specials = {"pad_id": self.pad_id, "bos_id": self.bos_id, "eos_id": self.eos_id}
         for name, value in specials.items():
             if not 0 <= value < min(self.src_vocab_size, self.tgt_vocab_size):
                 raise ValueError(f"{name} ({value}) must be a token id in both vocabularies")
         if self.eos_id in (self.pad_id, self.bos_id):
-            raise ValueError(f"pad_id, bos_id and eos_id: eos_id must differ from the other two "
-                             f"(bos_id may equal pad_id), got {specials}")
+            raise ValueError(
+                f"pad_id, bos_id and eos_id: eos_id must differ from the other two "
+                f"(bos_id may equal pad_id), got {specials}"
+            )
         try:
             dtype = np.dtype(self.dtype)
         except TypeError:
@@ -147,8 +165,16 @@ class TransformerConfig:
     @classmethod
     def tiny(cls, **overrides) -> TransformerConfig:
         """A model for tests and toy tasks: 2+2 layers of width 64."""
-        fields = dict(src_vocab_size=32, tgt_vocab_size=32, d_model=64, n_heads=4, d_ff=128,
-                      n_encoder_layers=2, n_decoder_layers=2, max_len=64)
+        fields = dict(
+            src_vocab_size=32,
+            tgt_vocab_size=32,
+            d_model=64,
+            n_heads=4,
+            d_ff=128,
+            n_encoder_layers=2,
+            n_decoder_layers=2,
+            max_len=64,
+        )
         return cls(**{**fields, **overrides})
 
     @classmethod

@@ -25,6 +25,7 @@ and mask. A step costs O(L k D^2 + S E), whatever the target length.
 dtype: parameters float32, computation in `config.dtype`; attention scores and softmax float32
 (in the attention core) and logits float32.
 """
+
 from __future__ import annotations
 
 import dataclasses
@@ -77,15 +78,33 @@ class ConvS2SConfig(BaselinePresets):
     dtype: Any = jnp.float32
 
     _TINY: ClassVar[dict[str, Any]] = dict(
-        emb_dim=16, hid_dim=32, enc_layers=2, dec_layers=2, kernel_size=3, dropout=0.0,
-        max_positions=32)
+        emb_dim=16,
+        hid_dim=32,
+        enc_layers=2,
+        dec_layers=2,
+        kernel_size=3,
+        dropout=0.0,
+        max_positions=32,
+    )
 
     def __post_init__(self):
-        validate_common(self, ("src_vocab_size", "tgt_vocab_size", "emb_dim", "hid_dim",
-                               "enc_layers", "dec_layers", "kernel_size", "max_positions"))
+        validate_common(
+            self,
+            (
+                "src_vocab_size",
+                "tgt_vocab_size",
+                "emb_dim",
+                "hid_dim",
+                "enc_layers",
+                "dec_layers",
+                "kernel_size",
+                "max_positions",
+            ),
+        )
         if self.kernel_size % 2 == 0:
             raise ValueError(
-                f"kernel_size must be odd (symmetric encoder padding), got {self.kernel_size}")
+                f"kernel_size must be odd (symmetric encoder padding), got {self.kernel_size}"
+            )
         if np.dtype(self.dtype) not in _DTYPES:
             raise ValueError(f"dtype must be float32, bfloat16 or float16, got {self.dtype!r}")
 
@@ -112,8 +131,13 @@ class _Embedding(nn.Module):
 
 def _glu_conv(config: ConvS2SConfig, name: str) -> nn.Conv:
     """Convolution to 2 D channels; `nn.glu` then halves them back to D."""
-    return nn.Conv(2 * config.hid_dim, kernel_size=(config.kernel_size,), padding="VALID",
-                   dtype=config.dtype, name=name)
+    return nn.Conv(
+        2 * config.hid_dim,
+        kernel_size=(config.kernel_size,),
+        padding="VALID",
+        dtype=config.dtype,
+        name=name,
+    )
 
 
 class ConvS2SEncoder(nn.Module):
@@ -127,9 +151,10 @@ class ConvS2SEncoder(nn.Module):
         _check_length(c, "source", src.shape[1])
         mask = src != c.pad_id
         embedded = _Embedding(c.src_vocab_size, c, name="embed")(
-            src, jnp.arange(src.shape[1])[None, :])
+            src, jnp.arange(src.shape[1])[None, :]
+        )
         embedded = nn.Dropout(c.dropout)(embedded, deterministic=deterministic)
-        x = nn.Dense(c.hid_dim, dtype=c.dtype, name="emb_to_hid")(embedded)   # [B, S, D]
+        x = nn.Dense(c.hid_dim, dtype=c.dtype, name="emb_to_hid")(embedded)  # [B, S, D]
         half = (c.kernel_size - 1) // 2
         for i in range(c.enc_layers):
             # Pad positions are zeroed before every convolution, so a real token next to them
@@ -137,9 +162,9 @@ class ConvS2SEncoder(nn.Module):
             x = jnp.where(mask[..., None], x, 0.0)
             h = nn.Dropout(c.dropout)(x, deterministic=deterministic)
             h = jnp.pad(h, ((0, 0), (half, half), (0, 0)))
-            h = nn.glu(_glu_conv(c, f"conv_{i}")(h), axis=-1)                  # [B, S, D]
+            h = nn.glu(_glu_conv(c, f"conv_{i}")(h), axis=-1)  # [B, S, D]
             x = (h + x) * _SQRT_HALF
-        keys = nn.Dense(c.emb_dim, dtype=c.dtype, name="hid_to_emb")(x)        # z [B, S, E]
+        keys = nn.Dense(c.emb_dim, dtype=c.dtype, name="hid_to_emb")(x)  # z [B, S, E]
         return {"keys": keys, "values": (keys + embedded) * _SQRT_HALF, "mask": mask}
 
 
@@ -149,8 +174,15 @@ class ConvS2SDecoderLayer(nn.Module):
     config: ConvS2SConfig
 
     @nn.compact
-    def __call__(self, padded: Array, embedded: Array, memory: dict[str, Array], *,
-                 deterministic: bool = True, return_weights: bool = False):
+    def __call__(
+        self,
+        padded: Array,
+        embedded: Array,
+        memory: dict[str, Array],
+        *,
+        deterministic: bool = True,
+        return_weights: bool = False,
+    ):
         """
         Args:
           padded: [B, T + k - 1, D]: the layer input x [B, T, D] preceded by k - 1 earlier
@@ -161,17 +193,21 @@ class ConvS2SDecoderLayer(nn.Module):
           [B, T, D] (and the attention weights [B, 1, T, S] if asked).
         """
         c = self.config
-        x = padded[:, c.kernel_size - 1:]                                      # [B, T, D]
+        x = padded[:, c.kernel_size - 1 :]  # [B, T, D]
         # Dropout on the whole window keeps step-by-step decoding and the full pass identical
         # under deterministic=True (the only mode decoding uses).
         h = nn.Dropout(c.dropout)(padded, deterministic=deterministic)
-        h = nn.glu(_glu_conv(c, "conv")(h), axis=-1)                          # [B, T, D]
+        h = nn.glu(_glu_conv(c, "conv")(h), axis=-1)  # [B, T, D]
         query = (nn.Dense(c.emb_dim, dtype=c.dtype, name="attn_in")(h) + embedded) * _SQRT_HALF
         # Dot-product scores with no 1/sqrt(E) factor, as in the paper.
         context, weights = dot_product_attention(
-            query[:, :, None, :], memory["keys"][:, :, None, :],
-            memory["values"][:, :, None, :], mask=memory["mask"][:, None, None, :],
-            scale=1.0, return_weights=True)                                   # [B, T, 1, E]
+            query[:, :, None, :],
+            memory["keys"][:, :, None, :],
+            memory["values"][:, :, None, :],
+            mask=memory["mask"][:, None, None, :],
+            scale=1.0,
+            return_weights=True,
+        )  # [B, T, 1, E]
         context = nn.Dense(c.hid_dim, dtype=c.dtype, name="attn_out")(context[:, :, 0])
         h = (h + context) * _SQRT_HALF
         out = (h + x) * _SQRT_HALF
@@ -188,8 +224,15 @@ class ConvS2SDecoder(nn.Module):
     config: ConvS2SConfig
 
     @nn.compact
-    def __call__(self, tgt: Array, positions: Array, windows: tuple[Array, ...],
-                 memory: dict[str, Array], *, deterministic: bool = True):
+    def __call__(
+        self,
+        tgt: Array,
+        positions: Array,
+        windows: tuple[Array, ...],
+        memory: dict[str, Array],
+        *,
+        deterministic: bool = True,
+    ):
         """
         Args:
           tgt: [B, T] target tokens.
@@ -203,13 +246,14 @@ class ConvS2SDecoder(nn.Module):
         c = self.config
         embedded = _Embedding(c.tgt_vocab_size, c, name="embed")(tgt, positions)
         embedded = nn.Dropout(c.dropout)(embedded, deterministic=deterministic)
-        x = nn.Dense(c.hid_dim, dtype=c.dtype, name="emb_to_hid")(embedded)   # [B, T, D]
+        x = nn.Dense(c.hid_dim, dtype=c.dtype, name="emb_to_hid")(embedded)  # [B, T, D]
         new_windows, all_weights = [], []
         for i in range(c.dec_layers):
             padded = jnp.concatenate([windows[i].astype(x.dtype), x], axis=1)  # [B, T+k-1, D]
-            new_windows.append(padded[:, padded.shape[1] - (c.kernel_size - 1):])
+            new_windows.append(padded[:, padded.shape[1] - (c.kernel_size - 1) :])
             x, weights = ConvS2SDecoderLayer(c, name=f"layer_{i}")(
-                padded, embedded, memory, deterministic=deterministic, return_weights=True)
+                padded, embedded, memory, deterministic=deterministic, return_weights=True
+            )
             all_weights.append(weights[:, 0])
         x = nn.Dense(c.emb_dim, dtype=c.dtype, name="hid_to_emb")(x)
         x = nn.Dropout(c.dropout)(x, deterministic=deterministic)
@@ -228,17 +272,23 @@ class ConvS2S(nn.Module):
 
     def _empty_windows(self, batch: int) -> tuple[Array, ...]:
         c = self.config
-        return tuple(jnp.zeros((batch, c.kernel_size - 1, c.hid_dim), c.dtype)
-                     for _ in range(c.dec_layers))
+        return tuple(
+            jnp.zeros((batch, c.kernel_size - 1, c.hid_dim), c.dtype) for _ in range(c.dec_layers)
+        )
 
-    def logits_and_attention(self, src: Array, tgt: Array, *, deterministic: bool = True
-                             ) -> tuple[Array, dict[str, Array]]:
+    def logits_and_attention(
+        self, src: Array, tgt: Array, *, deterministic: bool = True
+    ) -> tuple[Array, dict[str, Array]]:
         """`__call__`'s logits [B, T, V] and `attention_maps`' dict from one pass."""
         _check_length(self.config, "target", tgt.shape[1])
         memory = self.encoder(src, deterministic=deterministic)
         logits, _, weights = self.decoder(
-            tgt, jnp.arange(tgt.shape[1])[None, :], self._empty_windows(tgt.shape[0]), memory,
-            deterministic=deterministic)
+            tgt,
+            jnp.arange(tgt.shape[1])[None, :],
+            self._empty_windows(tgt.shape[0]),
+            memory,
+            deterministic=deterministic,
+        )
         return logits, {"weights": weights}
 
     def __call__(self, src: Array, tgt: Array, *, deterministic: bool = True) -> Array:
@@ -255,10 +305,12 @@ class ConvS2S(nn.Module):
         _check_length(self.config, "max_len", max_len)
         return {"windows": self._empty_windows(src.shape[0]), "memory": self.encoder(src)}
 
-    def decode_step(self, tokens: Array, cache: dict[str, Any], *, index: Array
-                    ) -> tuple[Array, dict[str, Any]]:
+    def decode_step(
+        self, tokens: Array, cache: dict[str, Any], *, index: Array
+    ) -> tuple[Array, dict[str, Any]]:
         """tokens [B] at target position `index` -> next-token logits [B, V] and the new cache."""
         positions = jnp.broadcast_to(jnp.asarray(index, jnp.int32), tokens.shape)[:, None]
-        logits, windows, _ = self.decoder(tokens[:, None], positions, cache["windows"],
-                                          cache["memory"])
+        logits, windows, _ = self.decoder(
+            tokens[:, None], positions, cache["windows"], cache["memory"]
+        )
         return logits[:, 0], {"windows": windows, "memory": cache["memory"]}

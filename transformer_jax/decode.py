@@ -19,10 +19,12 @@ Conventions shared by both searches:
   * After EOS a row emits only pad_id; once every row has ended the `lax.while_loop` stops.
   * Everything traces under `jit` with fixed shapes (nothing grows, nothing recompiles).
 """
+
 from __future__ import annotations
 
 import functools
-from typing import Any, Callable
+from collections.abc import Callable
+from typing import Any
 
 import jax
 import jax.numpy as jnp
@@ -141,8 +143,11 @@ def search_beam(
         i, _, _, log_prob, lengths, finished, _ = state
         done = jnp.all(finished)
         if best_only:
-            done = done | jnp.all(_best_is_final(log_prob, lengths, finished, max_len=max_len,
-                                                 alpha=length_penalty_alpha))
+            done = done | jnp.all(
+                _best_is_final(
+                    log_prob, lengths, finished, max_len=max_len, alpha=length_penalty_alpha
+                )
+            )
         return (i < max_len) & ~done
 
     def body(state):
@@ -172,8 +177,9 @@ def search_beam(
         # keys/values, the source mask) was repeated per beam and has only ever been permuted
         # within its sentence, so all W copies are equal and reordering it is the identity.
         # Skipping that gather is exact and saves moving [B*W, S, ...] every step.
-        cache = jax.tree_util.tree_map(lambda new, old: new if new is old else new[rows],
-                                       cache, old_cache)
+        cache = jax.tree_util.tree_map(
+            lambda new, old: new if new is old else new[rows], cache, old_cache
+        )
         return i + 1, tokens, token, log_prob, lengths, finished, cache
 
     # Every slot starts from the same BOS; only slot 0 may expand at step 0, else the first
@@ -194,8 +200,9 @@ def search_beam(
     return (tokens, scores, steps) if with_steps else (tokens, scores)
 
 
-def _best_is_final(log_prob: Array, lengths: Array, finished: Array, *, max_len: int,
-                   alpha: float) -> Array:
+def _best_is_final(
+    log_prob: Array, lengths: Array, finished: Array, *, max_len: int, alpha: float
+) -> Array:
     """[B] bool: no alive hypothesis of the example can still end with a score that reaches its
     best finished one, so its beam 0 will not change again (`search_beam(best_only=True)`).
 
@@ -223,8 +230,9 @@ def _best_is_final(log_prob: Array, lengths: Array, finished: Array, *, max_len:
     # Largest penalty at any length >= n, for each n: a reversed running maximum.
     largest_from = lax.cummax(penalty, reverse=True)  # [O + 1]
     alive_bound = jnp.where(finished, -jnp.inf, log_prob / largest_from[lengths])  # [B, W]
-    finished_score = jnp.where(finished, log_prob / gnmt_length_penalty(lengths, alpha),
-                               -jnp.inf)  # [B, W]
+    finished_score = jnp.where(
+        finished, log_prob / gnmt_length_penalty(lengths, alpha), -jnp.inf
+    )  # [B, W]
     best = jnp.max(finished_score, axis=1)  # [B]; -inf while none has finished
     reach = jnp.max(alive_bound, axis=1)  # [B]
     margin = 1e-5 * jnp.abs(best) + 1e-6
@@ -258,13 +266,19 @@ def greedy_decode(model, params, src: Array, *, max_len: int) -> Array:
     """
     c = model.config
     return search_greedy(
-        model_step_fn(model, params), _init_cache(model, params, src, max_len),
-        batch_size=src.shape[0], max_len=max_len,
-        bos_id=c.bos_id, eos_id=c.eos_id, pad_id=c.pad_id)
+        model_step_fn(model, params),
+        _init_cache(model, params, src, max_len),
+        batch_size=src.shape[0],
+        max_len=max_len,
+        bos_id=c.bos_id,
+        eos_id=c.eos_id,
+        pad_id=c.pad_id,
+    )
 
 
-@functools.partial(jax.jit, static_argnames=("model", "beam_size", "max_len", "length_penalty",
-                                             "best_only"))
+@functools.partial(
+    jax.jit, static_argnames=("model", "beam_size", "max_len", "length_penalty", "best_only")
+)
 def beam_search(
     model,
     params,
@@ -288,7 +302,14 @@ def beam_search(
     """
     c = model.config
     return search_beam(
-        model_step_fn(model, params), _init_cache(model, params, src, max_len),
-        batch_size=src.shape[0], beam_size=beam_size, max_len=max_len,
-        bos_id=c.bos_id, eos_id=c.eos_id, pad_id=c.pad_id,
-        length_penalty_alpha=length_penalty, best_only=best_only)
+        model_step_fn(model, params),
+        _init_cache(model, params, src, max_len),
+        batch_size=src.shape[0],
+        beam_size=beam_size,
+        max_len=max_len,
+        bos_id=c.bos_id,
+        eos_id=c.eos_id,
+        pad_id=c.pad_id,
+        length_penalty_alpha=length_penalty,
+        best_only=best_only,
+    )

@@ -8,9 +8,10 @@ Every attention here goes through `transformer_jax.attention.dot_product_attenti
 Dtype policy: parameters float32; activations in `config.dtype`; attention logits and
 softmax float32 (inside the attention core).
 """
+
 from __future__ import annotations
 
-from typing import Callable
+from collections.abc import Callable
 
 import flax.linen as nn
 import jax
@@ -27,9 +28,14 @@ DecoderLayerCache = dict[str, Array]
 def dense(features: int, *, dtype, **kwargs) -> nn.Dense:
     """A Dense layer computing in `dtype`, with float32 parameters, the paper code's
     Xavier-uniform kernel and a zero bias."""
-    return nn.Dense(features, dtype=dtype, param_dtype=jnp.float32,
-                    kernel_init=nn.initializers.xavier_uniform(),
-                    bias_init=nn.initializers.zeros, **kwargs)
+    return nn.Dense(
+        features,
+        dtype=dtype,
+        param_dtype=jnp.float32,
+        kernel_init=nn.initializers.xavier_uniform(),
+        bias_init=nn.initializers.zeros,
+        **kwargs,
+    )
 
 
 def output_logits(y: Array, table: Array, dtype) -> Array:
@@ -57,8 +63,9 @@ def tied_logits(y: Array, table: Array) -> Array:
     XLA's CPU backend copy the whole [N, V] logits gradient into a transposed layout (the
     largest array of a translation step) where this form transposes y [N, D] and the result.
     """
-    return jnp.einsum("...d,vd->...v", y, table,
-                      preferred_element_type=jnp.promote_types(y.dtype, jnp.float32))
+    return jnp.einsum(
+        "...d,vd->...v", y, table, preferred_element_type=jnp.promote_types(y.dtype, jnp.float32)
+    )
 
 
 def _tied_logits_fwd(y, table):
@@ -67,7 +74,7 @@ def _tied_logits_fwd(y, table):
 
 def _tied_logits_bwd(saved, grad):
     y, table = saved
-    grad = grad.astype(y.dtype)                                           # [..., V]
+    grad = grad.astype(y.dtype)  # [..., V]
     acc = jnp.promote_types(y.dtype, jnp.float32)
     d_y = jnp.einsum("...v,vd->...d", grad, table, preferred_element_type=acc)
     d_table = jnp.einsum("...d,...v->dv", y, grad, preferred_element_type=acc).T
@@ -79,8 +86,9 @@ tied_logits.defvjp(_tied_logits_fwd, _tied_logits_bwd)
 
 def layer_norm(config: TransformerConfig, **kwargs) -> nn.LayerNorm:
     # flax upcasts the statistics to float32 for half dtypes.
-    return nn.LayerNorm(epsilon=config.layer_norm_eps, dtype=config.dtype,
-                        param_dtype=jnp.float32, **kwargs)
+    return nn.LayerNorm(
+        epsilon=config.layer_norm_eps, dtype=config.dtype, param_dtype=jnp.float32, **kwargs
+    )
 
 
 class MultiHeadAttention(nn.Module):
@@ -126,10 +134,16 @@ class MultiHeadAttention(nn.Module):
         rate = cfg.attention_dropout
         dropping = not deterministic and rate > 0.0
         out = dot_product_attention(
-            query, key, value, mask=mask, dropout_rate=rate,
+            query,
+            key,
+            value,
+            mask=mask,
+            dropout_rate=rate,
             dropout_rng=self.make_rng("dropout") if dropping else None,
-            deterministic=deterministic, return_weights=return_weights,
-            implementation=cfg.attention_impl)
+            deterministic=deterministic,
+            return_weights=return_weights,
+            implementation=cfg.attention_impl,
+        )
         out, weights = out if return_weights else (out, None)
         out = self.out(out.reshape(*out.shape[:-2], cfg.d_model))
         return (out, weights) if return_weights else out
@@ -146,8 +160,14 @@ class MultiHeadAttention(nn.Module):
         """inputs_q [B, T, D] attends to inputs_kv [B, S, D] -> [B, T, D] (and the weights
         [B, H, T, S] if `return_weights`)."""
         key, value = self.project_kv(inputs_kv)
-        return self.attend_to(inputs_q, key, value, mask=mask, deterministic=deterministic,
-                              return_weights=return_weights)
+        return self.attend_to(
+            inputs_q,
+            key,
+            value,
+            mask=mask,
+            deterministic=deterministic,
+            return_weights=return_weights,
+        )
 
 
 class FeedForward(nn.Module):
@@ -187,13 +207,15 @@ class Residual(nn.Module):
         y = x + self.dropout(sublayer_out, deterministic=deterministic)
         return y if self.config.norm_first else self.norm(y)
 
-    def __call__(self, x: Array, sublayer: Callable[[Array], Array], *,
-                 deterministic: bool) -> Array:
+    def __call__(
+        self, x: Array, sublayer: Callable[[Array], Array], *, deterministic: bool
+    ) -> Array:
         """x [B, T, D] -> [B, T, D], the whole wrapper around `sublayer` ([B, T, D] -> same)."""
         return self.post(x, sublayer(self.pre(x)), deterministic=deterministic)
 
-    def with_weights(self, x: Array, attention: Callable, *, deterministic: bool,
-                     return_weights: bool) -> tuple[Array, Array | None]:
+    def with_weights(
+        self, x: Array, attention: Callable, *, deterministic: bool, return_weights: bool
+    ) -> tuple[Array, Array | None]:
         """`__call__` around an attention sublayer that returns (out, weights) when
         `return_weights`, else out -> (x [B, T, D], weights or None)."""
         out = attention(self.pre(x))
@@ -212,14 +234,19 @@ class EncoderLayer(nn.Module):
         self.ffn = FeedForward(self.config)
         self.ffn_residual = Residual(self.config)
 
-    def __call__(self, x: Array, *, mask: Array, deterministic: bool = True,
-                 return_weights: bool = False):
+    def __call__(
+        self, x: Array, *, mask: Array, deterministic: bool = True, return_weights: bool = False
+    ):
         """x [B, S, D], mask [B, 1, 1, S] (source padding) -> [B, S, D] (and the
         self-attention weights [B, H, S, S] if `return_weights`)."""
         x, weights = self.self_attn_residual.with_weights(
-            x, lambda h: self.self_attn(h, h, mask=mask, deterministic=deterministic,
-                                        return_weights=return_weights),
-            deterministic=deterministic, return_weights=return_weights)
+            x,
+            lambda h: self.self_attn(
+                h, h, mask=mask, deterministic=deterministic, return_weights=return_weights
+            ),
+            deterministic=deterministic,
+            return_weights=return_weights,
+        )
         x = self.ffn_residual(x, self.ffn, deterministic=deterministic)
         return (x, weights) if return_weights else x
 
@@ -256,10 +283,18 @@ class DecoderLayer(nn.Module):
         """y [B, T, D], cross key/value [B, S, H, K], src_mask [B, 1, 1, S] -> [B, T, D]
         (and the cross-attention weights [B, H, T, S] if `return_weights`)."""
         y, weights = self.cross_attn_residual.with_weights(
-            y, lambda h: self.cross_attn.attend_to(h, cross_key, cross_value, mask=src_mask,
-                                                   deterministic=deterministic,
-                                                   return_weights=return_weights),
-            deterministic=deterministic, return_weights=return_weights)
+            y,
+            lambda h: self.cross_attn.attend_to(
+                h,
+                cross_key,
+                cross_value,
+                mask=src_mask,
+                deterministic=deterministic,
+                return_weights=return_weights,
+            ),
+            deterministic=deterministic,
+            return_weights=return_weights,
+        )
         y = self.ffn_residual(y, self.ffn, deterministic=deterministic)
         return (y, weights) if return_weights else y
 
@@ -277,13 +312,22 @@ class DecoderLayer(nn.Module):
         -> [B, T, D] (and, if `return_weights`, {'decoder_self': [B, H, T, T],
         'cross': [B, H, T, S]})."""
         y, self_weights = self.self_attn_residual.with_weights(
-            y, lambda h: self.self_attn(h, h, mask=self_mask, deterministic=deterministic,
-                                        return_weights=return_weights),
-            deterministic=deterministic, return_weights=return_weights)
+            y,
+            lambda h: self.self_attn(
+                h, h, mask=self_mask, deterministic=deterministic, return_weights=return_weights
+            ),
+            deterministic=deterministic,
+            return_weights=return_weights,
+        )
         cross_key, cross_value = self.cross_attn.project_kv(encoded)
-        y = self._cross_attention_and_ffn(y, cross_key, cross_value, src_mask=src_mask,
-                                          deterministic=deterministic,
-                                          return_weights=return_weights)
+        y = self._cross_attention_and_ffn(
+            y,
+            cross_key,
+            cross_value,
+            src_mask=src_mask,
+            deterministic=deterministic,
+            return_weights=return_weights,
+        )
         if not return_weights:
             return y
         y, cross_weights = y
@@ -295,9 +339,12 @@ class DecoderLayer(nn.Module):
         cfg = self.config
         cross_key, cross_value = self.cross_attn.project_kv(encoded)
         shape = (encoded.shape[0], max_len, cfg.n_heads, cfg.head_dim)
-        return {"self_key": jnp.zeros(shape, cross_key.dtype),
-                "self_value": jnp.zeros(shape, cross_value.dtype),
-                "cross_key": cross_key, "cross_value": cross_value}
+        return {
+            "self_key": jnp.zeros(shape, cross_key.dtype),
+            "self_value": jnp.zeros(shape, cross_value.dtype),
+            "cross_key": cross_key,
+            "cross_value": cross_value,
+        }
 
     def step(
         self,
@@ -323,12 +370,15 @@ class DecoderLayer(nn.Module):
         key, value = self.self_attn.project_kv(h)  # [B, 1, H, K]
         cache = dict(cache)
         cache["self_key"] = lax.dynamic_update_slice(cache["self_key"], key, (0, index, 0, 0))
-        cache["self_value"] = lax.dynamic_update_slice(cache["self_value"], value,
-                                                       (0, index, 0, 0))
+        cache["self_value"] = lax.dynamic_update_slice(cache["self_value"], value, (0, index, 0, 0))
         y = self.self_attn_residual.post(
-            y, self.self_attn.attend_to(h, cache["self_key"], cache["self_value"],
-                                        mask=self_mask, deterministic=True),
-            deterministic=True)
-        y = self._cross_attention_and_ffn(y, cache["cross_key"], cache["cross_value"],
-                                          src_mask=src_mask, deterministic=True)
+            y,
+            self.self_attn.attend_to(
+                h, cache["self_key"], cache["self_value"], mask=self_mask, deterministic=True
+            ),
+            deterministic=True,
+        )
+        y = self._cross_attention_and_ffn(
+            y, cache["cross_key"], cache["cross_value"], src_mask=src_mask, deterministic=True
+        )
         return y, cache

@@ -3,6 +3,7 @@ tokens, and the REINFORCE surrogate of hard attention.
 
 Shapes: B batch, T target length, V vocabulary.
 """
+
 from __future__ import annotations
 
 import functools
@@ -41,14 +42,15 @@ def label_smoothed_cross_entropy(
     vocab = logits.shape[-1]
     if vocab < 3:
         raise ValueError(f"label smoothing needs a vocabulary of at least 3, got {vocab}")
-    loss = token_cross_entropy(logits, targets, smoothing, pad_id)       # [B, T]
+    loss = token_cross_entropy(logits, targets, smoothing, pad_id)  # [B, T]
     real = targets != pad_id
     return jnp.sum(jnp.where(real, loss, 0.0)), jnp.sum(real, dtype=jnp.int32)
 
 
 @functools.partial(jax.custom_vjp, nondiff_argnums=(2, 3))
-def token_cross_entropy(logits: Array, targets: Array, smoothing: float = 0.0,
-                        excluded_id: int | None = None) -> Array:
+def token_cross_entropy(
+    logits: Array, targets: Array, smoothing: float = 0.0, excluded_id: int | None = None
+) -> Array:
     """Per-position cross-entropy -sum_v q_v log softmax(logits)_v: [..., V], [...] -> [...]
     in float32 (float64 for float64 logits).
 
@@ -69,7 +71,7 @@ def _smoothing_weights(vocab: int, smoothing: float, excluded_id: int | None) ->
 def _token_cross_entropy_fwd(logits, targets, smoothing, excluded_id):
     vocab = logits.shape[-1]
     x = logits.astype(jnp.promote_types(logits.dtype, jnp.float32))
-    lse = jax.nn.logsumexp(x, axis=-1)                                       # [...]
+    lse = jax.nn.logsumexp(x, axis=-1)  # [...]
     true_lp = jnp.take_along_axis(x, targets[..., None], axis=-1)[..., 0] - lse
     loss = -(1.0 - smoothing) * true_lp
     if smoothing:
@@ -88,8 +90,8 @@ def _token_cross_entropy_bwd(smoothing, excluded_id, saved, grad):
     ids = jnp.arange(vocab)
     other = _smoothing_weights(vocab, smoothing, excluded_id)
     if excluded_id is not None:
-        other = jnp.where(ids == excluded_id, 0.0, other)                  # [V]
-    q = jnp.where(ids == targets[..., None], 1.0 - smoothing, other)         # [..., V]
+        other = jnp.where(ids == excluded_id, 0.0, other)  # [V]
+    q = jnp.where(ids == targets[..., None], 1.0 - smoothing, other)  # [..., V]
     p = jnp.exp(logits.astype(lse.dtype) - lse[..., None])
     d_logits = grad[..., None] * (p - q)
     return d_logits.astype(logits.dtype), None
@@ -98,8 +100,9 @@ def _token_cross_entropy_bwd(smoothing, excluded_id, saved, grad):
 token_cross_entropy.defvjp(_token_cross_entropy_fwd, _token_cross_entropy_bwd)
 
 
-def smoothed_target_distribution(targets: Array, vocab_size: int, *, smoothing: float,
-                                 pad_id: int) -> Array:
+def smoothed_target_distribution(
+    targets: Array, vocab_size: int, *, smoothing: float, pad_id: int
+) -> Array:
     """The q of `label_smoothed_cross_entropy`, written out: [...] ids -> [..., V] float32.
 
     1 - smoothing on the target, smoothing / (V - 2) on every other id but pad, 0 on pad; a
@@ -176,17 +179,22 @@ def hard_attention_surrogate(
     """
     if not 0.0 <= decay < 1.0:
         raise ValueError(f"decay must be in [0, 1), got {decay!r}")
-    real = targets != pad_id                                                     # [B, T]
+    real = targets != pad_id  # [B, T]
     log_p = jax.nn.log_softmax(jax.lax.stop_gradient(logits).astype(jnp.float32), axis=-1)
     token_lp = jnp.where(real, jnp.take_along_axis(log_p, targets[..., None], -1)[..., 0], 0.0)
     # Reverse cumulative sums along T: what is still to come from step t on.
-    to_come = jnp.flip(jnp.cumsum(jnp.flip(token_lp, -1), -1), -1)               # R_t [B, T]
+    to_come = jnp.flip(jnp.cumsum(jnp.flip(token_lp, -1), -1), -1)  # R_t [B, T]
     remaining = jnp.flip(jnp.cumsum(jnp.flip(real, -1), -1), -1).astype(jnp.float32)
-    per_token = jnp.where(baseline["weight"] > 0,
-                          baseline["mean"] / jnp.maximum(baseline["weight"], 1e-12), 0.0)
-    surrogate = (score_function_surrogate(aux["log_prob"], to_come, per_token * remaining)
-                 - entropy_weight * aux["entropy"])
+    per_token = jnp.where(
+        baseline["weight"] > 0, baseline["mean"] / jnp.maximum(baseline["weight"], 1e-12), 0.0
+    )
+    surrogate = (
+        score_function_surrogate(aux["log_prob"], to_come, per_token * remaining)
+        - entropy_weight * aux["entropy"]
+    )
     batch_mean = token_lp.sum() / jnp.maximum(real.sum(), 1)
-    new_baseline = {"mean": decay * baseline["mean"] + (1.0 - decay) * batch_mean,
-                    "weight": decay * baseline["weight"] + (1.0 - decay)}
+    new_baseline = {
+        "mean": decay * baseline["mean"] + (1.0 - decay) * batch_mean,
+        "weight": decay * baseline["weight"] + (1.0 - decay),
+    }
     return jnp.sum(jnp.where(real, surrogate, 0.0)), new_baseline

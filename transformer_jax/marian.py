@@ -40,11 +40,13 @@ tied, and `embed_positions.weight` (older exports save the sinusoid; it is check
 ours). A missing `final_logits_bias` is zeros, as in transformers. Anything else missing, left
 over or of the wrong shape is an error naming it.
 """
+
 from __future__ import annotations
 
 import dataclasses
+from collections.abc import Mapping
 from pathlib import Path
-from typing import Any, Mapping
+from typing import Any
 
 import jax
 import jax.numpy as jnp
@@ -59,17 +61,36 @@ CONFIG, GENERATION_CONFIG = "config.json", "generation_config.json"
 SAFETENSORS, PYTORCH_BIN = "model.safetensors", "pytorch_model.bin"
 
 # config.json fields without which the architecture is unknown.
-_REQUIRED = ("vocab_size", "d_model", "encoder_layers", "decoder_layers",
-             "encoder_attention_heads", "decoder_attention_heads", "encoder_ffn_dim",
-             "decoder_ffn_dim", "pad_token_id", "eos_token_id", "decoder_start_token_id")
+_REQUIRED = (
+    "vocab_size",
+    "d_model",
+    "encoder_layers",
+    "decoder_layers",
+    "encoder_attention_heads",
+    "decoder_attention_heads",
+    "encoder_ffn_dim",
+    "decoder_ffn_dim",
+    "pad_token_id",
+    "eos_token_id",
+    "decoder_start_token_id",
+)
 # MarianConfig's defaults for the fields an older config.json may leave out.
-_DEFAULTS = {"activation_function": "gelu", "scale_embedding": False,
-             "share_encoder_decoder_embeddings": True, "tie_word_embeddings": True,
-             "max_position_embeddings": 1024, "dropout": 0.1, "attention_dropout": 0.0}
+_DEFAULTS = {
+    "activation_function": "gelu",
+    "scale_embedding": False,
+    "share_encoder_decoder_embeddings": True,
+    "tie_word_embeddings": True,
+    "max_position_embeddings": 1024,
+    "dropout": 0.1,
+    "attention_dropout": 0.0,
+}
 # Options of the BART family that older Marian configs still carry. Marian is post-LN with no
 # extra LayerNorms, so any other value describes a model this loader does not build.
-_UNSUPPORTED = {"normalize_before": False, "add_final_layer_norm": False,
-                "normalize_embedding": False}
+_UNSUPPORTED = {
+    "normalize_before": False,
+    "add_final_layer_norm": False,
+    "normalize_embedding": False,
+}
 # transformers' own generation defaults, for folders that name none.
 _HF_NUM_BEAMS, _HF_MAX_LENGTH = 1, 20
 
@@ -93,15 +114,15 @@ def _field(hf: Mapping[str, Any], name: str, source: str) -> Any:
     if value is None:
         raise ValueError(f"{source} has no {name!r}")
     if name.endswith("token_id") and isinstance(value, list) and len(value) == 1:
-        value = value[0]   # eos_token_id may be a one-element list
-    if name in _REQUIRED and (not isinstance(value, int) or isinstance(value, bool)
-                              or value < 0):
+        value = value[0]  # eos_token_id may be a one-element list
+    if name in _REQUIRED and (not isinstance(value, int) or isinstance(value, bool) or value < 0):
         raise ValueError(f"{source}: {name} must be a non-negative integer, got {value!r}")
     return value
 
 
-def marian_config(hf: Mapping[str, Any], *, dtype: Any = jnp.float32,
-                  source: str = CONFIG) -> TransformerConfig:
+def marian_config(
+    hf: Mapping[str, Any], *, dtype: Any = jnp.float32, source: str = CONFIG
+) -> TransformerConfig:
     """A MarianConfig's fields (config.json as a dict) -> the `TransformerConfig` that builds
     the same network. An option it cannot build is a ValueError naming the field."""
     model_type = hf.get("model_type", "marian")
@@ -110,16 +131,24 @@ def marian_config(hf: Mapping[str, Any], *, dtype: Any = jnp.float32,
     f = {name: _field(hf, name, source) for name in (*_REQUIRED, *_DEFAULTS)}
     for name, supported in _UNSUPPORTED.items():
         if hf.get(name, supported) != supported:
-            raise ValueError(f"{source}: {name}={hf[name]!r} is not supported (Marian is "
-                             f"post-LN with {name}={supported!r})")
-    for enc, dec in (("encoder_attention_heads", "decoder_attention_heads"),
-                     ("encoder_ffn_dim", "decoder_ffn_dim")):
+            raise ValueError(
+                f"{source}: {name}={hf[name]!r} is not supported (Marian is "
+                f"post-LN with {name}={supported!r})"
+            )
+    for enc, dec in (
+        ("encoder_attention_heads", "decoder_attention_heads"),
+        ("encoder_ffn_dim", "decoder_ffn_dim"),
+    ):
         if f[enc] != f[dec]:
-            raise ValueError(f"{source}: {enc} ({f[enc]}) != {dec} ({f[dec]}) is not supported: "
-                             "TransformerConfig has one value for both stacks")
+            raise ValueError(
+                f"{source}: {enc} ({f[enc]}) != {dec} ({f[dec]}) is not supported: "
+                "TransformerConfig has one value for both stacks"
+            )
     if f["activation_function"] not in ACTIVATIONS:
-        raise ValueError(f"{source}: activation_function {f['activation_function']!r} is not "
-                         f"supported (one of {tuple(ACTIVATIONS)})")
+        raise ValueError(
+            f"{source}: activation_function {f['activation_function']!r} is not "
+            f"supported (one of {tuple(ACTIVATIONS)})"
+        )
     shared = bool(f["share_encoder_decoder_embeddings"])
     tgt_vocab = f["vocab_size"] if shared else (hf.get("decoder_vocab_size") or f["vocab_size"])
     tied = bool(f["tie_word_embeddings"])
@@ -128,15 +157,29 @@ def marian_config(hf: Mapping[str, Any], *, dtype: Any = jnp.float32,
     shared = shared and tied
     try:
         return TransformerConfig(
-            src_vocab_size=f["vocab_size"], tgt_vocab_size=tgt_vocab, d_model=f["d_model"],
-            n_heads=f["encoder_attention_heads"], d_ff=f["encoder_ffn_dim"],
-            activation=f["activation_function"], n_encoder_layers=f["encoder_layers"],
-            n_decoder_layers=f["decoder_layers"], dropout=f["dropout"],
-            attention_dropout=f["attention_dropout"], norm_first=False, layer_norm_eps=1e-5,
-            positional="sinusoidal_concat", max_len=f["max_position_embeddings"],
-            scale_embeddings=bool(f["scale_embedding"]), share_embeddings=shared,
-            tie_output=tied, output_bias=tied, pad_id=f["pad_token_id"],
-            bos_id=f["decoder_start_token_id"], eos_id=f["eos_token_id"], dtype=dtype)
+            src_vocab_size=f["vocab_size"],
+            tgt_vocab_size=tgt_vocab,
+            d_model=f["d_model"],
+            n_heads=f["encoder_attention_heads"],
+            d_ff=f["encoder_ffn_dim"],
+            activation=f["activation_function"],
+            n_encoder_layers=f["encoder_layers"],
+            n_decoder_layers=f["decoder_layers"],
+            dropout=f["dropout"],
+            attention_dropout=f["attention_dropout"],
+            norm_first=False,
+            layer_norm_eps=1e-5,
+            positional="sinusoidal_concat",
+            max_len=f["max_position_embeddings"],
+            scale_embeddings=bool(f["scale_embedding"]),
+            share_embeddings=shared,
+            tie_output=tied,
+            output_bias=tied,
+            pad_id=f["pad_token_id"],
+            bos_id=f["decoder_start_token_id"],
+            eos_id=f["eos_token_id"],
+            dtype=dtype,
+        )
     except ValueError as e:
         raise ValueError(f"{source}: {e}") from None
 
@@ -165,19 +208,21 @@ def read_marian_weights(folder: str | Path) -> dict[str, np.ndarray]:
         try:
             from safetensors.numpy import load_file  # optional: the 'pretrained' extra
         except ImportError as e:
-            raise ImportError(f"reading {folder / SAFETENSORS} needs the safetensors package: "
-                              'pip install "attention-jax[pretrained]"') from e
+            raise ImportError(
+                f"reading {folder / SAFETENSORS} needs the safetensors package: "
+                'pip install "attention-jax[pretrained]"'
+            ) from e
         return {k: np.asarray(v, np.float32) for k, v in load_file(folder / SAFETENSORS).items()}
     path = folder / PYTORCH_BIN
     if not path.is_file():
-        raise FileNotFoundError(f"{folder} has no weights: neither {SAFETENSORS} nor "
-                                f"{PYTORCH_BIN}")
+        raise FileNotFoundError(f"{folder} has no weights: neither {SAFETENSORS} nor {PYTORCH_BIN}")
     try:
-        import torch   # optional: only this legacy format needs it
+        import torch  # optional: only this legacy format needs it
     except ImportError:
-        raise ImportError(f"{path} is a PyTorch file and torch is not installed: install "
-                          f"torch, or convert it to {SAFETENSORS} (safetensors.torch.save_file)"
-                          ) from None
+        raise ImportError(
+            f"{path} is a PyTorch file and torch is not installed: install "
+            f"torch, or convert it to {SAFETENSORS} (safetensors.torch.save_file)"
+        ) from None
     state = torch.load(path, map_location="cpu", weights_only=True)
     return {k: v.detach().float().numpy() for k, v in state.items()}
 
@@ -195,12 +240,18 @@ def _name_map(config: TransformerConfig, state: Mapping[str, np.ndarray]) -> dic
         out[(*path, "norm", "bias")] = (f"{name}.bias", False)
 
     def attention(path, name):
-        for ours, theirs in (("query", "q_proj"), ("key", "k_proj"), ("value", "v_proj"),
-                             ("out", "out_proj")):
+        for ours, theirs in (
+            ("query", "q_proj"),
+            ("key", "k_proj"),
+            ("value", "v_proj"),
+            ("out", "out_proj"),
+        ):
             dense((*path, ours), f"{name}.{theirs}")
 
-    for stack, n_layers in (("encoder", config.n_encoder_layers),
-                            ("decoder", config.n_decoder_layers)):
+    for stack, n_layers in (
+        ("encoder", config.n_encoder_layers),
+        ("decoder", config.n_decoder_layers),
+    ):
         for i in range(n_layers):
             ours, theirs = (stack, f"layers_{i}"), f"model.{stack}.layers.{i}"
             attention((*ours, "self_attn"), f"{theirs}.self_attn")
@@ -211,12 +262,13 @@ def _name_map(config: TransformerConfig, state: Mapping[str, np.ndarray]) -> dic
             dense((*ours, "ffn", "inner"), f"{theirs}.fc1")
             dense((*ours, "ffn", "outer"), f"{theirs}.fc2")
             norm((*ours, "ffn_residual"), f"{theirs}.final_layer_norm")
-    def first(*names):   # the first name the file holds (else the first, to name in errors)
+
+    def first(*names):  # the first name the file holds (else the first, to name in errors)
         return next((n for n in names if n in state), names[0]), False
 
     shared = "model.shared.weight"
     enc, dec = "model.encoder.embed_tokens.weight", "model.decoder.embed_tokens.weight"
-    if config.share_embeddings:   # transformers ties all three names; a file holds any of them
+    if config.share_embeddings:  # transformers ties all three names; a file holds any of them
         out[("tgt_embed", "embedding")] = first(shared, enc, dec)
     else:
         out[("src_embed", "embedding")] = first(enc, shared)
@@ -239,8 +291,10 @@ def _check_positions(state: Mapping[str, np.ndarray], config: TransformerConfig)
         # float32 rounding of pos / 10000 ** (2i / D) reaches ~1e-5 at position 1024; a
         # learned or differently laid-out table differs by O(1).
         if table.shape != ours.shape or not np.allclose(table, ours, atol=1e-3):
-            raise ValueError(f"{name} is not Marian's sinusoid (sines then cosines, positions "
-                             "from 0); this loader computes positions and cannot use it")
+            raise ValueError(
+                f"{name} is not Marian's sinusoid (sines then cosines, positions "
+                "from 0); this loader computes positions and cannot use it"
+            )
 
 
 def marian_params(state: Mapping[str, np.ndarray], config: TransformerConfig) -> dict:
@@ -261,8 +315,10 @@ def marian_params(state: Mapping[str, np.ndarray], config: TransformerConfig) ->
             if name == "final_logits_bias":
                 value = np.zeros(leaf.shape, np.float32)
             else:
-                raise ValueError(f"the checkpoint has no {name} (needed for "
-                                 f"{'/'.join(path)} of shape {leaf.shape})")
+                raise ValueError(
+                    f"the checkpoint has no {name} (needed for "
+                    f"{'/'.join(path)} of shape {leaf.shape})"
+                )
         else:
             value = np.asarray(state[name], np.float32)
             if name == "final_logits_bias":
@@ -270,8 +326,9 @@ def marian_params(state: Mapping[str, np.ndarray], config: TransformerConfig) ->
             value = value.T if transposed else value
             if value.shape != leaf.shape:
                 want = leaf.shape[::-1] if transposed else leaf.shape
-                raise ValueError(f"{name} has shape {state[name].shape}, but config.json makes "
-                                 f"it {want}")
+                raise ValueError(
+                    f"{name} has shape {state[name].shape}, but config.json makes it {want}"
+                )
         node = params
         for k in path[:-1]:
             node = node.setdefault(k, {})
@@ -281,8 +338,11 @@ def marian_params(state: Mapping[str, np.ndarray], config: TransformerConfig) ->
     ignored = {"model.encoder.embed_positions.weight", "model.decoder.embed_positions.weight"}
     # Tied copies, and a shared table that transformers 5 keeps but uses for nothing once
     # tie_word_embeddings is false.
-    ignored |= {"model.shared.weight", "model.encoder.embed_tokens.weight",
-                "model.decoder.embed_tokens.weight"}
+    ignored |= {
+        "model.shared.weight",
+        "model.encoder.embed_tokens.weight",
+        "model.decoder.embed_tokens.weight",
+    }
     if config.tie_output:
         ignored.add("lm_head.weight")
     left = sorted(set(state) - used - ignored)
@@ -291,8 +351,9 @@ def marian_params(state: Mapping[str, np.ndarray], config: TransformerConfig) ->
     return params
 
 
-def load_marian(folder: str | Path, *, dtype: Any = jnp.float32
-                ) -> tuple[Transformer, dict, MarianTokenizer | None]:
+def load_marian(
+    folder: str | Path, *, dtype: Any = jnp.float32
+) -> tuple[Transformer, dict, MarianTokenizer | None]:
     """A local OPUS-MT / Marian folder -> (model, params, tokenizer or None).
 
     Everything is checked before the weights are converted: config.json, the tokenizer files
@@ -306,19 +367,23 @@ def load_marian(folder: str | Path, *, dtype: Any = jnp.float32
     folder = Path(folder)
     if not folder.is_dir():
         raise FileNotFoundError(f"{folder} is not a folder")
-    config = marian_config(read_json(folder / CONFIG), dtype=dtype,
-                           source=str(folder / CONFIG))
+    config = marian_config(read_json(folder / CONFIG), dtype=dtype, source=str(folder / CONFIG))
     tokenizer = MarianTokenizer.from_folder(folder) if has_tokenizer_files(folder) else None
     if tokenizer is not None:
-        ids = {"pad_token_id": (tokenizer.pad_id, config.pad_id),
-               "eos_token_id": (tokenizer.eos_id, config.eos_id)}
+        ids = {
+            "pad_token_id": (tokenizer.pad_id, config.pad_id),
+            "eos_token_id": (tokenizer.eos_id, config.eos_id),
+        }
         for name, (theirs, ours) in ids.items():
             if theirs != ours:
-                raise ValueError(f"{folder}: the tokenizer's {name} is {theirs}, config.json's "
-                                 f"is {ours}")
+                raise ValueError(
+                    f"{folder}: the tokenizer's {name} is {theirs}, config.json's is {ours}"
+                )
         if tokenizer.source_vocab_size > config.src_vocab_size:
-            raise ValueError(f"{folder}: vocab.json has ids up to "
-                             f"{tokenizer.source_vocab_size - 1}, beyond config.json's "
-                             f"vocab_size {config.src_vocab_size}")
+            raise ValueError(
+                f"{folder}: vocab.json has ids up to "
+                f"{tokenizer.source_vocab_size - 1}, beyond config.json's "
+                f"vocab_size {config.src_vocab_size}"
+            )
     params = marian_params(read_marian_weights(folder), config)
     return Transformer(config), params, tokenizer

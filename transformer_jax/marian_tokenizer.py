@@ -10,17 +10,23 @@ with `target_vocab.json`, the source side only. Encoding and decoding follow tra
 `MarianTokenizer` (`tokenizer(texts, padding=True)` and `decode(ids,
 skip_special_tokens=True)` with the target SentencePiece model); the tests compare the two.
 """
+
 from __future__ import annotations
 
 import json
 import re
+from collections.abc import Sequence
 from pathlib import Path
-from typing import Any, Sequence
+from typing import Any
 
 import numpy as np
 
-SOURCE_SPM, TARGET_SPM, VOCAB, TARGET_VOCAB = ("source.spm", "target.spm", "vocab.json",
-                                               "target_vocab.json")
+SOURCE_SPM, TARGET_SPM, VOCAB, TARGET_VOCAB = (
+    "source.spm",
+    "target.spm",
+    "vocab.json",
+    "target_vocab.json",
+)
 TOKENIZER_FILES = (SOURCE_SPM, TARGET_SPM, VOCAB)
 # SentencePiece's word-boundary mark, which decoding turns back into a space.
 _SPACE = "\u2581"
@@ -42,8 +48,10 @@ def _load_spm(path: Path) -> Any:
     try:
         import sentencepiece  # optional: the 'pretrained' extra; the model loads without it
     except ImportError as e:
-        raise ImportError(f"reading {path} needs the sentencepiece package: "
-                          'pip install "attention-jax[pretrained]"') from e
+        raise ImportError(
+            f"reading {path} needs the sentencepiece package: "
+            'pip install "attention-jax[pretrained]"'
+        ) from e
     spm = sentencepiece.SentencePieceProcessor()
     try:
         spm.Load(str(path))
@@ -85,12 +93,14 @@ class MarianTokenizer:
         self.spm_source = _load_spm(Path(source_spm))
         self.spm_target = _load_spm(Path(target_spm))
         self.source_vocab = _read_vocab(Path(vocab), specials)
-        target = self.source_vocab if target_vocab is None else _read_vocab(Path(target_vocab),
-                                                                            specials)
+        target = (
+            self.source_vocab if target_vocab is None else _read_vocab(Path(target_vocab), specials)
+        )
         self.unk_id, self.eos_id, self.pad_id = (self.source_vocab[t] for t in specials)
         if (target[eos_token], target[pad_token]) != (self.eos_id, self.pad_id):
-            raise ValueError(f"{target_vocab} gives {eos_token} and {pad_token} other ids than "
-                             f"{vocab}")
+            raise ValueError(
+                f"{target_vocab} gives {eos_token} and {pad_token} other ids than {vocab}"
+            )
         self._target_pieces = {i: piece for piece, i in target.items()}
         # Text naming a special token stands for that token, as in transformers.
         self._specials = {t: self.source_vocab[t] for t in specials}
@@ -106,10 +116,18 @@ class MarianTokenizer:
         options = read_json(config_path) if config_path.is_file() else {}
         target_vocab = folder / TARGET_VOCAB
         separate = options.get("separate_vocabs", target_vocab.is_file())
-        tokens = {k: options[k] for k in ("unk_token", "eos_token", "pad_token")
-                  if isinstance(options.get(k), str)}
-        return cls(folder / SOURCE_SPM, folder / TARGET_SPM, folder / VOCAB,
-                   target_vocab if separate else None, **tokens)
+        tokens = {
+            k: options[k]
+            for k in ("unk_token", "eos_token", "pad_token")
+            if isinstance(options.get(k), str)
+        }
+        return cls(
+            folder / SOURCE_SPM,
+            folder / TARGET_SPM,
+            folder / VOCAB,
+            target_vocab if separate else None,
+            **tokens,
+        )
 
     @property
     def source_vocab_size(self) -> int:
@@ -121,7 +139,7 @@ class MarianTokenizer:
         code such as `>>fra<<` (multilingual targets) stays one piece."""
         code = []
         if text.startswith(">>") and (end := text.find("<<")) != -1:
-            code, text = [text[:end + 2]], text[end + 2:]
+            code, text = [text[: end + 2]], text[end + 2 :]
         return code + self.spm_source.encode(text, out_type=str)
 
     def encode_one(self, text: str, *, max_len: int | None = None) -> list[int]:
@@ -133,7 +151,7 @@ class MarianTokenizer:
             elif chunk:
                 ids.extend(self.source_vocab.get(p, self.unk_id) for p in self._pieces(chunk))
         if max_len is not None:
-            ids = ids[:max_len - 1]
+            ids = ids[: max_len - 1]
         return ids + [self.eos_id]
 
     def encode(self, texts: Sequence[str], *, max_len: int | None = None) -> np.ndarray:
@@ -146,7 +164,7 @@ class MarianTokenizer:
         rows = [self.encode_one(t, max_len=max_len) for t in texts]
         out = np.full((len(rows), max(map(len, rows))), self.pad_id, np.int32)
         for i, row in enumerate(rows):
-            out[i, :len(row)] = row
+            out[i, : len(row)] = row
         return out
 
     def decode_one(self, ids: Sequence[int]) -> str:
@@ -177,7 +195,7 @@ def has_tokenizer_files(folder: str | Path) -> bool:
     folder = Path(folder)
     missing = [name for name in TOKENIZER_FILES if not (folder / name).is_file()]
     if missing and len(missing) < len(TOKENIZER_FILES):
-        raise FileNotFoundError(f"{folder} has part of a Marian tokenizer; missing: "
-                                f"{', '.join(missing)}")
+        raise FileNotFoundError(
+            f"{folder} has part of a Marian tokenizer; missing: {', '.join(missing)}"
+        )
     return not missing
-

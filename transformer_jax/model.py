@@ -13,6 +13,7 @@ Dtype policy: parameters float32; activations in `config.dtype`; attention logit
 and the logits in float32; the tied output projection multiplies in `config.dtype` with
 float32 accumulation (an untied one is float32).
 """
+
 from __future__ import annotations
 
 import math
@@ -43,8 +44,9 @@ class Encoder(nn.Module):
         self.layers = [EncoderLayer(cfg) for _ in range(cfg.n_encoder_layers)]
         self.final_norm = layer_norm(cfg) if cfg.norm_first else None
 
-    def __call__(self, x: Array, *, mask: Array, deterministic: bool = True,
-                 return_weights: bool = False):
+    def __call__(
+        self, x: Array, *, mask: Array, deterministic: bool = True, return_weights: bool = False
+    ):
         """x [B, S, D] embedded source, mask [B, 1, 1, S] -> [B, S, D] (and, if
         `return_weights`, every layer's self-attention weights [B, L, H, S, S])."""
         weights = []
@@ -85,15 +87,20 @@ class Decoder(nn.Module):
         [B, L, H, T, T], 'cross': [B, L, H, T, S]} over the L layers)."""
         weights = []
         for layer in self.layers:
-            y = layer(y, encoded, self_mask=self_mask, src_mask=src_mask,
-                      deterministic=deterministic, return_weights=return_weights)
+            y = layer(
+                y,
+                encoded,
+                self_mask=self_mask,
+                src_mask=src_mask,
+                deterministic=deterministic,
+                return_weights=return_weights,
+            )
             if return_weights:
                 y, w = y
                 weights.append(w)
         if not return_weights:
             return self._finish(y)
-        return self._finish(y), jax.tree_util.tree_map(lambda *w: jnp.stack(w, axis=1),
-                                                       *weights)
+        return self._finish(y), jax.tree_util.tree_map(lambda *w: jnp.stack(w, axis=1), *weights)
 
     def init_cache(self, encoded: Array, *, max_len: int) -> tuple[dict[str, Array], ...]:
         """One cache per layer (see `DecoderLayer.init_cache`)."""
@@ -111,8 +118,9 @@ class Decoder(nn.Module):
         """y [B, 1, D] at position `index` -> [B, 1, D] and the updated per-layer caches."""
         new_cache = []
         for layer, layer_cache in zip(self.layers, cache):
-            y, layer_cache = layer.step(y, layer_cache, index=index, self_mask=self_mask,
-                                        src_mask=src_mask)
+            y, layer_cache = layer.step(
+                y, layer_cache, index=index, self_mask=self_mask, src_mask=src_mask
+            )
             new_cache.append(layer_cache)
         return self._finish(y), tuple(new_cache)
 
@@ -141,8 +149,13 @@ class Transformer(nn.Module):
         def embed(vocab_size):
             # Normal(0, D**-0.5) as tensor2tensor: after the sqrt(D) scaling the embeddings
             # enter at unit scale. Kept in float32 because the tied output projection uses it.
-            return nn.Embed(vocab_size, d, dtype=jnp.float32, param_dtype=jnp.float32,
-                            embedding_init=nn.initializers.normal(stddev=d ** -0.5))
+            return nn.Embed(
+                vocab_size,
+                d,
+                dtype=jnp.float32,
+                param_dtype=jnp.float32,
+                embedding_init=nn.initializers.normal(stddev=d**-0.5),
+            )
 
         self.tgt_embed = embed(cfg.tgt_vocab_size)
         self.src_embed = self.tgt_embed if cfg.share_embeddings else embed(cfg.src_vocab_size)
@@ -153,17 +166,21 @@ class Transformer(nn.Module):
         if not cfg.tie_output:
             self.output = dense(cfg.tgt_vocab_size, dtype=jnp.float32)
         elif cfg.output_bias:
-            self.output_bias = self.param("output_bias", nn.initializers.zeros,
-                                          (cfg.tgt_vocab_size,), jnp.float32)
+            self.output_bias = self.param(
+                "output_bias", nn.initializers.zeros, (cfg.tgt_vocab_size,), jnp.float32
+            )
 
     def _check_length(self, length: int, what: str) -> None:
         cfg = self.config
         if cfg.positional == "learned" and length > cfg.max_len:
-            raise ValueError(f"{what} ({length}) exceeds config.max_len ({cfg.max_len}), the "
-                             "rows of the learned position table")
+            raise ValueError(
+                f"{what} ({length}) exceeds config.max_len ({cfg.max_len}), the "
+                "rows of the learned position table"
+            )
 
-    def _embed(self, table: nn.Embed, tokens: Array, positions: Array, *,
-               deterministic: bool) -> Array:
+    def _embed(
+        self, table: nn.Embed, tokens: Array, positions: Array, *, deterministic: bool
+    ) -> Array:
         """tokens [B, T], positions [T] -> [B, T, D] in config.dtype."""
         cfg = self.config
         x = table(tokens)
@@ -197,27 +214,42 @@ class Transformer(nn.Module):
         """src [B, S] int32 (pad_id padded) -> encoded [B, S, D] (and the encoder's
         self-attention weights [B, L, H, S, S] if `return_weights`)."""
         self._check_length(src.shape[1], "source length")
-        x = self._embed(self.src_embed, src, jnp.arange(src.shape[1]),
-                        deterministic=deterministic)
-        return self.encoder(x, mask=make_padding_mask(src, self.config.pad_id),
-                            deterministic=deterministic, return_weights=return_weights)
+        x = self._embed(self.src_embed, src, jnp.arange(src.shape[1]), deterministic=deterministic)
+        return self.encoder(
+            x,
+            mask=make_padding_mask(src, self.config.pad_id),
+            deterministic=deterministic,
+            return_weights=return_weights,
+        )
 
-    def decode(self, encoded: Array, src: Array, tgt: Array, *,
-               deterministic: bool = True, return_weights: bool = False):
+    def decode(
+        self,
+        encoded: Array,
+        src: Array,
+        tgt: Array,
+        *,
+        deterministic: bool = True,
+        return_weights: bool = False,
+    ):
         """encoded [B, S, D], src [B, S] (for its padding), tgt [B, T] decoder input starting
         with BOS -> logits [B, T, V] float32; logits[:, t] predict the token after tgt[:, t].
         With `return_weights`, also {'decoder_self': [B, L, H, T, T], 'cross':
         [B, L, H, T, S]}."""
         cfg = self.config
         self._check_length(tgt.shape[1], "target length")
-        y = self._embed(self.tgt_embed, tgt, jnp.arange(tgt.shape[1]),
-                        deterministic=deterministic)
+        y = self._embed(self.tgt_embed, tgt, jnp.arange(tgt.shape[1]), deterministic=deterministic)
         # The decoder's self-attention sees neither future positions nor pad.
-        self_mask = combine_masks(make_causal_mask(tgt.shape[1]),
-                                  self._target_keys(tgt)[:, None, None, :])
-        y = self.decoder(y, encoded, self_mask=self_mask,
-                         src_mask=make_padding_mask(src, cfg.pad_id),
-                         deterministic=deterministic, return_weights=return_weights)
+        self_mask = combine_masks(
+            make_causal_mask(tgt.shape[1]), self._target_keys(tgt)[:, None, None, :]
+        )
+        y = self.decoder(
+            y,
+            encoded,
+            self_mask=self_mask,
+            src_mask=make_padding_mask(src, cfg.pad_id),
+            deterministic=deterministic,
+            return_weights=return_weights,
+        )
         if return_weights:
             y, weights = y
             return self._logits(y), weights
@@ -225,8 +257,9 @@ class Transformer(nn.Module):
 
     def __call__(self, src: Array, tgt: Array, *, deterministic: bool = True) -> Array:
         """src [B, S], tgt [B, T] int32 -> logits [B, T, V] float32."""
-        return self.decode(self.encode(src, deterministic=deterministic), src, tgt,
-                           deterministic=deterministic)
+        return self.decode(
+            self.encode(src, deterministic=deterministic), src, tgt, deterministic=deterministic
+        )
 
     def attention_maps(self, src: Array, tgt: Array) -> dict[str, Array]:
         """The attention-map protocol (deterministic, teacher-forced):
@@ -251,19 +284,26 @@ class Transformer(nn.Module):
             "layers": self.decoder.init_cache(encoded, max_len=max_len),
         }
 
-    def decode_step(self, tokens: Array, cache: DecodeCache, *,
-                    index: Array) -> tuple[Array, DecodeCache]:
+    def decode_step(
+        self, tokens: Array, cache: DecodeCache, *, index: Array
+    ) -> tuple[Array, DecodeCache]:
         """tokens [B] int32 at target position `index` (int32 scalar, BOS at 0)
         -> next-token logits [B, V] float32 and the updated cache. Cost O(C), not O(C^2)."""
         max_len = cache["tgt_valid"].shape[1]
         tgt_valid = lax.dynamic_update_slice(
-            cache["tgt_valid"], self._target_keys(tokens[:, None]), (0, index))
+            cache["tgt_valid"], self._target_keys(tokens[:, None]), (0, index)
+        )
         # Same keys as the full pass's causal & padding mask, restricted to row `index`.
         self_mask = (tgt_valid & (jnp.arange(max_len) <= index))[:, None, None, :]
-        y = self._embed(self.tgt_embed, tokens[:, None], jnp.reshape(index, (1,)),
-                        deterministic=True)
-        y, layers = self.decoder.step(y, cache["layers"], index=index, self_mask=self_mask,
-                                      src_mask=cache["src_valid"][:, None, None, :])
+        y = self._embed(
+            self.tgt_embed, tokens[:, None], jnp.reshape(index, (1,)), deterministic=True
+        )
+        y, layers = self.decoder.step(
+            y,
+            cache["layers"],
+            index=index,
+            self_mask=self_mask,
+            src_mask=cache["src_valid"][:, None, None, :],
+        )
         logits = self._logits(y[:, 0])
-        return logits, {"src_valid": cache["src_valid"], "tgt_valid": tgt_valid,
-                        "layers": layers}
+        return logits, {"src_valid": cache["src_valid"], "tgt_valid": tgt_valid, "layers": layers}

@@ -3,6 +3,7 @@ Transformer-XL's linear warm-up + cosine), Adam, global-norm clipping and `param
 exponential moving average of the parameters kept in the optimizer state, all behind one
 `make_optimizer(OptimizerConfig)`.
 """
+
 from __future__ import annotations
 
 import dataclasses
@@ -48,15 +49,17 @@ class OptimizerConfig:
             raise ValueError(f"schedule: expected one of {SCHEDULES}, got {self.schedule!r}")
         if self.schedule == "noam":
             if not self.d_model or self.d_model <= 0 or self.warmup_steps <= 0:
-                raise ValueError("noam: d_model and warmup_steps must be positive, got "
-                                 f"{self.d_model}, {self.warmup_steps}")
+                raise ValueError(
+                    "noam: d_model and warmup_steps must be positive, got "
+                    f"{self.d_model}, {self.warmup_steps}"
+                )
         elif not (self.learning_rate > 0 and jnp.isfinite(self.learning_rate)):
             # `> 0` is False for NaN too, but say so: a NaN rate would train to NaN.
-            raise ValueError(f"learning_rate: must be a finite number > 0, got "
-                             f"{self.learning_rate}")
+            raise ValueError(
+                f"learning_rate: must be a finite number > 0, got {self.learning_rate}"
+            )
         if self.schedule == "cosine" and self.decay_steps <= 0:
-            raise ValueError(f"decay_steps: the cosine horizon must be > 0, got "
-                             f"{self.decay_steps}")
+            raise ValueError(f"decay_steps: the cosine horizon must be > 0, got {self.decay_steps}")
         if self.warmup_steps < 0 or self.min_learning_rate < 0:
             raise ValueError("warmup_steps and min_learning_rate: must be >= 0")
         if self.clip_norm is not None and not self.clip_norm > 0:
@@ -73,18 +76,20 @@ def noam_schedule(d_model: int, warmup_steps: int, factor: float = 1.0) -> optax
     step = warmup_steps, is factor / sqrt(d_model * warmup_steps).
     """
     if d_model <= 0 or warmup_steps <= 0:
-        raise ValueError(f"d_model and warmup_steps must be positive, got {d_model}, "
-                         f"{warmup_steps}")
+        raise ValueError(
+            f"d_model and warmup_steps must be positive, got {d_model}, {warmup_steps}"
+        )
 
     def schedule(count):
         step = jnp.asarray(count, jnp.float32) + 1.0
-        return factor * d_model ** -0.5 * jnp.minimum(step ** -0.5, step * warmup_steps ** -1.5)
+        return factor * d_model**-0.5 * jnp.minimum(step**-0.5, step * warmup_steps**-1.5)
 
     return schedule
 
 
-def warmup_cosine_schedule(learning_rate: float, *, warmup_steps: int, decay_steps: int,
-                           min_learning_rate: float = 0.0) -> optax.Schedule:
+def warmup_cosine_schedule(
+    learning_rate: float, *, warmup_steps: int, decay_steps: int, min_learning_rate: float = 0.0
+) -> optax.Schedule:
     """The Transformer-XL reference's schedule with 1-based step t: lr * t / warmup while
     t < warmup, then min_lr + (lr - min_lr) * (1 + cos(pi * t / decay_steps)) / 2, t capped
     at decay_steps."""
@@ -92,8 +97,9 @@ def warmup_cosine_schedule(learning_rate: float, *, warmup_steps: int, decay_ste
 
     def schedule(count):
         t = jnp.asarray(count, jnp.float32) + 1.0
-        cosine = floor + (lr - floor) * 0.5 * (1.0 + jnp.cos(jnp.pi * jnp.minimum(t, total)
-                                                             / total))
+        cosine = floor + (lr - floor) * 0.5 * (
+            1.0 + jnp.cos(jnp.pi * jnp.minimum(t, total) / total)
+        )
         return jnp.where(t < warmup_steps, lr * t / max(warmup_steps, 1), cosine)
 
     return schedule
@@ -103,14 +109,16 @@ def make_schedule(config: OptimizerConfig) -> optax.Schedule:
     if config.schedule == "noam":
         return noam_schedule(config.d_model, config.warmup_steps, config.lr_factor)
     if config.schedule == "cosine":
-        return warmup_cosine_schedule(config.learning_rate, warmup_steps=config.warmup_steps,
-                                      decay_steps=config.decay_steps,
-                                      min_learning_rate=config.min_learning_rate)
+        return warmup_cosine_schedule(
+            config.learning_rate,
+            warmup_steps=config.warmup_steps,
+            decay_steps=config.decay_steps,
+            min_learning_rate=config.min_learning_rate,
+        )
     return optax.constant_schedule(config.learning_rate)
 
 
-def make_optimizer(config: OptimizerConfig) -> tuple[optax.GradientTransformation,
-                                                     optax.Schedule]:
+def make_optimizer(config: OptimizerConfig) -> tuple[optax.GradientTransformation, optax.Schedule]:
     """-> (tx, the learning-rate schedule): [clip] -> Adam -> [params_ema].
 
     A single transformation is returned unchained, so the optimizer state's tree (and with it
@@ -152,8 +160,7 @@ def params_ema(decay: float) -> optax.GradientTransformation:
 
     def init(params):
         # A copy: the train step donates the state, and one buffer must not appear twice.
-        return ParamsEmaState(count=jnp.zeros((), jnp.int32),
-                              ema=jax.tree.map(jnp.copy, params))
+        return ParamsEmaState(count=jnp.zeros((), jnp.int32), ema=jax.tree.map(jnp.copy, params))
 
     def update(updates, state, params=None):
         if params is None:
@@ -162,8 +169,9 @@ def params_ema(decay: float) -> optax.GradientTransformation:
         count = state.count + 1
         n = count.astype(jnp.float32)
         d = jnp.minimum(decay, (n - 1.0) / n)
-        ema = jax.tree.map(lambda e, p: (d * e + (1.0 - d) * p).astype(e.dtype), state.ema,
-                           new_params)
+        ema = jax.tree.map(
+            lambda e, p: (d * e + (1.0 - d) * p).astype(e.dtype), state.ema, new_params
+        )
         return updates, ParamsEmaState(count=count, ema=ema)
 
     return optax.GradientTransformation(init, update)

@@ -2,6 +2,7 @@
 
 Shapes: T positions, D model width.
 """
+
 from __future__ import annotations
 
 from typing import Literal
@@ -63,8 +64,12 @@ class PositionalEncoding(nn.Module):
         if cfg.positional == "learned":
             # GPT/BERT's 0.02: token embeddings enter at about unit scale per coordinate
             # (normal(D**-0.5) times sqrt(D)), so positions start as a small signal.
-            table = self.param("table", nn.initializers.normal(stddev=0.02),
-                               (cfg.max_len, cfg.d_model), jnp.float32)
+            table = self.param(
+                "table",
+                nn.initializers.normal(stddev=0.02),
+                (cfg.max_len, cfg.d_model),
+                jnp.float32,
+            )
             return jnp.take(table, positions, axis=0)
         layout = "concat" if cfg.positional == "sinusoidal_concat" else "interleaved"
         return sinusoids_at(positions, cfg.d_model, layout=layout)

@@ -44,6 +44,7 @@ is the recurrent state plus the encoder memory; one step costs O(S), whatever th
 dtype: everything is float32. The recurrent state is a scan carry that must keep one dtype from
 step to step, and these models are small enough that bf16 would buy little.
 """
+
 from __future__ import annotations
 
 import dataclasses
@@ -58,7 +59,7 @@ from transformer_jax.attention import attend, attention_weights
 
 Array = jax.Array
 Memory = dict[str, Array]  # encoder outputs a decoder attends to; every leaf [B, ...]
-State = dict[str, Any]     # recurrent decoder state; every leaf [B, ...]
+State = dict[str, Any]  # recurrent decoder state; every leaf [B, ...]
 # One recurrent layer's state: h [B, D] for a GRU, (c, h) for an LSTM.
 Carry = Array | tuple[Array, Array]
 
@@ -83,8 +84,11 @@ class BaselinePresets:
     @classmethod
     def tiny(cls, *, src_vocab_size: int = 32, tgt_vocab_size: int = 32, **overrides: Any):
         """A few thousand parameters and no dropout, for tests."""
-        return cls(src_vocab_size=src_vocab_size, tgt_vocab_size=tgt_vocab_size,
-                   **{**cls._TINY, **overrides})
+        return cls(
+            src_vocab_size=src_vocab_size,
+            tgt_vocab_size=tgt_vocab_size,
+            **{**cls._TINY, **overrides},
+        )
 
 
 def validate_common(config, positive: tuple[str, ...]) -> None:
@@ -146,24 +150,39 @@ class RNNSeq2SeqConfig(BaselinePresets):
     eos_id: int = 2
 
     _TINY: ClassVar[dict[str, Any]] = dict(
-        emb_dim=16, enc_hidden=16, dec_hidden=16, attn_dim=16, dropout=0.0, local_window=2)
+        emb_dim=16, enc_hidden=16, dec_hidden=16, attn_dim=16, dropout=0.0, local_window=2
+    )
 
     def __post_init__(self):
-        validate_common(self, ("src_vocab_size", "tgt_vocab_size", "emb_dim", "enc_hidden",
-                               "dec_hidden", "attn_dim", "local_window", "n_layers"))
+        validate_common(
+            self,
+            (
+                "src_vocab_size",
+                "tgt_vocab_size",
+                "emb_dim",
+                "enc_hidden",
+                "dec_hidden",
+                "attn_dim",
+                "local_window",
+                "n_layers",
+            ),
+        )
         if self.cell not in CELLS:
             raise ValueError(f"cell must be one of {CELLS}, got {self.cell!r}")
         if self.hard_inference not in HARD_INFERENCE:
-            raise ValueError(f"hard_inference must be one of {HARD_INFERENCE}, got "
-                             f"{self.hard_inference!r}")
+            raise ValueError(
+                f"hard_inference must be one of {HARD_INFERENCE}, got {self.hard_inference!r}"
+            )
         if self.luong_score not in ("dot", "general", "concat"):
             raise ValueError(
-                f"luong_score must be 'dot', 'general' or 'concat', got {self.luong_score!r}")
+                f"luong_score must be 'dot', 'general' or 'concat', got {self.luong_score!r}"
+            )
         if self.luong_score == "dot" and self.enc_out_dim != self.dec_hidden:
             raise ValueError(
                 f"luong_score='dot' needs encoder outputs as wide as dec_hidden="
                 f"{self.dec_hidden}, got {self.enc_out_dim} (enc_hidden={self.enc_hidden}, "
-                f"bidirectional={self.bidirectional})")
+                f"bidirectional={self.bidirectional})"
+            )
 
     @property
     def enc_out_dim(self) -> int:
@@ -181,8 +200,9 @@ def _attend_one(scores: Array, values: Array, mask: Array) -> tuple[Array, Array
     Returns:
       context [B, X], weights [B, S] (sum to 1 over the unmasked keys).
     """
-    out, weights = attend(scores[:, None, None, :], values[:, :, None, :],
-                          mask=mask[:, None, None, :])  # out [B, 1, 1, X], weights [B, 1, 1, S]
+    out, weights = attend(
+        scores[:, None, None, :], values[:, :, None, :], mask=mask[:, None, None, :]
+    )  # out [B, 1, 1, X], weights [B, 1, 1, S]
     return out[:, 0, 0], weights[:, 0, 0]
 
 
@@ -228,8 +248,8 @@ class AdditiveScore(nn.Module):
 
     def setup(self):
         a = self.config.attn_dim
-        self.w_keys = nn.Dense(a, use_bias=True)     # W1 (the bias of the joint layer lives here)
-        self.w_query = nn.Dense(a, use_bias=False)   # W2
+        self.w_keys = nn.Dense(a, use_bias=True)  # W1 (the bias of the joint layer lives here)
+        self.w_query = nn.Dense(a, use_bias=False)  # W2
         self.v = nn.Dense(1, use_bias=False)
 
     def keys(self, values: Array) -> Array:
@@ -237,7 +257,7 @@ class AdditiveScore(nn.Module):
 
     def __call__(self, query: Array, keys: Array) -> Array:
         energy = jnp.tanh(keys + self.w_query(query)[:, None, :])  # [B, S, A]
-        return self.v(energy)[..., 0]                                # [B, S]
+        return self.v(energy)[..., 0]  # [B, S]
 
 
 _LUONG_SCORES = {"dot": DotScore, "general": GeneralScore, "concat": AdditiveScore}
@@ -273,8 +293,9 @@ class RNNEncoder(nn.Module):
     config: RNNSeq2SeqConfig
 
     @nn.compact
-    def __call__(self, src: Array, *, deterministic: bool = True
-                 ) -> tuple[Array, tuple[Carry, ...], Array]:
+    def __call__(
+        self, src: Array, *, deterministic: bool = True
+    ) -> tuple[Array, tuple[Carry, ...], Array]:
         """src [B, S] -> outputs [B, S, enc_out_dim] of the top layer (0 at pads), the final
         state of each layer (leaves [B, enc_out_dim]; directions concatenated), mask [B, S]
         (True at real tokens)."""
@@ -291,14 +312,17 @@ class RNNEncoder(nn.Module):
                 (fwd, bwd), x = nn.Bidirectional(
                     nn.RNN(make_cell(c, c.enc_hidden, _layer_name("forward_cell", layer))),
                     nn.RNN(make_cell(c, c.enc_hidden, _layer_name("backward_cell", layer))),
-                    name=_layer_name("rnn", layer))(x, seq_lengths=lengths, return_carry=True)
+                    name=_layer_name("rnn", layer),
+                )(x, seq_lengths=lengths, return_carry=True)
                 # fwd: state after the last real token; bwd: after reading back to the first.
-                final = jax.tree_util.tree_map(lambda f, b: jnp.concatenate([f, b], axis=-1),
-                                               fwd, bwd)
+                final = jax.tree_util.tree_map(
+                    lambda f, b: jnp.concatenate([f, b], axis=-1), fwd, bwd
+                )
             else:
-                final, x = nn.RNN(make_cell(c, c.enc_hidden, _layer_name("cell", layer)),
-                                  name=_layer_name("rnn", layer))(
-                    x, seq_lengths=lengths, return_carry=True)
+                final, x = nn.RNN(
+                    make_cell(c, c.enc_hidden, _layer_name("cell", layer)),
+                    name=_layer_name("rnn", layer),
+                )(x, seq_lengths=lengths, return_carry=True)
             # Past a sentence's end the RNNs keep running on pad embeddings; zero that junk.
             x = jnp.where(mask[..., None], x, 0.0)
             finals.append(final)
@@ -353,8 +377,9 @@ class _DecoderStep(nn.Module):
                 out.append(jnp.tanh(bridge(final)))
         return tuple(out)
 
-    def run_cells(self, carries: tuple[Carry, ...], x: Array, deterministic: bool
-                  ) -> tuple[tuple[Carry, ...], Array]:
+    def run_cells(
+        self, carries: tuple[Carry, ...], x: Array, deterministic: bool
+    ) -> tuple[tuple[Carry, ...], Array]:
         """One step up the stack: input x [B, *] -> new per-layer states, top output h [B, D]."""
         new = []
         for layer, carry in enumerate(carries):
@@ -376,17 +401,20 @@ class GRUDecoderStep(_DecoderStep):
     """Cho et al.: input [y_{t-1}; c], output from [y_{t-1}; s_t; c], c the context vector
     (the top encoder layer's final h)."""
 
-    def prepare(self, outputs: Array, finals: tuple[Carry, ...], mask: Array
-                ) -> tuple[Memory, State]:
+    def prepare(
+        self, outputs: Array, finals: tuple[Carry, ...], mask: Array
+    ) -> tuple[Memory, State]:
         del outputs, mask  # no attention: the final state is all the decoder sees
         return {"context": cell_output(finals[-1])}, {"layers": self.initial_state(finals)}
 
-    def __call__(self, state: State, token: Array, memory: Memory, *, deterministic: bool = True
-                 ) -> tuple[State, Array, dict[str, Array]]:
-        emb = self.embed_token(token, deterministic)                # [B, E]
-        context = memory["context"]                                 # [B, enc_out_dim]
-        layers, h = self.run_cells(state["layers"], jnp.concatenate([emb, context], axis=-1),
-                                   deterministic)
+    def __call__(
+        self, state: State, token: Array, memory: Memory, *, deterministic: bool = True
+    ) -> tuple[State, Array, dict[str, Array]]:
+        emb = self.embed_token(token, deterministic)  # [B, E]
+        context = memory["context"]  # [B, enc_out_dim]
+        layers, h = self.run_cells(
+            state["layers"], jnp.concatenate([emb, context], axis=-1), deterministic
+        )
         logits = self.logits(jnp.concatenate([emb, h, context], axis=-1))
         return {"layers": layers}, logits, {}
 
@@ -398,25 +426,27 @@ class BahdanauDecoderStep(_DecoderStep):
         super().setup()
         self.score = AdditiveScore(self.config)
 
-    def prepare(self, outputs: Array, finals: tuple[Carry, ...], mask: Array
-                ) -> tuple[Memory, State]:
+    def prepare(
+        self, outputs: Array, finals: tuple[Carry, ...], mask: Array
+    ) -> tuple[Memory, State]:
         memory = {"values": outputs, "keys": self.score.keys(outputs), "mask": mask}
         return memory, {"layers": self.initial_state(finals)}
 
-    def __call__(self, state: State, token: Array, memory: Memory, *, deterministic: bool = True
-                 ) -> tuple[State, Array, dict[str, Array]]:
+    def __call__(
+        self, state: State, token: Array, memory: Memory, *, deterministic: bool = True
+    ) -> tuple[State, Array, dict[str, Array]]:
         emb = self.embed_token(token, deterministic)
-        query = cell_output(state["layers"][-1])                                 # s_{t-1}
-        scores = self.score(query, memory["keys"])                               # [B, S]
+        query = cell_output(state["layers"][-1])  # s_{t-1}
+        scores = self.score(query, memory["keys"])  # [B, S]
         context, weights = _attend_one(scores, memory["values"], memory["mask"])  # [B, 2H]
-        layers, h = self.run_cells(state["layers"], jnp.concatenate([emb, context], axis=-1),
-                                   deterministic)
+        layers, h = self.run_cells(
+            state["layers"], jnp.concatenate([emb, context], axis=-1), deterministic
+        )
         logits = self.logits(jnp.concatenate([h, context, emb], axis=-1))
         return {"layers": layers}, logits, {"weights": weights}
 
 
-def hard_attention_sample(rng: Array, scores: Array, mask: Array
-                          ) -> tuple[Array, Array, Array]:
+def hard_attention_sample(rng: Array, scores: Array, mask: Array) -> tuple[Array, Array, Array]:
     """Draw one source position per row from a = softmax(scores) over the unmasked keys.
 
     Args:
@@ -427,7 +457,7 @@ def hard_attention_sample(rng: Array, scores: Array, mask: Array
       position [B] int32, log a(position) [B] (differentiable in `scores`: REINFORCE's
       score function), entropy of a [B] (differentiable).
     """
-    log_a = jax.nn.log_softmax(jnp.where(mask, scores, -jnp.inf), axis=-1)       # [B, S]
+    log_a = jax.nn.log_softmax(jnp.where(mask, scores, -jnp.inf), axis=-1)  # [B, S]
     position = jax.random.categorical(rng, log_a, axis=-1).astype(jnp.int32)
     log_prob = jnp.take_along_axis(log_a, position[:, None], axis=-1)[:, 0]
     # 0 * log 0 is 0: masked keys add nothing (and no NaN reaches the gradient).
@@ -463,22 +493,25 @@ class LuongDecoderStep(_DecoderStep):
             self.w_p = nn.Dense(c.dec_hidden, use_bias=False)
             self.v_p = nn.Dense(1, use_bias=False)
 
-    def prepare(self, outputs: Array, finals: tuple[Carry, ...], mask: Array
-                ) -> tuple[Memory, State]:
+    def prepare(
+        self, outputs: Array, finals: tuple[Carry, ...], mask: Array
+    ) -> tuple[Memory, State]:
         memory = {"values": outputs, "keys": self.score.keys(outputs), "mask": mask}
         layers = self.initial_state(finals)
         feed = jnp.zeros_like(cell_output(layers[-1]))
         state = {"layers": layers, "feed": feed}
         if self.attention == "local_m":
-            state["position"] = jnp.zeros(mask.shape[:1], jnp.int32)   # t [B]
+            state["position"] = jnp.zeros(mask.shape[:1], jnp.int32)  # t [B]
         return memory, state
 
-    def __call__(self, state: State, token: Array, memory: Memory, *, deterministic: bool = True
-                 ) -> tuple[State, Array, dict[str, Array]]:
+    def __call__(
+        self, state: State, token: Array, memory: Memory, *, deterministic: bool = True
+    ) -> tuple[State, Array, dict[str, Array]]:
         emb = self.embed_token(token, deterministic)
-        layers, h = self.run_cells(state["layers"], jnp.concatenate([emb, state["feed"]], -1),
-                                   deterministic)
-        scores = self.score(h, memory["keys"])                           # [B, S]
+        layers, h = self.run_cells(
+            state["layers"], jnp.concatenate([emb, state["feed"]], -1), deterministic
+        )
+        scores = self.score(h, memory["keys"])  # [B, S]
         new_state = {"layers": layers}
         if self.attention == "local_p":
             context, weights, aux = self._local_p(h, scores, memory)
@@ -494,37 +527,42 @@ class LuongDecoderStep(_DecoderStep):
         new_state["feed"] = attentional
         return new_state, self.logits(attentional), {"weights": weights, **aux}
 
-    def _local_p(self, h: Array, scores: Array, memory: Memory
-                 ) -> tuple[Array, Array, dict[str, Array]]:
+    def _local_p(
+        self, h: Array, scores: Array, memory: Memory
+    ) -> tuple[Array, Array, dict[str, Array]]:
         d = self.config.local_window
-        src_len = memory["mask"].sum(axis=-1).astype(jnp.float32)               # [B]
+        src_len = memory["mask"].sum(axis=-1).astype(jnp.float32)  # [B]
         centre = src_len * jax.nn.sigmoid(self.v_p(jnp.tanh(self.w_p(h)))[:, 0])  # p_t [B]
-        positions = jnp.arange(scores.shape[-1], dtype=jnp.float32)              # s [S]
-        offset = positions[None, :] - centre[:, None]                             # [B, S]
+        positions = jnp.arange(scores.shape[-1], dtype=jnp.float32)  # s [S]
+        offset = positions[None, :] - centre[:, None]  # [B, S]
         window = jnp.logical_and(memory["mask"], jnp.abs(offset) <= d)
-        gauss = jnp.exp(-(offset ** 2) / (2.0 * (d / 2.0) ** 2))                 # [B, S]
+        gauss = jnp.exp(-(offset**2) / (2.0 * (d / 2.0) ** 2))  # [B, S]
         # sum_s softmax_s * g_s * v_s: with one query per row the Gaussian can scale the values,
         # so the core's softmax-and-mix does the whole job.
         context, align = _attend_one(scores, memory["values"] * gauss[..., None], window)
         return context, align * gauss, {"centre": centre}
 
-    def _local_m(self, position: Array, scores: Array, memory: Memory
-                 ) -> tuple[Array, Array, dict[str, Array]]:
-        last = memory["mask"].sum(axis=-1) - 1                                    # [B]
-        centre = jnp.minimum(position, last).astype(jnp.float32)                  # p_t [B]
+    def _local_m(
+        self, position: Array, scores: Array, memory: Memory
+    ) -> tuple[Array, Array, dict[str, Array]]:
+        last = memory["mask"].sum(axis=-1) - 1  # [B]
+        centre = jnp.minimum(position, last).astype(jnp.float32)  # p_t [B]
         offset = jnp.arange(scores.shape[-1], dtype=jnp.float32)[None, :] - centre[:, None]
         window = jnp.logical_and(memory["mask"], jnp.abs(offset) <= self.config.local_window)
         context, weights = _attend_one(scores, memory["values"], window)
         return context, weights, {"centre": centre}
 
-    def _hard(self, scores: Array, memory: Memory, deterministic: bool
-              ) -> tuple[Array, Array, dict[str, Array]]:
+    def _hard(
+        self, scores: Array, memory: Memory, deterministic: bool
+    ) -> tuple[Array, Array, dict[str, Array]]:
         mask = memory["mask"]
-        weights = attention_weights(scores[:, None, None, :],
-                                    mask=mask[:, None, None, :])[:, 0, 0]        # a_t [B, S]
+        weights = attention_weights(scores[:, None, None, :], mask=mask[:, None, None, :])[
+            :, 0, 0
+        ]  # a_t [B, S]
         if not deterministic:
-            position, log_prob, entropy = hard_attention_sample(self.make_rng("sample"),
-                                                                scores, mask)
+            position, log_prob, entropy = hard_attention_sample(
+                self.make_rng("sample"), scores, mask
+            )
         else:
             if self.config.hard_inference == "expectation":
                 context = jnp.einsum("bs,bsx->bx", weights, memory["values"])
@@ -533,16 +571,16 @@ class LuongDecoderStep(_DecoderStep):
             log_prob = entropy = jnp.zeros(scores.shape[:1], jnp.float32)
         # The sampled position's encoder output alone: no gradient reaches the score here.
         context = jnp.take_along_axis(memory["values"], position[:, None, None], axis=1)[:, 0]
-        return context, weights, {"position": position, "log_prob": log_prob,
-                                  "entropy": entropy}
+        return context, weights, {"position": position, "log_prob": log_prob, "entropy": entropy}
 
 
 # ---------------------------------------------------------------------------------------------
 # Models.
 
 
-def _decoder_loop(step: nn.Module, carry, xs, memory: Memory, *, deterministic: bool,
-                  free_running: bool):
+def _decoder_loop(
+    step: nn.Module, carry, xs, memory: Memory, *, deterministic: bool, free_running: bool
+):
     """Runs `step` over the target; xs = (tokens [T, B], use_target [T, B]) time-major."""
 
     def body(step, carry, xs, memory):
@@ -553,9 +591,13 @@ def _decoder_loop(step: nn.Module, carry, xs, memory: Memory, *, deterministic: 
         pred = jnp.argmax(logits, axis=-1).astype(target.dtype) if free_running else prev_pred
         return (state, pred), (logits, aux)
 
-    scan = nn.scan(body, variable_broadcast="params",
-                   split_rngs={"params": False, "dropout": True, "sample": True},
-                   in_axes=(0, nn.broadcast), out_axes=0)
+    scan = nn.scan(
+        body,
+        variable_broadcast="params",
+        split_rngs={"params": False, "dropout": True, "sample": True},
+        in_axes=(0, nn.broadcast),
+        out_axes=0,
+    )
     return scan(step, carry, xs, memory)
 
 
@@ -576,8 +618,9 @@ class _RNNSeq2Seq(nn.Module):
         outputs, finals, mask = self.encoder(src, deterministic=deterministic)
         return self.decoder.prepare(outputs, finals, mask)
 
-    def logits_and_attention(self, src: Array, tgt: Array, *, deterministic: bool = True,
-                             teacher_forcing: float = 1.0) -> tuple[Array, dict[str, Array]]:
+    def logits_and_attention(
+        self, src: Array, tgt: Array, *, deterministic: bool = True, teacher_forcing: float = 1.0
+    ) -> tuple[Array, dict[str, Array]]:
         """`__call__`'s logits [B, T, V] and the decoder's per-step aux, leaves [B, T, ...]:
         'weights' [B, T, S] (none for GRUSeq2Seq), Luong local's 'centre' [B, T], hard
         attention's 'position', 'log_prob' and 'entropy' [B, T] (the REINFORCE terms of
@@ -589,22 +632,29 @@ class _RNNSeq2Seq(nn.Module):
         else:  # a traced ratio (a schedule inside jit): coins whatever its value
             free_running = True
         memory, state = self.encode(src, deterministic=deterministic)
-        tokens = tgt.T                                                    # [T, B], time-major
+        tokens = tgt.T  # [T, B], time-major
         if free_running:
             # One coin per step and sentence, from the 'sample' rng stream. Position 0 is BOS.
-            use_target = jax.random.bernoulli(self.make_rng("sample"), teacher_forcing,
-                                              tokens.shape)
+            use_target = jax.random.bernoulli(
+                self.make_rng("sample"), teacher_forcing, tokens.shape
+            )
             use_target = use_target.at[0].set(True)
         else:
             use_target = jnp.ones(tokens.shape, dtype=bool)
         _, (logits, aux) = _decoder_loop(
-            self.decoder, (state, tokens[0]), (tokens, use_target), memory,
-            deterministic=deterministic, free_running=free_running)
+            self.decoder,
+            (state, tokens[0]),
+            (tokens, use_target),
+            memory,
+            deterministic=deterministic,
+            free_running=free_running,
+        )
         aux = jax.tree_util.tree_map(lambda a: jnp.swapaxes(a, 0, 1), aux)  # [B, T, ...]
         return jnp.swapaxes(logits, 0, 1), aux
 
-    def __call__(self, src: Array, tgt: Array, *, deterministic: bool = True,
-                 teacher_forcing: float = 1.0) -> Array:
+    def __call__(
+        self, src: Array, tgt: Array, *, deterministic: bool = True, teacher_forcing: float = 1.0
+    ) -> Array:
         """Teacher-forced logits.
 
         Args:
@@ -617,8 +667,9 @@ class _RNNSeq2Seq(nn.Module):
         Returns:
           logits [B, T, V] float32.
         """
-        return self.logits_and_attention(src, tgt, deterministic=deterministic,
-                                         teacher_forcing=teacher_forcing)[0]
+        return self.logits_and_attention(
+            src, tgt, deterministic=deterministic, teacher_forcing=teacher_forcing
+        )[0]
 
     def attention_maps(self, src: Array, tgt: Array) -> dict[str, Array]:
         """The attention-map protocol: teacher-forced, deterministic
@@ -638,8 +689,9 @@ class _RNNSeq2Seq(nn.Module):
         memory, state = self.encode(src)
         return {"state": state, "memory": memory}
 
-    def decode_step(self, tokens: Array, cache: dict[str, Any], *, index: Array
-                    ) -> tuple[Array, dict[str, Any]]:
+    def decode_step(
+        self, tokens: Array, cache: dict[str, Any], *, index: Array
+    ) -> tuple[Array, dict[str, Any]]:
         """tokens [B] (target position `index`) -> next-token logits [B, V] and the new cache."""
         del index  # the recurrent state already knows where it is
         state, logits, _ = self.decoder(cache["state"], tokens, cache["memory"])

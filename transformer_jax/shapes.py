@@ -12,4 +12,5 @@ axes where they are named, use these letters with these meanings and no others.
   E  embedding width                  A  additive-attention width
   V  vocabulary                       k  convolution kernel size
 """
+
 GLOSSARY = __doc__

@@ -1,7 +1,8 @@
 """Adaptive input embedding and projected adaptive log-softmax (Baevski & Auli; Grave et al.).
 
-Shapes (transformer_jax/shapes.py): B batch, T length, D model width, V vocabulary; cluster c holds the ids
-[bounds[c], bounds[c + 1]) with bounds = (0, *cutoffs, V), and has width E_c = d_embed // div_val**c.
+Shapes (transformer_jax/shapes.py): B batch, T length, D model width, V vocabulary; cluster c holds
+the ids [bounds[c], bounds[c + 1]) with bounds = (0, *cutoffs, V), and has width E_c = d_embed //
+div_val**c.
 
 With `div_val == 1` there is a single table [V, d_embed] (clusters then only split the softmax);
 otherwise one table [V_c, E_c] per cluster. A projection [E_c, D] maps cluster c's width to D:
@@ -23,11 +24,12 @@ token is ever dropped (capacity N is always on the ladder), so the NLL is the de
 most twice the tail's real work (the head is still computed for every token). On wt103_base
 (cutoffs 20k/40k/200k of 267,735 ids) the tails are ~92% of the dense softmax's rows.
 """
+
 from __future__ import annotations
 
 import functools
 import math
-from typing import Callable, Sequence
+from collections.abc import Callable, Sequence
 
 import flax.linen as nn
 import jax
@@ -69,27 +71,38 @@ class AdaptiveEmbedding(nn.Module):
     def setup(self):
         cfg = self.config
         n = _n_tables(cfg)
-        self.tables = [self.param(f"emb_{c}", nn.initializers.normal(0.02),
-                                  _table_shape(cfg, c), cfg.param_dtype) for c in range(n)]
+        self.tables = [
+            self.param(
+                f"emb_{c}", nn.initializers.normal(0.02), _table_shape(cfg, c), cfg.param_dtype
+            )
+            for c in range(n)
+        ]
         if _needs_proj(cfg):
-            self.projs = [self.param(f"proj_{c}", nn.initializers.normal(0.01),
-                                     (_table_shape(cfg, c)[1], cfg.d_model), cfg.param_dtype)
-                          for c in range(n)]
+            self.projs = [
+                self.param(
+                    f"proj_{c}",
+                    nn.initializers.normal(0.01),
+                    (_table_shape(cfg, c)[1], cfg.d_model),
+                    cfg.param_dtype,
+                )
+                for c in range(n)
+            ]
         else:
             self.projs = [None] * n
 
     def __call__(self, tokens: Array) -> Array:
         cfg = self.config
-        scale = cfg.d_model ** 0.5
+        scale = cfg.d_model**0.5
         bounds = cfg.cluster_bounds if cfg.div_val > 1 else (0, cfg.vocab_size)
         out = jnp.zeros(tokens.shape + (cfg.d_model,), cfg.dtype)
         for c, (table, proj) in enumerate(zip(self.tables, self.projs)):
             lo, hi = bounds[c], bounds[c + 1]
             inside = (tokens >= lo) & (tokens < hi)
-            emb = jnp.take(table.astype(cfg.dtype), jnp.clip(tokens - lo, 0, hi - lo - 1),
-                           axis=0)                                             # [B, T, E_c]
+            emb = jnp.take(
+                table.astype(cfg.dtype), jnp.clip(tokens - lo, 0, hi - lo - 1), axis=0
+            )  # [B, T, E_c]
             if proj is not None:
-                emb = emb @ proj.astype(cfg.dtype)                             # [B, T, D]
+                emb = emb @ proj.astype(cfg.dtype)  # [B, T, D]
             out = out + jnp.where(inside[..., None], emb, 0)
         return out * scale
 
@@ -114,10 +127,10 @@ class ProjectedAdaptiveLogSoftmax(nn.Module):
     @nn.compact
     def __call__(
         self,
-        hidden: Array,                                   # [B, T, D]
-        targets: Array | None = None,                    # [B, T] int
+        hidden: Array,  # [B, T, D]
+        targets: Array | None = None,  # [B, T] int
         *,
-        tied_tables: Sequence[Array] | None = None,      # the embedding's tables
+        tied_tables: Sequence[Array] | None = None,  # the embedding's tables
         tied_projs: Sequence[Array | None] | None = None,  # the embedding's projections
     ) -> Array:
         cfg = self.config
@@ -132,8 +145,9 @@ class ProjectedAdaptiveLogSoftmax(nn.Module):
                 tables.append(tied_tables[c])
             else:
                 tables.append(self.param(f"out_{c}", init, shape, cfg.param_dtype))
-            biases.append(self.param(f"bias_{c}", nn.initializers.zeros, shape[:1],
-                                     cfg.param_dtype))
+            biases.append(
+                self.param(f"bias_{c}", nn.initializers.zeros, shape[:1], cfg.param_dtype)
+            )
 
         def proj(k: int) -> Array | None:
             if not _needs_proj(cfg):
@@ -142,8 +156,9 @@ class ProjectedAdaptiveLogSoftmax(nn.Module):
                 # div_val == 1 has one embedding projection; it serves every cluster.
                 return tied_projs[0 if cfg.div_val == 1 else k]
             width = cfg.d_embed if cfg.div_val == 1 else cfg.cluster_width(k)
-            return self.param(f"proj_{k}", nn.initializers.normal(0.01), (width, cfg.d_model),
-                              cfg.param_dtype)
+            return self.param(
+                f"proj_{k}", nn.initializers.normal(0.01), (width, cfg.d_model), cfg.param_dtype
+            )
 
         def cluster(k: int) -> tuple[Array, Array]:
             """Output rows and biases of cluster k."""
@@ -152,13 +167,13 @@ class ProjectedAdaptiveLogSoftmax(nn.Module):
             lo, hi = cfg.cluster_bounds[k], cfg.cluster_bounds[k + 1]
             return tables[0][lo:hi], biases[0][lo:hi]
 
-        def logits_of(weight, bias, p, x=hidden) -> Array:       # [..., D] -> [..., rows]
+        def logits_of(weight, bias, p, x=hidden) -> Array:  # [..., D] -> [..., rows]
             h = x if p is None else jnp.einsum("...d,ed->...e", x, p.astype(cfg.dtype))
             # tied_logits: float32 products and a weight gradient without a transposed copy
             # of the logits' gradient.
             return tied_logits(h, weight.astype(h.dtype)).astype(f) + bias.astype(f)
 
-        def log_softmax(weight, bias, p, x=hidden) -> Array:     # [..., D] -> [..., rows]
+        def log_softmax(weight, bias, p, x=hidden) -> Array:  # [..., D] -> [..., rows]
             return jax.nn.log_softmax(logits_of(weight, bias, p, x), axis=-1)
 
         if n_clusters == 0:
@@ -168,15 +183,19 @@ class ProjectedAdaptiveLogSoftmax(nn.Module):
             # The NLL with its closed-form gradient (no scatter into a [B, T, V] zero array).
             return token_cross_entropy(logits_of(weight, bias, proj(0)), targets)
 
-        cluster_weight = self.param("cluster_weight", init, (n_clusters, cfg.d_embed),
-                                    cfg.param_dtype)
-        cluster_bias = self.param("cluster_bias", nn.initializers.zeros, (n_clusters,),
-                                  cfg.param_dtype)
+        cluster_weight = self.param(
+            "cluster_weight", init, (n_clusters, cfg.d_embed), cfg.param_dtype
+        )
+        cluster_bias = self.param(
+            "cluster_bias", nn.initializers.zeros, (n_clusters,), cfg.param_dtype
+        )
         weight, bias = cluster(0)
         shortlist = cfg.cutoffs[0]
-        head = log_softmax(jnp.concatenate([weight, cluster_weight.astype(weight.dtype)]),
-                           jnp.concatenate([bias, cluster_bias.astype(bias.dtype)]),
-                           proj(0))                            # [B, T, shortlist + clusters]
+        head = log_softmax(
+            jnp.concatenate([weight, cluster_weight.astype(weight.dtype)]),
+            jnp.concatenate([bias, cluster_bias.astype(bias.dtype)]),
+            proj(0),
+        )  # [B, T, shortlist + clusters]
         head_size = shortlist + n_clusters
 
         if targets is None:
@@ -188,12 +207,18 @@ class ProjectedAdaptiveLogSoftmax(nn.Module):
 
         # Per-token NLL without concatenating the whole vocabulary: pick each token's cluster.
         logprob = jnp.take_along_axis(
-            head, jnp.clip(targets, 0, shortlist - 1)[..., None], axis=-1)[..., 0]
+            head, jnp.clip(targets, 0, shortlist - 1)[..., None], axis=-1
+        )[..., 0]
         if cfg.softmax_tails == "grouped":
             tail_lps = _grouped_tail_log_probs(
-                hidden, targets, cfg.cluster_bounds,
-                [functools.partial(log_softmax, *cluster(k), proj(k))
-                 for k in range(1, n_clusters + 1)])
+                hidden,
+                targets,
+                cfg.cluster_bounds,
+                [
+                    functools.partial(log_softmax, *cluster(k), proj(k))
+                    for k in range(1, n_clusters + 1)
+                ],
+            )
         for k in range(1, n_clusters + 1):
             lo, hi = cfg.cluster_bounds[k], cfg.cluster_bounds[k + 1]
             if cfg.softmax_tails == "grouped":
@@ -201,7 +226,8 @@ class ProjectedAdaptiveLogSoftmax(nn.Module):
             else:
                 tail = log_softmax(*cluster(k), proj(k))
                 tail_lp = jnp.take_along_axis(
-                    tail, jnp.clip(targets - lo, 0, hi - lo - 1)[..., None], axis=-1)[..., 0]
+                    tail, jnp.clip(targets - lo, 0, hi - lo - 1)[..., None], axis=-1
+                )[..., 0]
             inside = (targets >= lo) & (targets < hi)
             logprob = jnp.where(inside, head[..., head_size - k] + tail_lp, logprob)
         return -logprob
@@ -209,14 +235,14 @@ class ProjectedAdaptiveLogSoftmax(nn.Module):
 
 def capacity_ladder(n_tokens: int, *, rungs: int = 8) -> tuple[int, ...]:
     """The static capacities a tail may be computed at: 0, then ceil(N / 2^j) up to N."""
-    sizes = {math.ceil(n_tokens / 2 ** j) for j in range(rungs + 1)}
+    sizes = {math.ceil(n_tokens / 2**j) for j in range(rungs + 1)}
     return (0, *sorted(sizes))
 
 
 def _grouped_tail_log_probs(
-    hidden: Array,                                        # [B, T, D]
-    targets: Array,                                       # [B, T] int
-    bounds: Sequence[int],                                # (0, *cutoffs, V)
+    hidden: Array,  # [B, T, D]
+    targets: Array,  # [B, T] int
+    bounds: Sequence[int],  # (0, *cutoffs, V)
     tail_log_softmax: Sequence[Callable[[Array], Array]],  # per tail: [C, D] -> [C, V_c]
 ) -> list[Array]:
     """Per tail cluster c, log p(target | cluster c) [B, T] for the tokens whose target is in
@@ -226,10 +252,10 @@ def _grouped_tail_log_probs(
     """
     shape = targets.shape
     n = math.prod(shape)
-    flat_h = hidden.reshape(n, hidden.shape[-1])                              # [N, D]
-    flat_t = targets.reshape(n)                                               # [N]
+    flat_h = hidden.reshape(n, hidden.shape[-1])  # [N, D]
+    flat_t = targets.reshape(n)  # [N]
     cluster = jnp.searchsorted(jnp.asarray(bounds[1:-1]), flat_t, side="right")  # [N] 0 = head
-    order = jnp.argsort(cluster, stable=True)           # tokens grouped by cluster, [N]
+    order = jnp.argsort(cluster, stable=True)  # tokens grouped by cluster, [N]
     counts = jnp.bincount(cluster, length=len(bounds) - 1)
     starts = jnp.cumsum(counts) - counts
     # Padded by N so a window of any capacity <= N starting at any start <= N fits, and
@@ -246,15 +272,18 @@ def _grouped_tail_log_probs(
                 zeros = jnp.zeros((n,), jnp.promote_types(hidden.dtype, jnp.float32))
                 if cap == 0:
                     return zeros
-                rows = lax.dynamic_slice(order, (start,), (cap,))             # [C]
-                tail = tail_fn(flat_h[rows])                                  # [C, V_c]
+                rows = lax.dynamic_slice(order, (start,), (cap,))  # [C]
+                tail = tail_fn(flat_h[rows])  # [C, V_c]
                 picked = jnp.take_along_axis(
-                    tail, jnp.clip(flat_t[rows] - lo, 0, hi - lo - 1)[:, None], axis=1)[:, 0]
+                    tail, jnp.clip(flat_t[rows] - lo, 0, hi - lo - 1)[:, None], axis=1
+                )[:, 0]
                 # Rows past the run belong to later clusters: they add nothing.
                 return zeros.at[rows].add(jnp.where(jnp.arange(cap) < count, picked, 0.0))
+
             return run
 
         rung = jnp.searchsorted(jnp.asarray(ladder), counts[c])  # smallest capacity >= count
-        out.append(lax.switch(rung, [branch(cap) for cap in ladder], starts[c], counts[c])
-                   .reshape(shape))
+        out.append(
+            lax.switch(rung, [branch(cap) for cap in ladder], starts[c], counts[c]).reshape(shape)
+        )
     return out

@@ -1,7 +1,7 @@
 """Relative multi-head attention of Transformer-XL (the reference's attn_type 0).
 
-Shapes (transformer_jax/shapes.py): B batch, T query (segment) length, M memory length, S = M + T key length,
-H heads, K head width, D model width.
+Shapes (transformer_jax/shapes.py): B batch, T query (segment) length, M memory length, S = M + T
+key length, H heads, K head width, D model width.
 
 Paper to code (Dai et al. 2019, section 3.3; reference `RelPartialLearnableMultiHeadAttn`):
   score(i, j) = (a) q_i . k_j  +  (b) q_i . W_kR R_{i-j}  +  (c) u . k_j  +  (d) v . W_kR R_{i-j}
@@ -11,6 +11,7 @@ S-1 ... 0. (a)+(c) is an ordinary dot product of (q + u) with k, so it goes thro
 project's attention core together with (b)+(d) as an additive bias; there is no second softmax.
 The reference is time-major ([T, B, H, K]); everything here is batch-major.
 """
+
 from __future__ import annotations
 
 import flax.linen as nn
@@ -43,7 +44,7 @@ def rel_shift(x: Array) -> Array:
     *lead, t, s = x.shape
     if s < t:
         raise ValueError(f"rel_shift needs S >= T (keys include the queries), got T={t} S={s}")
-    padded = jnp.pad(x, [(0, 0)] * len(lead) + [(0, 0), (1, 0)])     # [..., T, S + 1]
+    padded = jnp.pad(x, [(0, 0)] * len(lead) + [(0, 0), (1, 0)])  # [..., T, S + 1]
     flat = padded.reshape(*lead, t * (s + 1))
     # Dropping the first T entries of the flat buffer is dropping the first row of the
     # [S + 1, T] view; the next T * S entries, read as [T, S], are the shifted rows.
@@ -89,50 +90,61 @@ class RelativeMultiHeadAttention(nn.Module):
     @nn.compact
     def __call__(
         self,
-        h: Array,               # [B, T, D] layer input over the segment
-        memory: Array,          # [B, M, D] this layer's input over the previous M positions
-        pos_emb: Array,         # [S, D] R for distances S-1 ... 0
-        mask: Array,            # [B, 1, T, S] bool, True = attend
-        r_w_bias: Array | None = None,   # [H, K] u, shared across layers; None with untie_r
-        r_r_bias: Array | None = None,   # [H, K] v
+        h: Array,  # [B, T, D] layer input over the segment
+        memory: Array,  # [B, M, D] this layer's input over the previous M positions
+        pos_emb: Array,  # [S, D] R for distances S-1 ... 0
+        mask: Array,  # [B, 1, T, S] bool, True = attend
+        r_w_bias: Array | None = None,  # [H, K] u, shared across layers; None with untie_r
+        r_r_bias: Array | None = None,  # [H, K] v
         *,
         deterministic: bool = True,
-    ) -> Array:                 # [B, T, D]
+    ) -> Array:  # [B, T, D]
         cfg = self.config
         H, K = cfg.n_heads, cfg.d_head
         init = nn.initializers.normal(0.02)
-        dense = dict(use_bias=False, dtype=cfg.dtype, param_dtype=cfg.param_dtype,
-                     kernel_init=init)
+        dense = dict(use_bias=False, dtype=cfg.dtype, param_dtype=cfg.param_dtype, kernel_init=init)
         if cfg.untie_r:
             r_w_bias = self.param("r_w_bias", init, (H, K), cfg.param_dtype)
             r_r_bias = self.param("r_r_bias", init, (H, K), cfg.param_dtype)
         t = h.shape[1]
-        layer_norm = nn.LayerNorm(epsilon=cfg.layer_norm_eps, dtype=cfg.dtype,
-                                  param_dtype=cfg.param_dtype, name="layer_norm")
+        layer_norm = nn.LayerNorm(
+            epsilon=cfg.layer_norm_eps,
+            dtype=cfg.dtype,
+            param_dtype=cfg.param_dtype,
+            name="layer_norm",
+        )
 
-        cat = jnp.concatenate([memory.astype(h.dtype), h], axis=1)        # [B, S, D]
+        cat = jnp.concatenate([memory.astype(h.dtype), h], axis=1)  # [B, S, D]
         if cfg.norm_first:
             cat = layer_norm(cat)
-        qkv = nn.DenseGeneral((3, H, K), name="qkv", **dense)(cat)        # [B, S, 3, H, K]
-        q = qkv[:, -t:, 0]                                                 # [B, T, H, K]
-        k, v = qkv[:, :, 1], qkv[:, :, 2]                                  # [B, S, H, K]
-        r = nn.DenseGeneral((H, K), name="r_net", **dense)(pos_emb)       # [S, H, K]
+        qkv = nn.DenseGeneral((3, H, K), name="qkv", **dense)(cat)  # [B, S, 3, H, K]
+        q = qkv[:, -t:, 0]  # [B, T, H, K]
+        k, v = qkv[:, :, 1], qkv[:, :, 2]  # [B, S, H, K]
+        r = nn.DenseGeneral((H, K), name="r_net", **dense)(pos_emb)  # [S, H, K]
 
         score_dtype = jnp.promote_types(q.dtype, jnp.float32)
-        scale = K ** -0.5
+        scale = K**-0.5
         # (b) + (d), once per distance, then aligned to keys.
-        pos_scores = jnp.einsum("bthk,shk->bhts", q + r_r_bias.astype(q.dtype), r,
-                                preferred_element_type=score_dtype)
-        pos_bias = rel_shift(pos_scores) * scale                            # [B, H, T, S]
+        pos_scores = jnp.einsum(
+            "bthk,shk->bhts", q + r_r_bias.astype(q.dtype), r, preferred_element_type=score_dtype
+        )
+        pos_bias = rel_shift(pos_scores) * scale  # [B, H, T, S]
         dropout_rng = None
         if not deterministic and cfg.dropatt > 0.0:
             dropout_rng = self.make_rng("dropout")
         # (a) + (c) and the softmax/dropatt/mix in the shared core.
         attn = dot_product_attention(
-            q + r_w_bias.astype(q.dtype), k, v, mask=mask, bias=pos_bias, scale=scale,
-            dropout_rate=cfg.dropatt, dropout_rng=dropout_rng,
+            q + r_w_bias.astype(q.dtype),
+            k,
+            v,
+            mask=mask,
+            bias=pos_bias,
+            scale=scale,
+            dropout_rate=cfg.dropatt,
+            dropout_rng=dropout_rng,
             deterministic=deterministic,
-            implementation=cfg.attention_impl)                            # [B, T, H, K]
+            implementation=cfg.attention_impl,
+        )  # [B, T, H, K]
         out = nn.DenseGeneral(cfg.d_model, axis=(-2, -1), name="o_net", **dense)(attn)
         out = nn.Dropout(cfg.dropout)(out, deterministic=deterministic)
         if cfg.norm_first:

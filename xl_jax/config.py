@@ -5,6 +5,7 @@ where it has one: `n_layers` = `n_layer`, `n_heads` = `n_head`, `norm_first` = `
 `tie_weights` = `tie_weight`; `d_head` is the per-head width (K), so the attention width is
 `n_heads * d_head` and need not equal `d_model`.
 """
+
 from __future__ import annotations
 
 import dataclasses
@@ -99,8 +100,17 @@ class TransformerXLConfig:
         object.__setattr__(self, "tie_projs", tuple(bool(t) for t in self.tie_projs))
         if self.d_embed is None:
             object.__setattr__(self, "d_embed", self.d_model)
-        for name in ("vocab_size", "n_layers", "n_heads", "d_model", "d_head", "d_inner",
-                     "d_embed", "tgt_len", "div_val"):
+        for name in (
+            "vocab_size",
+            "n_layers",
+            "n_heads",
+            "d_model",
+            "d_head",
+            "d_inner",
+            "d_embed",
+            "tgt_len",
+            "div_val",
+        ):
             if getattr(self, name) < 1:
                 raise ValueError(f"{name} must be >= 1, got {getattr(self, name)}")
         if self.d_model % 2:
@@ -116,30 +126,37 @@ class TransformerXLConfig:
             raise ValueError("same_length needs mem_len > 0")
         c = self.cutoffs
         if c and (list(c) != sorted(set(c)) or c[0] < 1 or c[-1] >= self.vocab_size):
-            raise ValueError(
-                f"cutoffs must be strictly increasing in [1, vocab_size), got {c}")
+            raise ValueError(f"cutoffs must be strictly increasing in [1, vocab_size), got {c}")
         if self.tie_projs and len(self.tie_projs) != len(c) + 1:
             raise ValueError(
                 f"tie_projs needs len(cutoffs) + 1 = {len(c) + 1} entries, got "
-                f"{len(self.tie_projs)}")
+                f"{len(self.tie_projs)}"
+            )
         if self.d_embed // self.div_val ** len(c) < 1:
             raise ValueError(
                 f"div_val={self.div_val} leaves the last cluster of d_embed={self.d_embed} "
-                "with width 0")
+                "with width 0"
+            )
         if self.remat not in REMAT_MODES:
             raise ValueError(f"remat must be one of {REMAT_MODES}, got {self.remat!r}")
         if self.softmax_tails not in TAIL_MODES:
-            raise ValueError(f"softmax_tails must be one of {TAIL_MODES}, got "
-                             f"{self.softmax_tails!r}")
+            raise ValueError(
+                f"softmax_tails must be one of {TAIL_MODES}, got {self.softmax_tails!r}"
+            )
         if self.attention_impl not in IMPLEMENTATIONS:
-            raise ValueError(f"attention_impl must be one of {IMPLEMENTATIONS}, got "
-                             f"{self.attention_impl!r}")
+            raise ValueError(
+                f"attention_impl must be one of {IMPLEMENTATIONS}, got {self.attention_impl!r}"
+            )
         try:
             dtype = jnp.dtype(self.dtype)
         except TypeError:
             dtype = None
-        if dtype not in (jnp.dtype(jnp.float32), jnp.dtype(jnp.float64),
-                         jnp.dtype(jnp.bfloat16), jnp.dtype(jnp.float16)):
+        if dtype not in (
+            jnp.dtype(jnp.float32),
+            jnp.dtype(jnp.float64),
+            jnp.dtype(jnp.bfloat16),
+            jnp.dtype(jnp.float16),
+        ):
             raise ValueError(f"dtype must be a float type, got {self.dtype!r}")
         # One spelling ('bfloat16', jnp.bfloat16, ...), so configs compare and save alike.
         object.__setattr__(self, "dtype", dtype)
@@ -157,7 +174,7 @@ class TransformerXLConfig:
 
     def cluster_width(self, i: int) -> int:
         """Embedding width of cluster i (the whole vocabulary is cluster 0 when div_val == 1)."""
-        return self.d_embed // self.div_val ** i
+        return self.d_embed // self.div_val**i
 
     def replace(self, **changes) -> TransformerXLConfig:
         return dataclasses.replace(self, **changes)
@@ -166,8 +183,18 @@ class TransformerXLConfig:
     @classmethod
     def tiny(cls, **overrides) -> TransformerXLConfig:
         """For tests: 2 layers of width 32, a 64-token vocabulary."""
-        kw = dict(vocab_size=64, n_layers=2, n_heads=2, d_model=32, d_head=16, d_inner=64,
-                  dropout=0.0, dropatt=0.0, tgt_len=8, mem_len=8)
+        kw = dict(
+            vocab_size=64,
+            n_layers=2,
+            n_heads=2,
+            d_model=32,
+            d_head=16,
+            d_inner=64,
+            dropout=0.0,
+            dropatt=0.0,
+            tgt_len=8,
+            mem_len=8,
+        )
         return cls(**{**kw, **overrides})
 
     @classmethod
@@ -177,8 +204,18 @@ class TransformerXLConfig:
         d_head 17 and d_inner 71 are deliberately odd, so a head-width or width mix-up fails
         loudly instead of passing by coincidence.
         """
-        kw = dict(vocab_size=10000, n_layers=4, n_heads=3, d_model=32, d_head=17, d_inner=71,
-                  dropout=0.1, dropatt=0.0, tgt_len=33, mem_len=41)
+        kw = dict(
+            vocab_size=10000,
+            n_layers=4,
+            n_heads=3,
+            d_model=32,
+            d_head=17,
+            d_inner=71,
+            dropout=0.1,
+            dropatt=0.0,
+            tgt_len=33,
+            mem_len=41,
+        )
         return cls(**{**kw, **overrides})
 
     @classmethod
@@ -192,22 +229,53 @@ class TransformerXLConfig:
         accelerator and is still usable on CPU; with 4x fewer parameters per token of data,
         dropout 0.3 instead of 0.45 is enough.
         """
-        kw = dict(vocab_size=10000, n_layers=4, n_heads=4, d_model=256, d_head=64,
-                  d_inner=1024, dropout=0.3, dropatt=0.1, tgt_len=70, mem_len=70)
+        kw = dict(
+            vocab_size=10000,
+            n_layers=4,
+            n_heads=4,
+            d_model=256,
+            d_head=64,
+            d_inner=1024,
+            dropout=0.3,
+            dropatt=0.1,
+            tgt_len=70,
+            mem_len=70,
+        )
         return cls(**{**kw, **overrides})
 
     @classmethod
     def enwik8_base(cls, **overrides) -> TransformerXLConfig:
         """The paper's 12-layer enwik8 model (byte-level, 204 symbols in the reference)."""
-        kw = dict(vocab_size=204, n_layers=12, n_heads=8, d_model=512, d_head=64, d_inner=2048,
-                  dropout=0.1, dropatt=0.0, tgt_len=512, mem_len=512)
+        kw = dict(
+            vocab_size=204,
+            n_layers=12,
+            n_heads=8,
+            d_model=512,
+            d_head=64,
+            d_inner=2048,
+            dropout=0.1,
+            dropatt=0.0,
+            tgt_len=512,
+            mem_len=512,
+        )
         return cls(**{**kw, **overrides})
 
     @classmethod
     def wt103_base(cls, **overrides) -> TransformerXLConfig:
         """The paper's base WikiText-103 model: 16 x 410, adaptive input and softmax."""
-        kw = dict(vocab_size=267735, n_layers=16, n_heads=10, d_model=410, d_head=41,
-                  d_inner=2100, dropout=0.1, dropatt=0.0, tgt_len=150, mem_len=150,
-                  cutoffs=(20000, 40000, 200000), div_val=1,
-                  tie_projs=(False, True, True, True))
+        kw = dict(
+            vocab_size=267735,
+            n_layers=16,
+            n_heads=10,
+            d_model=410,
+            d_head=41,
+            d_inner=2100,
+            dropout=0.1,
+            dropatt=0.0,
+            tgt_len=150,
+            mem_len=150,
+            cutoffs=(20000, 40000, 200000),
+            div_val=1,
+            tie_projs=(False, True, True, True),
+        )
         return cls(**{**kw, **overrides})

@@ -1,7 +1,8 @@
 """Language-model batches from one token stream, batch-major, as the reference's
 `LMOrderedIterator` (there time-major).
 
-Shapes (transformer_jax/shapes.py): B batch (rows), T segment length (`tgt_len`), N tokens in the stream.
+Shapes (transformer_jax/shapes.py): B batch (rows), T segment length (`tgt_len`), N tokens in the
+stream.
 
 The stream is cut into B contiguous rows of n = N // B tokens (the remainder N mod B is
 dropped); row b holds tokens [b n, (b + 1) n). Batch i is the columns [i T, i T + T) of the rows
@@ -14,6 +15,7 @@ the last one is shorter when T does not divide n - 1 (kept, as the reference).
     batches[i]                        # (inputs [B, T], targets [B, T]) int32
     for inputs, targets in batches.iter_from(start): ...   # exact resume after `start`
 """
+
 from __future__ import annotations
 
 from collections.abc import Iterator, Sequence
@@ -32,14 +34,17 @@ class LMBatches(Sequence):
             raise ValueError(f"batch_size and tgt_len must be >= 1, got {batch_size}, {tgt_len}")
         n = tokens.shape[0] // batch_size
         if n < 2:
-            raise ValueError(f"{tokens.shape[0]} tokens are too few for batch_size {batch_size}"
-                             " (each row needs an input and a target)")
-        self.rows = tokens[:n * batch_size].reshape(batch_size, n).astype(np.int32)   # [B, n]
+            raise ValueError(
+                f"{tokens.shape[0]} tokens are too few for batch_size {batch_size}"
+                " (each row needs an input and a target)"
+            )
+        self.rows = tokens[: n * batch_size].reshape(batch_size, n).astype(np.int32)  # [B, n]
         self.tgt_len = tgt_len
         # Positions that have a next token to predict: 0 .. n - 2.
         self._predictable = n - 1
-        self._len = num_lm_batches(tokens.shape[0], batch_size=batch_size, tgt_len=tgt_len,
-                                   drop_last=drop_last)
+        self._len = num_lm_batches(
+            tokens.shape[0], batch_size=batch_size, tgt_len=tgt_len, drop_last=drop_last
+        )
 
     def __len__(self) -> int:
         return self._len
@@ -53,7 +58,7 @@ class LMBatches(Sequence):
             raise IndexError(f"batch {i} of {len(self)}")
         start = i * self.tgt_len
         stop = min(start + self.tgt_len, self._predictable)
-        return self.rows[:, start:stop], self.rows[:, start + 1:stop + 1]
+        return self.rows[:, start:stop], self.rows[:, start + 1 : stop + 1]
 
     def __iter__(self) -> Iterator[tuple[np.ndarray, np.ndarray]]:
         return self.iter_from(0)
@@ -64,15 +69,15 @@ class LMBatches(Sequence):
             yield self[i]
 
 
-def lm_batches(tokens, *, batch_size: int, tgt_len: int, drop_last: bool = False
-               ) -> LMBatches:
+def lm_batches(tokens, *, batch_size: int, tgt_len: int, drop_last: bool = False) -> LMBatches:
     """The batches of a 1-D token stream; see the module docstring. `drop_last` drops a final
     shorter batch (fixed shapes under jit)."""
     return LMBatches(tokens, batch_size=batch_size, tgt_len=tgt_len, drop_last=drop_last)
 
 
-def num_lm_batches(num_tokens: int, *, batch_size: int, tgt_len: int,
-                   drop_last: bool = False) -> int:
+def num_lm_batches(
+    num_tokens: int, *, batch_size: int, tgt_len: int, drop_last: bool = False
+) -> int:
     """len(lm_batches(...)) from the stream length alone."""
     predictable = num_tokens // batch_size - 1
     full, rest = divmod(max(predictable, 0), tgt_len)

@@ -7,6 +7,7 @@ The prompt is read in segments of `config.tgt_len` (as in evaluation), then each
 one call with T = 1: it attends to the M memory slots and itself, so a token costs O(M), not
 O(history). Everything after the prompt runs in one `lax.scan` under `jit`.
 """
+
 from __future__ import annotations
 
 import functools
@@ -22,15 +23,21 @@ Array = jax.Array
 
 
 @functools.partial(jax.jit, static_argnums=0)
-def _read(config: TransformerXLConfig, params, tokens: Array, memory: Memory
-          ) -> tuple[Array, Memory]:
+def _read(
+    config: TransformerXLConfig, params, tokens: Array, memory: Memory
+) -> tuple[Array, Memory]:
     """One segment [B, T] -> (log-probs of the next token after it [B, V], memory)."""
     logprobs, memory = TransformerXL(config).apply({"params": params}, tokens, memory)
     return logprobs[:, -1], memory
 
 
-def sampling_logits(logprobs: Array, *, temperature: Array | float = 1.0,
-                    top_k: int | None = None, top_p: float | None = None) -> Array:
+def sampling_logits(
+    logprobs: Array,
+    *,
+    temperature: Array | float = 1.0,
+    top_k: int | None = None,
+    top_p: float | None = None,
+) -> Array:
     """The logits `generate` samples from: [B, V] log-probs -> [B, V], -inf where excluded.
 
     logprobs / temperature, then (if given) only the top_k largest kept, then (if given) only
@@ -44,7 +51,7 @@ def sampling_logits(logprobs: Array, *, temperature: Array | float = 1.0,
         logits = jnp.where(logits < kth, -jnp.inf, logits)
     if top_p is not None:
         probs = jax.nn.softmax(logits, axis=-1)
-        ranked = -jnp.sort(-probs, axis=-1)                               # [B, V] descending
+        ranked = -jnp.sort(-probs, axis=-1)  # [B, V] descending
         # Keep a ranked token while the mass before it is still short of top_p.
         keep = (jnp.cumsum(ranked, axis=-1) - ranked) < top_p
         smallest_kept = jnp.min(jnp.where(keep, ranked, jnp.inf), axis=-1, keepdims=True)
@@ -52,23 +59,31 @@ def sampling_logits(logprobs: Array, *, temperature: Array | float = 1.0,
     return logits
 
 
-def _sample(logprobs: Array, rng: Array, temperature: Array, top_k: int | None,
-            top_p: float | None) -> Array:
+def _sample(
+    logprobs: Array, rng: Array, temperature: Array, top_k: int | None, top_p: float | None
+) -> Array:
     """[B, V] -> [B] int32, drawn from softmax(sampling_logits(...))."""
     logits = sampling_logits(logprobs, temperature=temperature, top_k=top_k, top_p=top_p)
     return jax.random.categorical(rng, logits, axis=-1).astype(jnp.int32)
 
 
 @functools.partial(jax.jit, static_argnums=(0, 5, 6, 7))
-def _decode(config: TransformerXLConfig, params, logprobs: Array, memory: Memory, rng: Array,
-            num_tokens: int, top_k: int | None, top_p: float | None, temperature: Array
-            ) -> Array:
+def _decode(
+    config: TransformerXLConfig,
+    params,
+    logprobs: Array,
+    memory: Memory,
+    rng: Array,
+    num_tokens: int,
+    top_k: int | None,
+    top_p: float | None,
+    temperature: Array,
+) -> Array:
     first = _sample(logprobs, jax.random.fold_in(rng, 0), temperature, top_k, top_p)
 
     def step(carry, i):
         token, memory = carry
-        logprobs, memory = TransformerXL(config).apply({"params": params}, token[:, None],
-                                                       memory)
+        logprobs, memory = TransformerXL(config).apply({"params": params}, token[:, None], memory)
         nxt = _sample(logprobs[:, -1], jax.random.fold_in(rng, i), temperature, top_k, top_p)
         return (nxt, memory), nxt
 
@@ -79,15 +94,15 @@ def _decode(config: TransformerXLConfig, params, logprobs: Array, memory: Memory
 def generate(
     model: TransformerXL,
     params,
-    prompt: Array,                  # [B, P] int, P >= 1
+    prompt: Array,  # [B, P] int, P >= 1
     *,
     num_tokens: int,
     rng: Array,
     temperature: float = 1.0,
     top_k: int | None = None,
     top_p: float | None = None,
-    memory: Memory | None = None,   # default: an empty memory of config.mem_len slots
-) -> Array:                         # [B, G] int32, the tokens after the prompt
+    memory: Memory | None = None,  # default: an empty memory of config.mem_len slots
+) -> Array:  # [B, G] int32, the tokens after the prompt
     """Continue `prompt` by `num_tokens` sampled tokens. `top_k=1` is greedy decoding.
 
     Each token is drawn from softmax(logits / temperature), restricted to the top_k most
@@ -108,7 +123,15 @@ def generate(
     if memory is None:
         memory = init_memory(cfg, prompt.shape[0])
     for s in range(0, prompt.shape[1], cfg.tgt_len):
-        logprobs, memory = _read(cfg, params, prompt[:, s:s + cfg.tgt_len], memory)
-    return _decode(cfg, params, logprobs, memory, rng, num_tokens, top_k,
-                   None if top_p is None else float(top_p),
-                   jnp.asarray(temperature, logprobs.dtype))
+        logprobs, memory = _read(cfg, params, prompt[:, s : s + cfg.tgt_len], memory)
+    return _decode(
+        cfg,
+        params,
+        logprobs,
+        memory,
+        rng,
+        num_tokens,
+        top_k,
+        None if top_p is None else float(top_p),
+        jnp.asarray(temperature, logprobs.dtype),
+    )

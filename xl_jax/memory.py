@@ -1,7 +1,7 @@
 """Transformer-XL memory as explicit, fixed-shape state, and the attention mask it implies.
 
-Shapes (transformer_jax/shapes.py): B batch, T segment (query) length, M memory length, S = M + T key length,
-D model width, L layers.
+Shapes (transformer_jax/shapes.py): B batch, T segment (query) length, M memory length, S = M + T
+key length, D model width, L layers.
 
 The reference (kimiyoung/transformer-xl, time-major) grows its memory from an empty tensor and
 slices `cat(mems, hids)[beg:end]`; every new memory length is a new shape, hence a recompile
@@ -9,9 +9,10 @@ under `jit`. Here the memory always has M slots and a per-row count `valid` of h
 most recent slots hold real positions; slots not yet filled are masked out of attention, so the
 first segments behave exactly as the reference's shorter memories.
 """
+
 from __future__ import annotations
 
-from typing import Sequence
+from collections.abc import Sequence
 
 import flax.struct
 import jax
@@ -43,8 +44,7 @@ class Memory:
         return self.hidden[0].shape[1]
 
 
-def init_memory(config: TransformerXLConfig, batch_size: int, mem_len: int | None = None
-                ) -> Memory:
+def init_memory(config: TransformerXLConfig, batch_size: int, mem_len: int | None = None) -> Memory:
     """An empty memory of `mem_len` slots (default `config.mem_len`).
 
     Use a different `mem_len` at evaluation than in training (the reference's
@@ -54,16 +54,19 @@ def init_memory(config: TransformerXLConfig, batch_size: int, mem_len: int | Non
     if mem_len < 0:
         raise ValueError(f"mem_len must be >= 0, got {mem_len}")
     zeros = jnp.zeros((batch_size, mem_len, config.d_model), config.dtype)
-    return Memory(hidden=tuple(zeros for _ in range(config.n_layers)),
-                  valid=jnp.zeros((batch_size,), jnp.int32))
+    return Memory(
+        hidden=tuple(zeros for _ in range(config.n_layers)),
+        valid=jnp.zeros((batch_size,), jnp.int32),
+    )
 
 
 def reset_rows(memory: Memory, reset: Array) -> Memory:
     """The memory with the rows where `reset` [B] bool is True emptied (as `init_memory`'s);
     the reference starts each training epoch with an empty memory."""
-    return Memory(hidden=tuple(jnp.where(reset[:, None, None], jnp.zeros_like(h), h)
-                               for h in memory.hidden),
-                  valid=jnp.where(reset, 0, memory.valid))
+    return Memory(
+        hidden=tuple(jnp.where(reset[:, None, None], jnp.zeros_like(h), h) for h in memory.hidden),
+        valid=jnp.where(reset, 0, memory.valid),
+    )
 
 
 def update_memory(memory: Memory, hiddens: Sequence[Array]) -> Memory:
@@ -79,8 +82,9 @@ def update_memory(memory: Memory, hiddens: Sequence[Array]) -> Memory:
     t = hiddens[0].shape[1]
     # Explicit start index: a slice like [-m:] would keep everything when m == 0.
     new = tuple(
-        jax.lax.stop_gradient(jnp.concatenate([old, h.astype(old.dtype)], axis=1)[:, t:t + m])
-        for old, h in zip(memory.hidden, hiddens, strict=True))
+        jax.lax.stop_gradient(jnp.concatenate([old, h.astype(old.dtype)], axis=1)[:, t : t + m])
+        for old, h in zip(memory.hidden, hiddens, strict=True)
+    )
     return Memory(hidden=new, valid=jnp.minimum(memory.valid + t, m).astype(jnp.int32))
 
 
@@ -108,9 +112,9 @@ def attention_mask(valid: Array, *, q_len: int, mem_len: int, same_length: bool)
     s = mem_len + q_len
     i = jnp.arange(q_len)[:, None]
     j = jnp.arange(s)[None, :]
-    dist = mem_len + i - j                                   # [T, S]
+    dist = mem_len + i - j  # [T, S]
     visible = dist >= 0
     if same_length:
         visible = visible & (dist < mem_len)
-    filled = j[None] >= (mem_len - valid)[:, None, None]     # [B, 1, S]
+    filled = j[None] >= (mem_len - valid)[:, None, None]  # [B, 1, S]
     return (visible[None] & filled)[:, None]

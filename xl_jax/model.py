@@ -1,7 +1,7 @@
 """Transformer-XL language model (Dai et al. 2019) with memory carried as explicit state.
 
-Shapes (transformer_jax/shapes.py): B batch, T segment length, M memory length, S = M + T key length, H heads,
-K head width, D model width, V vocabulary, L layers.
+Shapes (transformer_jax/shapes.py): B batch, T segment length, M memory length, S = M + T key
+length, H heads, K head width, D model width, V vocabulary, L layers.
 
     out, memory = TransformerXL(config).apply({'params': params}, tokens, memory,
                                               targets=None, deterministic=True)
@@ -16,6 +16,7 @@ here everything is batch-major):
   * dropout on the last hidden state, then the (projected adaptive) log-softmax.
 The new memory keeps, for each layer, the last M positions of its input.
 """
+
 from __future__ import annotations
 
 import re
@@ -25,8 +26,7 @@ import jax
 import jax.numpy as jnp
 
 from xl_jax.adaptive import AdaptiveEmbedding, ProjectedAdaptiveLogSoftmax
-from xl_jax.attention import (RelativeMultiHeadAttention, relative_positions,
-                              sinusoid_embedding)
+from xl_jax.attention import RelativeMultiHeadAttention, relative_positions, sinusoid_embedding
 from xl_jax.config import TransformerXLConfig
 from xl_jax.memory import Memory, attention_mask, init_memory, update_memory
 
@@ -42,12 +42,17 @@ class PositionwiseFF(nn.Module):
     config: TransformerXLConfig
 
     @nn.compact
-    def __call__(self, x: Array, *, deterministic: bool = True) -> Array:   # [B, T, D]
+    def __call__(self, x: Array, *, deterministic: bool = True) -> Array:  # [B, T, D]
         cfg = self.config
-        dense = dict(dtype=cfg.dtype, param_dtype=cfg.param_dtype,
-                     kernel_init=nn.initializers.normal(0.02))
-        layer_norm = nn.LayerNorm(epsilon=cfg.layer_norm_eps, dtype=cfg.dtype,
-                                  param_dtype=cfg.param_dtype, name="layer_norm")
+        dense = dict(
+            dtype=cfg.dtype, param_dtype=cfg.param_dtype, kernel_init=nn.initializers.normal(0.02)
+        )
+        layer_norm = nn.LayerNorm(
+            epsilon=cfg.layer_norm_eps,
+            dtype=cfg.dtype,
+            param_dtype=cfg.param_dtype,
+            name="layer_norm",
+        )
         y = layer_norm(x) if cfg.norm_first else x
         y = nn.relu(nn.Dense(cfg.d_inner, name="dense_in", **dense)(y))
         y = nn.Dropout(cfg.dropout)(y, deterministic=deterministic)
@@ -62,10 +67,12 @@ class DecoderLayer(nn.Module):
     config: TransformerXLConfig
 
     @nn.compact
-    def __call__(self, h, memory, pos_emb, mask, r_w_bias, r_r_bias, *,
-                 deterministic: bool = True) -> Array:     # [B, T, D]
+    def __call__(
+        self, h, memory, pos_emb, mask, r_w_bias, r_r_bias, *, deterministic: bool = True
+    ) -> Array:  # [B, T, D]
         h = RelativeMultiHeadAttention(self.config, name="attn")(
-            h, memory, pos_emb, mask, r_w_bias, r_r_bias, deterministic=deterministic)
+            h, memory, pos_emb, mask, r_w_bias, r_r_bias, deterministic=deterministic
+        )
         return PositionwiseFF(self.config, name="ff")(h, deterministic=deterministic)
 
 
@@ -97,17 +104,17 @@ def _unstack_layers(variables: dict) -> dict:
     if "layers" in params:
         stacked = params.pop("layers")
         n_layers = jax.tree.leaves(stacked)[0].shape[0]
-        for l in range(n_layers):
-            params[f"layer_{l}"] = jax.tree.map(lambda leaf, l=l: leaf[l], stacked)
+        for i in range(n_layers):
+            params[f"layer_{i}"] = jax.tree.map(lambda leaf, i=i: leaf[i], stacked)
     return {**variables, "params": params}
 
 
 def _run_layers(
     model: nn.Module,
-    x: Array,                         # [B, T, D] embedded segment
-    hidden: tuple[Array, ...],        # L x [B, M, D] memory
-    pos: Array,                       # [S, D] R
-    mask: Array,                      # [B, 1, T, S]
+    x: Array,  # [B, T, D] embedded segment
+    hidden: tuple[Array, ...],  # L x [B, M, D] memory
+    pos: Array,  # [S, D] R
+    mask: Array,  # [B, 1, T, S]
     r_w_bias: Array | None,
     r_r_bias: Array | None,
     *,
@@ -134,7 +141,7 @@ def _run_layers(
 
     def layer_step(layer: DecoderLayer, h, memory_l):
         out = layer(h, memory_l, pos, mask, r_w_bias, r_r_bias, deterministic=deterministic)
-        return out, h                 # carry the output on; emit the input for the memory
+        return out, h  # carry the output on; emit the input for the memory
 
     if cfg.remat != "none":
         # No CSE prevention needed inside a scan (flax and jax docs); it only costs speed.
@@ -145,14 +152,23 @@ def _run_layers(
         # layer's residuals into [L, ...] stacks, a slower step (benchmarks/README.md);
         # unrolled, it is the plain layer stack, the same numbers (same keys).
         unroll = cfg.n_layers if cfg.remat == "none" else 1
-        scan = nn.scan(layer_step, variable_axes={"params": 0},
-                       split_rngs={"params": True, "dropout": True}, length=cfg.n_layers,
-                       unroll=unroll)
+        scan = nn.scan(
+            layer_step,
+            variable_axes={"params": 0},
+            split_rngs={"params": True, "dropout": True},
+            length=cfg.n_layers,
+            unroll=unroll,
+        )
         return scan(DecoderLayer(cfg, name="layers", parent=mdl), h, stacked_hidden)
 
-    run = nn.map_variables(run, "params", trans_in_fn=_stack_layers,
-                           trans_out_fn=_unstack_layers, init=model.is_initializing())
-    out, inputs = run(model, x, jnp.stack(hidden))          # inputs: [L, B, T, D]
+    run = nn.map_variables(
+        run,
+        "params",
+        trans_in_fn=_stack_layers,
+        trans_out_fn=_unstack_layers,
+        init=model.is_initializing(),
+    )
+    out, inputs = run(model, x, jnp.stack(hidden))  # inputs: [L, B, T, D]
     return out, tuple(inputs)
 
 
@@ -170,9 +186,9 @@ class TransformerXL(nn.Module):
     @nn.compact
     def __call__(
         self,
-        tokens: Array,                    # [B, T] int
-        memory: Memory | None = None,     # M slots per layer; None = empty config.mem_len
-        targets: Array | None = None,     # [B, T] int, next tokens
+        tokens: Array,  # [B, T] int
+        memory: Memory | None = None,  # M slots per layer; None = empty config.mem_len
+        targets: Array | None = None,  # [B, T] int, next tokens
         deterministic: bool = True,
     ) -> tuple[Array, Memory]:
         """Returns (out, new_memory).
@@ -186,31 +202,33 @@ class TransformerXL(nn.Module):
             memory = init_memory(cfg, b)
         m = memory.length
         if len(memory.hidden) != cfg.n_layers:
-            raise ValueError(f"memory has {len(memory.hidden)} layers, config has "
-                             f"{cfg.n_layers}")
+            raise ValueError(f"memory has {len(memory.hidden)} layers, config has {cfg.n_layers}")
         if cfg.same_length and m == 0:
             raise ValueError("same_length needs a memory with at least one slot")
 
         drop = nn.Dropout(cfg.dropout)
         word_emb = AdaptiveEmbedding(cfg, name="word_emb")
-        x = drop(word_emb(tokens), deterministic=deterministic)               # [B, T, D]
-        pos = sinusoid_embedding(relative_positions(cfg, q_len=t, mem_len=m), cfg.d_model,
-                                 dtype=jnp.promote_types(cfg.dtype, jnp.float32))
+        x = drop(word_emb(tokens), deterministic=deterministic)  # [B, T, D]
+        pos = sinusoid_embedding(
+            relative_positions(cfg, q_len=t, mem_len=m),
+            cfg.d_model,
+            dtype=jnp.promote_types(cfg.dtype, jnp.float32),
+        )
         # One dropout mask for R shared by the batch, as the reference's [S, 1, D] R.
-        pos = drop(pos.astype(cfg.dtype), deterministic=deterministic)        # [S, D]
-        mask = attention_mask(memory.valid, q_len=t, mem_len=m,
-                              same_length=cfg.same_length)                    # [B, 1, T, S]
+        pos = drop(pos.astype(cfg.dtype), deterministic=deterministic)  # [S, D]
+        mask = attention_mask(
+            memory.valid, q_len=t, mem_len=m, same_length=cfg.same_length
+        )  # [B, 1, T, S]
 
         r_w_bias = r_r_bias = None
         if not cfg.untie_r:
             init = nn.initializers.normal(0.02)
-            r_w_bias = self.param("r_w_bias", init, (cfg.n_heads, cfg.d_head),
-                                  cfg.param_dtype)
-            r_r_bias = self.param("r_r_bias", init, (cfg.n_heads, cfg.d_head),
-                                  cfg.param_dtype)
+            r_w_bias = self.param("r_w_bias", init, (cfg.n_heads, cfg.d_head), cfg.param_dtype)
+            r_r_bias = self.param("r_r_bias", init, (cfg.n_heads, cfg.d_head), cfg.param_dtype)
 
-        x, layer_inputs = _run_layers(self, x, memory.hidden, pos, mask, r_w_bias, r_r_bias,
-                                      deterministic=deterministic)
+        x, layer_inputs = _run_layers(
+            self, x, memory.hidden, pos, mask, r_w_bias, r_r_bias, deterministic=deterministic
+        )
         x = drop(x, deterministic=deterministic)
 
         crit = ProjectedAdaptiveLogSoftmax(cfg, name="crit")

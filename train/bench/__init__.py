@@ -44,9 +44,19 @@ and xl_torch_reference, its PyTorch models), report (json, markdown, merging) an
 (`run_benchmarks`). `__main__` only parses flags and calls `run.run_and_report`; each section is an
 importable function that the tests run at tiny sizes.
 """
+
 from train.bench.config import DEFAULT_SECTIONS, SECTIONS, BenchConfig
 from train.bench.options import BenchOptions, build_parser, config_from_options, parse_options
 from train.bench.run import run_and_report, run_benchmarks
 
-__all__ = ["DEFAULT_SECTIONS", "SECTIONS", "BenchConfig", "BenchOptions", "build_parser",
-           "config_from_options", "parse_options", "run_and_report", "run_benchmarks"]
+__all__ = [
+    "DEFAULT_SECTIONS",
+    "SECTIONS",
+    "BenchConfig",
+    "BenchOptions",
+    "build_parser",
+    "config_from_options",
+    "parse_options",
+    "run_and_report",
+    "run_benchmarks",
+]

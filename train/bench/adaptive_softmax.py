@@ -12,6 +12,7 @@ count uses the capacities the `lax.switch` actually picks for these targets.
 The logic is `bench_adaptive_softmax`, importable; the results are recorded in
 benchmarks/README.md.
 """
+
 from __future__ import annotations
 
 import argparse
@@ -49,13 +50,14 @@ def matmul_flops(config: TransformerXLConfig, targets: np.ndarray, mode: str) ->
     return 3 * 2.0 * e * rows
 
 
-def bench_adaptive_softmax(*, tokens: int = 300, repeats: int = 3, seed: int = 0
-                           ) -> dict[str, dict[str, float]]:
+def bench_adaptive_softmax(
+    *, tokens: int = 300, repeats: int = 3, seed: int = 0
+) -> dict[str, dict[str, float]]:
     """{'grouped': {...}, 'dense': {...}}: seconds per step (median), GFLOPs per step, and
     the mean NLL (equal in both)."""
     base = TransformerXLConfig.wt103_base()
     rng = np.random.default_rng(seed)
-    targets = jnp.asarray(zipf_targets(rng, base.vocab_size, tokens)[None])     # [1, N]
+    targets = jnp.asarray(zipf_targets(rng, base.vocab_size, tokens)[None])  # [1, N]
     hidden = jnp.asarray(rng.normal(size=(1, tokens, base.d_model)), jnp.float32)
     emb = AdaptiveEmbedding(base)
     emb_params = emb.init(jax.random.key(0), targets)["params"]
@@ -66,26 +68,30 @@ def bench_adaptive_softmax(*, tokens: int = 300, repeats: int = 3, seed: int = 0
 
         def loss(emb_params, crit_params, hidden, crit=crit, cfg=cfg):
             tables, projs = AdaptiveEmbedding(cfg).apply(
-                {"params": emb_params}, method=AdaptiveEmbedding.tied_parameters)
-            nll = crit.apply({"params": crit_params}, hidden, targets, tied_tables=tables,
-                             tied_projs=projs)
+                {"params": emb_params}, method=AdaptiveEmbedding.tied_parameters
+            )
+            nll = crit.apply(
+                {"params": crit_params}, hidden, targets, tied_tables=tables, tied_projs=projs
+            )
             return nll.mean()
 
-        tables, projs = emb.apply({"params": emb_params},
-                                  method=AdaptiveEmbedding.tied_parameters)
-        crit_params = crit.init(jax.random.key(1), hidden, tied_tables=tables,
-                                tied_projs=projs)["params"]
+        tables, projs = emb.apply({"params": emb_params}, method=AdaptiveEmbedding.tied_parameters)
+        crit_params = crit.init(jax.random.key(1), hidden, tied_tables=tables, tied_projs=projs)[
+            "params"
+        ]
         step = jax.jit(jax.value_and_grad(loss, argnums=(0, 1, 2)))
-        value, grads = step(emb_params, crit_params, hidden)                  # compile
+        value, grads = step(emb_params, crit_params, hidden)  # compile
         jax.block_until_ready(grads)
         times = []
         for _ in range(repeats):
             start = time.perf_counter()
             jax.block_until_ready(step(emb_params, crit_params, hidden))
             times.append(time.perf_counter() - start)
-        results[mode] = {"seconds_per_step": float(np.median(times)),
-                         "gflops_per_step": matmul_flops(cfg, np.asarray(targets), mode) / 1e9,
-                         "mean_nll": float(value)}
+        results[mode] = {
+            "seconds_per_step": float(np.median(times)),
+            "gflops_per_step": matmul_flops(cfg, np.asarray(targets), mode) / 1e9,
+            "mean_nll": float(value),
+        }
     return results
 
 
@@ -95,8 +101,12 @@ def main(argv=None) -> None:
     parser.add_argument("--repeats", type=int, default=3)
     parser.add_argument("--seed", type=int, default=0)
     args = parser.parse_args(argv)
-    print(json.dumps(bench_adaptive_softmax(tokens=args.tokens, repeats=args.repeats,
-                                            seed=args.seed), indent=2))
+    print(
+        json.dumps(
+            bench_adaptive_softmax(tokens=args.tokens, repeats=args.repeats, seed=args.seed),
+            indent=2,
+        )
+    )
 
 
 if __name__ == "__main__":

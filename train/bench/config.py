@@ -1,5 +1,6 @@
 """What one benchmark run measures: the sections and `BenchConfig`, the sizes of every model
 and loop, with its two presets (`full` for one GPU, `quick` for a CPU)."""
+
 from __future__ import annotations
 
 import dataclasses
@@ -11,8 +12,15 @@ from train.translate import registry
 from transformer_jax.config import TransformerConfig
 from xl_jax.config import TransformerXLConfig
 
-SECTIONS = ("matmul", "train_transformer", "train_xl_enwik8", "train_xl_wt103", "decode",
-            "xl_eval", "cpu_vs_torch")
+SECTIONS = (
+    "matmul",
+    "train_transformer",
+    "train_xl_enwik8",
+    "train_xl_wt103",
+    "decode",
+    "xl_eval",
+    "cpu_vs_torch",
+)
 # cpu_vs_torch runs only when asked for: it times the CPU even on an accelerator machine.
 DEFAULT_SECTIONS = SECTIONS[:-1]
 XL_SECTIONS = {"train_xl_enwik8": "enwik8", "train_xl_wt103": "wt103"}
@@ -81,10 +89,22 @@ class BenchConfig:
     def __post_init__(self):
         if self.dtype not in ("float32", "bfloat16"):
             raise ValueError(f"dtype: expected 'float32' or 'bfloat16', got {self.dtype!r}")
-        for name in ("steps", "matmul_size", "matmul_repeats", "transformer_batch",
-                     "transformer_len", "decode_batch", "beam_size", "decode_repeats",
-                     "xl_eval_tgt_len", "xl_eval_batch", "vanilla_batch", "eval_repeats",
-                     "torch_xl_batch", "torch_steps"):
+        for name in (
+            "steps",
+            "matmul_size",
+            "matmul_repeats",
+            "transformer_batch",
+            "transformer_len",
+            "decode_batch",
+            "beam_size",
+            "decode_repeats",
+            "xl_eval_tgt_len",
+            "xl_eval_batch",
+            "vanilla_batch",
+            "eval_repeats",
+            "torch_xl_batch",
+            "torch_steps",
+        ):
             if getattr(self, name) < 1:
                 raise ValueError(f"{name}: must be >= 1, got {getattr(self, name)}")
         for name in ("warmup", "decode_sentences", "decode_margin", "torch_warmup"):
@@ -93,8 +113,9 @@ class BenchConfig:
         if not self.attn_lengths or min(self.attn_lengths) < 1:
             raise ValueError(f"attn_lengths: must be positive lengths, got {self.attn_lengths}")
         if any(len(s) != 2 or min(s) < 1 for s in self.torch_shapes):
-            raise ValueError(f"torch_shapes: expected (sentences, length) pairs >= 1, got "
-                             f"{self.torch_shapes}")
+            raise ValueError(
+                f"torch_shapes: expected (sentences, length) pairs >= 1, got {self.torch_shapes}"
+            )
 
     def replace(self, **changes) -> BenchConfig:
         return dataclasses.replace(self, **changes)
@@ -104,19 +125,34 @@ class BenchConfig:
         """The paper-sized models, for one GPU (about 8 minutes on an H100)."""
         dt = jnp.dtype(dtype)
         return cls(
-            dtype=dtype, steps=20, warmup=3, matmul_size=8192, matmul_repeats=10,
+            dtype=dtype,
+            steps=20,
+            warmup=3,
+            matmul_size=8192,
+            matmul_repeats=10,
             # 768 x 32 = 24,576 tokens on each side: the paper's "~25k source and target tokens".
-            transformer=TransformerConfig.base(dtype=dt), transformer_batch=768,
+            transformer=TransformerConfig.base(dtype=dt),
+            transformer_batch=768,
             transformer_len=32,
-            xl=(("enwik8_base", TransformerXLConfig.enwik8_base(dtype=dt), 22),
-                ("wt103_base", TransformerXLConfig.wt103_base(dtype=dt), 60)),
-            decode_model=TransformerConfig.base(src_vocab_size=8000, tgt_vocab_size=8000,
-                                                dtype=dt),
-            decode_vocab_size=8000, decode_sentences=0, decode_batch=128, beam_size=4,
-            decode_margin=16, decode_repeats=3,
+            xl=(
+                ("enwik8_base", TransformerXLConfig.enwik8_base(dtype=dt), 22),
+                ("wt103_base", TransformerXLConfig.wt103_base(dtype=dt), 60),
+            ),
+            decode_model=TransformerConfig.base(src_vocab_size=8000, tgt_vocab_size=8000, dtype=dt),
+            decode_vocab_size=8000,
+            decode_sentences=0,
+            decode_batch=128,
+            beam_size=4,
+            decode_margin=16,
+            decode_repeats=3,
             xl_eval=TransformerXLConfig.enwik8_base(dtype=dt, dropout=0.0),
-            attn_lengths=(800, 1800, 2800, 3800), xl_eval_tgt_len=128, xl_eval_batch=16,
-            vanilla_batch=4, eval_repeats=5, **_cpu_vs_torch(steps=25, warmup=3))
+            attn_lengths=(800, 1800, 2800, 3800),
+            xl_eval_tgt_len=128,
+            xl_eval_batch=16,
+            vanilla_batch=4,
+            eval_repeats=5,
+            **_cpu_vs_torch(steps=25, warmup=3),
+        )
 
     @classmethod
     def quick(cls, dtype: str = "float32") -> BenchConfig:
@@ -124,25 +160,65 @@ class BenchConfig:
         dt = jnp.dtype(dtype)
         small_xl = dict(n_layers=2, n_heads=4, d_model=128, d_head=32, d_inner=512, dtype=dt)
         return cls(
-            dtype=dtype, steps=5, warmup=2, matmul_size=512, matmul_repeats=5,
+            dtype=dtype,
+            steps=5,
+            warmup=2,
+            matmul_size=512,
+            matmul_repeats=5,
             transformer=TransformerConfig.base(
-                src_vocab_size=1000, tgt_vocab_size=1000, d_model=128, n_heads=4, d_ff=512,
-                n_encoder_layers=2, n_decoder_layers=2, dtype=dt),
-            transformer_batch=16, transformer_len=32,
-            xl=(("enwik8_base (quick: 2 x 128, 64 + 64)",
-                 TransformerXLConfig.enwik8_base(tgt_len=64, mem_len=64, **small_xl), 4),
-                ("wt103_base (quick: 2 x 128, V 4000, 32 + 32)",
-                 TransformerXLConfig.wt103_base(vocab_size=4000, cutoffs=(1000, 2000, 3000),
-                                                tgt_len=32, mem_len=32, **small_xl), 4)),
+                src_vocab_size=1000,
+                tgt_vocab_size=1000,
+                d_model=128,
+                n_heads=4,
+                d_ff=512,
+                n_encoder_layers=2,
+                n_decoder_layers=2,
+                dtype=dt,
+            ),
+            transformer_batch=16,
+            transformer_len=32,
+            xl=(
+                (
+                    "enwik8_base (quick: 2 x 128, 64 + 64)",
+                    TransformerXLConfig.enwik8_base(tgt_len=64, mem_len=64, **small_xl),
+                    4,
+                ),
+                (
+                    "wt103_base (quick: 2 x 128, V 4000, 32 + 32)",
+                    TransformerXLConfig.wt103_base(
+                        vocab_size=4000,
+                        cutoffs=(1000, 2000, 3000),
+                        tgt_len=32,
+                        mem_len=32,
+                        **small_xl,
+                    ),
+                    4,
+                ),
+            ),
             decode_model=TransformerConfig.base(
-                src_vocab_size=8000, tgt_vocab_size=8000, d_model=128, n_heads=4, d_ff=512,
-                n_encoder_layers=2, n_decoder_layers=2, dtype=dt),
-            decode_vocab_size=8000, decode_sentences=64, decode_batch=32, beam_size=4,
-            decode_margin=16, decode_repeats=1,
+                src_vocab_size=8000,
+                tgt_vocab_size=8000,
+                d_model=128,
+                n_heads=4,
+                d_ff=512,
+                n_encoder_layers=2,
+                n_decoder_layers=2,
+                dtype=dt,
+            ),
+            decode_vocab_size=8000,
+            decode_sentences=64,
+            decode_batch=32,
+            beam_size=4,
+            decode_margin=16,
+            decode_repeats=1,
             xl_eval=TransformerXLConfig.enwik8_base(dropout=0.0, **small_xl),
-            attn_lengths=(64, 128, 256), xl_eval_tgt_len=16, xl_eval_batch=2, vanilla_batch=2,
-            eval_repeats=3, **_cpu_vs_torch(steps=5, warmup=2))
-
+            attn_lengths=(64, 128, 256),
+            xl_eval_tgt_len=16,
+            xl_eval_batch=2,
+            vanilla_batch=2,
+            eval_repeats=3,
+            **_cpu_vs_torch(steps=5, warmup=2),
+        )
 
 
 def _cpu_vs_torch(*, steps: int, warmup: int) -> dict:
@@ -153,6 +229,12 @@ def _cpu_vs_torch(*, steps: int, warmup: int) -> dict:
     # train.lm's cpu preset for PTB words, taken from it so that the two cannot drift apart.
     lm = lm_config.make_config("ptb", "cpu")
     xl = lm.model_config.replace(dropout=0.0, dropatt=0.0)
-    return dict(torch_transformer=transformer.replace(dropout=0.0, attention_dropout=0.0),
-                torch_shapes=((32, 16), (64, 32)), torch_xl=xl, torch_xl_batch=lm.batch_size,
-                torch_steps=steps, torch_warmup=warmup, torch_compile=True)
+    return dict(
+        torch_transformer=transformer.replace(dropout=0.0, attention_dropout=0.0),
+        torch_shapes=((32, 16), (64, 32)),
+        torch_xl=xl,
+        torch_xl_batch=lm.batch_size,
+        torch_steps=steps,
+        torch_warmup=warmup,
+        torch_compile=True,
+    )

@@ -17,24 +17,25 @@ arms taking turns step by step; medians of `torch_steps` steps after `torch_warm
 ones (the first call, which compiles, is timed apart). torch gets as many threads as XLA's CPU
 pool has: the CPUs this process may run on.
 """
+
 from __future__ import annotations
 
 import copy
 import os
 import statistics
 import time
-from typing import Any, Callable, Mapping
+from collections.abc import Callable, Mapping
+from typing import Any
 
 import jax
 import jax.numpy as jnp
 import numpy as np
 
+from train import lm, translate
 from train.bench.config import BenchConfig
 from train.bench.timing import time_interleaved
 from train.core.parallel import DataParallel
 from train.core.state import TrainState, count_params
-from train import lm
-from train import translate
 from transformer_jax.model import Transformer
 from transformer_jax.optim import make_optimizer
 from xl_jax.memory import init_memory
@@ -48,8 +49,10 @@ def import_torch_reference():
     except ModuleNotFoundError as e:
         if e.name != "torch":
             raise
-        raise ImportError("cpu_vs_torch needs PyTorch, a test-only dependency of this project: "
-                          "pip install torch (the CPU wheel is enough)") from e
+        raise ImportError(
+            "cpu_vs_torch needs PyTorch, a test-only dependency of this project: "
+            "pip install torch (the CPU wheel is enough)"
+        ) from e
     return torch_reference
 
 
@@ -57,12 +60,13 @@ def xla_cpu_threads() -> int:
     """The size of XLA's CPU thread pool: the CPUs this process may run on."""
     try:
         return len(os.sched_getaffinity(0))
-    except AttributeError:   # not on Linux
+    except AttributeError:  # not on Linux
         return os.cpu_count() or 1
 
 
-def cpu_vs_torch_bench(config: BenchConfig, *, log: Callable[[str], None] = print
-                       ) -> dict[str, Any]:
+def cpu_vs_torch_bench(
+    config: BenchConfig, *, log: Callable[[str], None] = print
+) -> dict[str, Any]:
     """The comparison rows (see the module docstring), with the setting they were taken in."""
     tr = import_torch_reference()
     import torch  # optional, a test-only dependency: imported where the comparison runs
@@ -76,8 +80,14 @@ def cpu_vs_torch_bench(config: BenchConfig, *, log: Callable[[str], None] = prin
         rows.append(_compare(_transformer_arms(config, b, t, cpu, tr), config))
     log("[bench] cpu_vs_torch: Transformer-XL")
     rows.append(_compare(_xl_arms(config, cpu, tr), config))
-    return {"torch": torch.__version__, "threads": threads, "cpu": cpu.device_kind,
-            "steps": config.torch_steps, "warmup": config.torch_warmup, "rows": rows}
+    return {
+        "torch": torch.__version__,
+        "threads": threads,
+        "cpu": cpu.device_kind,
+        "steps": config.torch_steps,
+        "warmup": config.torch_warmup,
+        "rows": rows,
+    }
 
 
 # ------------------------------------------------------------------------------ one comparison
@@ -102,16 +112,31 @@ def _compare(setup: Mapping[str, Any], config: BenchConfig) -> dict[str, Any]:
     out_arms: dict[str, Any] = {"torch_compile": None}
     for name, ts in times.items():
         median = statistics.median(ts)
-        out_arms[name] = {"median_s": median, "min_s": min(ts), "times_s": ts,
-                          "first_call_s": first_call_s[name], "tokens_per_s": tokens / median,
-                          "final_loss": losses[name]}
+        out_arms[name] = {
+            "median_s": median,
+            "min_s": min(ts),
+            "times_s": ts,
+            "first_call_s": first_call_s[name],
+            "tokens_per_s": tokens / median,
+            "final_loss": losses[name],
+        }
     project = out_arms["project"]["median_s"]
-    ratio = lambda name: (None if out_arms.get(name) is None  # noqa: E731
-                          else out_arms[name]["median_s"] / project)
-    return {"name": setup["name"], "model": setup["model"], **setup["shape"],
-            "tokens_per_step": tokens, "n_params": setup["n_params"], "arms": out_arms,
-            "project_over_eager": ratio("torch_eager"),
-            "project_over_compile": ratio("torch_compile"), "compile_error": compile_error}
+
+    def ratio(name):
+        arm = out_arms.get(name)
+        return None if arm is None else arm["median_s"] / project
+
+    return {
+        "name": setup["name"],
+        "model": setup["model"],
+        **setup["shape"],
+        "tokens_per_step": tokens,
+        "n_params": setup["n_params"],
+        "arms": out_arms,
+        "project_over_eager": ratio("torch_eager"),
+        "project_over_compile": ratio("torch_compile"),
+        "compile_error": compile_error,
+    }
 
 
 def _project_arm(loss_fn, init_state: Callable[[], TrainState], batches, cpu):
@@ -140,6 +165,7 @@ def _torch_arms(step_eager, step_compiled, batches) -> tuple[dict, Callable]:
     def arm(name, step):
         def run(i: int) -> None:
             losses[name] = step(*batches[i % len(batches)])
+
         return run
 
     arms = {"torch_eager": arm("torch_eager", step_eager)}
@@ -150,15 +176,18 @@ def _torch_arms(step_eager, step_compiled, batches) -> tuple[dict, Callable]:
 
 def _check_params(name: str, project: int, torch_model) -> int:
     from train.bench.torch_reference import count_params as torch_count  # needs torch
+
     theirs = torch_count(torch_model)
     if theirs != project:
-        raise ValueError(f"{name}: the PyTorch model has {theirs:,} parameters, the project's "
-                         f"{project:,}: not the same model")
+        raise ValueError(
+            f"{name}: the PyTorch model has {theirs:,} parameters, the project's "
+            f"{project:,}: not the same model"
+        )
     return project
 
 
 def _n_batches(config: BenchConfig) -> int:
-    return config.torch_warmup + config.torch_steps + 1   # + the first call
+    return config.torch_warmup + config.torch_steps + 1  # + the first call
 
 
 # ------------------------------------------------------------------------------ the models
@@ -171,8 +200,13 @@ def _transformer_arms(config: BenchConfig, b: int, t: int, cpu, tr) -> dict[str,
     tx, _ = make_optimizer(run.optimizer_config())
     model = Transformer(cfg)
     rng = np.random.default_rng(0)
-    batches = [{k: rng.integers(3, cfg.tgt_vocab_size, (b, t), dtype=np.int32)
-                for k in ("src", "tgt_in", "tgt_out")} for _ in range(_n_batches(config))]
+    batches = [
+        {
+            k: rng.integers(3, cfg.tgt_vocab_size, (b, t), dtype=np.int32)
+            for k in ("src", "tgt_in", "tgt_out")
+        }
+        for _ in range(_n_batches(config))
+    ]
 
     def init_state() -> TrainState:
         dummy = jnp.ones((1, 8), jnp.int32)
@@ -181,29 +215,44 @@ def _transformer_arms(config: BenchConfig, b: int, t: int, cpu, tr) -> dict[str,
 
     project, n_project, project_loss = _project_arm(
         translate.make_loss_fn(model, smoothing=run.label_smoothing, pad_id=cfg.pad_id),
-        init_state, batches, cpu)
+        init_state,
+        batches,
+        cpu,
+    )
     torch.manual_seed(0)
     eager = tr.TorchTransformer(cfg)
     compiled = copy.deepcopy(eager)
-    opt = dict(learning_rate=run.learning_rate, clip_norm=run.clip_norm,
-               ema_decay=run.ema_decay)
+    opt = dict(learning_rate=run.learning_rate, clip_norm=run.clip_norm, ema_decay=run.ema_decay)
     loss = lambda m: tr.translation_loss_fn(m, smoothing=run.label_smoothing)  # noqa: E731
-    torch_batches = [tuple(torch.from_numpy(x[k].astype(np.int64))
-                           for k in ("src", "tgt_in", "tgt_out")) for x in batches]
+    torch_batches = [
+        tuple(torch.from_numpy(x[k].astype(np.int64)) for k in ("src", "tgt_in", "tgt_out"))
+        for x in batches
+    ]
     arms, torch_losses = _torch_arms(
         tr.TorchTrainStep(eager, loss(eager), **opt),
         tr.TorchTrainStep(compiled, torch.compile(loss(compiled)), **opt)
-        if config.torch_compile else None, torch_batches)
-    name = (f"Transformer {cfg.n_encoder_layers}+{cfg.n_decoder_layers} x {cfg.d_model}, "
-            f"V {cfg.tgt_vocab_size}, {b} x {t}")
-    return {"name": name, "model": "transformer", "shape": {"batch": b, "length": t},
-            "tokens_per_step": b * t, "n_params": _check_params(name, n_project, eager),
-            "arms": {"project": project, **arms},
-            "losses": lambda: {"project": project_loss(), **torch_losses()}}
+        if config.torch_compile
+        else None,
+        torch_batches,
+    )
+    name = (
+        f"Transformer {cfg.n_encoder_layers}+{cfg.n_decoder_layers} x {cfg.d_model}, "
+        f"V {cfg.tgt_vocab_size}, {b} x {t}"
+    )
+    return {
+        "name": name,
+        "model": "transformer",
+        "shape": {"batch": b, "length": t},
+        "tokens_per_step": b * t,
+        "n_params": _check_params(name, n_project, eager),
+        "arms": {"project": project, **arms},
+        "losses": lambda: {"project": project_loss(), **torch_losses()},
+    }
 
 
 def _xl_arms(config: BenchConfig, cpu, tr) -> dict[str, Any]:
     import torch  # optional, a test-only dependency: imported where the comparison runs
+
     from train.bench.xl_torch_reference import MemTransformerLM  # needs torch
 
     cfg = config.torch_xl.replace(dtype=jnp.float32)
@@ -216,43 +265,73 @@ def _xl_arms(config: BenchConfig, cpu, tr) -> dict[str, Any]:
     tx, _ = make_optimizer(run.optimizer_config())
     model = TransformerXL(cfg)
     rng = np.random.default_rng(0)
-    batches = [{k: rng.integers(0, cfg.vocab_size, (b, t), dtype=np.int32)
-                for k in ("inputs", "targets")} for _ in range(_n_batches(config))]
+    batches = [
+        {k: rng.integers(0, cfg.vocab_size, (b, t), dtype=np.int32) for k in ("inputs", "targets")}
+        for _ in range(_n_batches(config))
+    ]
 
     def init_state() -> TrainState:
         dummy = jnp.ones((1, 8), jnp.int32)
-        params = model.init({"params": jax.random.PRNGKey(0)}, dummy,
-                            init_memory(cfg, 1))["params"]
-        return TrainState.create(params=params, tx=tx, rng=jax.random.PRNGKey(1),
-                                 extra=init_memory(cfg, b))
+        params = model.init({"params": jax.random.PRNGKey(0)}, dummy, init_memory(cfg, 1))["params"]
+        return TrainState.create(
+            params=params, tx=tx, rng=jax.random.PRNGKey(1), extra=init_memory(cfg, b)
+        )
 
-    project, n_project, project_loss = _project_arm(lm.make_loss_fn(model), init_state,
-                                                    batches, cpu)
+    project, n_project, project_loss = _project_arm(
+        lm.make_loss_fn(model), init_state, batches, cpu
+    )
     torch.manual_seed(0)
     eager = MemTransformerLM(
-        n_token=cfg.vocab_size, n_layer=cfg.n_layers, n_head=cfg.n_heads, d_model=cfg.d_model,
-        d_head=cfg.d_head, d_inner=cfg.d_inner, dropout=0.0, dropatt=0.0,
-        tie_weight=cfg.tie_weights, d_embed=cfg.d_embed, div_val=cfg.div_val,
-        tie_projs=cfg.tie_projs, pre_lnorm=cfg.norm_first, mem_len=cfg.mem_len,
-        cutoffs=cfg.cutoffs, same_length=cfg.same_length, clamp_len=cfg.clamp_len,
-        untie_r=cfg.untie_r).train()
+        n_token=cfg.vocab_size,
+        n_layer=cfg.n_layers,
+        n_head=cfg.n_heads,
+        d_model=cfg.d_model,
+        d_head=cfg.d_head,
+        d_inner=cfg.d_inner,
+        dropout=0.0,
+        dropatt=0.0,
+        tie_weight=cfg.tie_weights,
+        d_embed=cfg.d_embed,
+        div_val=cfg.div_val,
+        tie_projs=cfg.tie_projs,
+        pre_lnorm=cfg.norm_first,
+        mem_len=cfg.mem_len,
+        cutoffs=cfg.cutoffs,
+        same_length=cfg.same_length,
+        clamp_len=cfg.clamp_len,
+        untie_r=cfg.untie_r,
+    ).train()
     _official_init(eager)
     compiled = copy.deepcopy(eager)
     opt = dict(learning_rate=run.learning_rate, clip_norm=run.clip_norm)
     # Time-major, as the official code: [T, B].
-    torch_batches = [tuple(torch.from_numpy(np.ascontiguousarray(x[k].T).astype(np.int64))
-                           for k in ("inputs", "targets")) for x in batches]
+    torch_batches = [
+        tuple(
+            torch.from_numpy(np.ascontiguousarray(x[k].T).astype(np.int64))
+            for k in ("inputs", "targets")
+        )
+        for x in batches
+    ]
     arms, torch_losses = _torch_arms(
         tr.TorchTrainStep(eager, tr.XLLossFn(eager), **opt),
         tr.TorchTrainStep(compiled, tr.XLLossFn(torch.compile(compiled)), **opt)
-        if config.torch_compile else None, torch_batches)
-    name = (f"Transformer-XL {cfg.n_layers} x {cfg.d_model}, V {cfg.vocab_size}, {b} x {t}, "
-            f"memory {cfg.mem_len}, remat {cfg.remat}")
-    return {"name": name, "model": "transformer_xl",
-            "shape": {"batch": b, "length": t, "mem_len": cfg.mem_len},
-            "tokens_per_step": b * t, "n_params": _check_params(name, n_project, eager),
-            "arms": {"project": project, **arms},
-            "losses": lambda: {"project": project_loss(), **torch_losses()}}
+        if config.torch_compile
+        else None,
+        torch_batches,
+    )
+    name = (
+        f"Transformer-XL {cfg.n_layers} x {cfg.d_model}, V {cfg.vocab_size}, {b} x {t}, "
+        f"memory {cfg.mem_len}, remat {cfg.remat}"
+    )
+    return {
+        "name": name,
+        "model": "transformer_xl",
+        "shape": {"batch": b, "length": t, "mem_len": cfg.mem_len},
+        "tokens_per_step": b * t,
+        "n_params": _check_params(name, n_project, eager),
+        "arms": {"project": project, **arms},
+        "losses": lambda: {"project": project_loss(), **torch_losses()},
+    }
 
 
 def _official_init(model) -> None:
@@ -265,7 +344,7 @@ def _official_init(model) -> None:
         for name, p in model.named_parameters():
             if name.endswith("layer_norm.weight"):
                 p.normal_(1.0, 0.02)
-            elif name.endswith(".bias"):      # not r_w_bias, r_r_bias (u, v): normal
+            elif name.endswith(".bias"):  # not r_w_bias, r_r_bias (u, v): normal
                 p.zero_()
             else:
                 p.normal_(0.0, 0.02)

@@ -13,19 +13,21 @@ Conventions (those of the MFU literature, e.g. PaLM appendix B):
     twice the forward, except where one operand is a constant (Transformer-XL's relative position
     embeddings R): then only the weight gradient, once the forward.
 
-Each formula is itemized (`FlopTerm`), so the output shows where the FLOPs are. `executed`
-counts every product the implementation runs; `model` leaves out the work it discards
-(Transformer-XL projects queries for the memory rows too and throws them away) and the forward
-products its backward pass recomputes (remat), and is what MFU divides by. Two independent checks: `jaxpr_matmul_flops` walks the traced program and adds up its
-`dot_general`s (the tests require it to equal `executed` exactly), and `xla_flops` reads XLA's own
-count (`compiled.cost_analysis()['flops']`), which also counts elementwise work, so its ratio to
-the formula is a little above 1.
+Each formula is itemized (`FlopTerm`), so the output shows where the FLOPs are. `executed` counts
+every product the implementation runs; `model` leaves out the work it discards (Transformer-XL
+projects queries for the memory rows too and throws them away) and the forward products its backward
+pass recomputes (remat), and is what MFU divides by. Two independent checks: `jaxpr_matmul_flops`
+walks the traced program and adds up its `dot_general`s (the tests require it to equal `executed`
+exactly), and `xla_flops` reads XLA's own count (`compiled.cost_analysis()['flops']`), which also
+counts elementwise work, so its ratio to the formula is a little above 1.
 """
+
 from __future__ import annotations
 
 import dataclasses
 import math
-from typing import Any, Callable
+from collections.abc import Callable
+from typing import Any
 
 import jax
 import numpy as np
@@ -38,14 +40,16 @@ except ImportError:  # pragma: no cover - older jax
 TRANSFORMER_FORMULA = (
     "training FLOPs = 3 x forward; forward = 2 x multiply-adds of: encoder N x [B S (4 D^2 + 2 D F)"
     " + 2 B S^2 D], decoder N x [B T (4 D^2 + 2 D^2 + 2 D F) + 2 B S D^2 + 2 B T^2 D"
-    " + 2 B T S D], output B T D V")
+    " + 2 B T S D], output B T D V"
+)
 XL_FORMULA = (
     "training FLOPs = forward + backward (2 x forward; 1 x for R's projection, a constant input);"
     " forward = 2 x multiply-adds of N x [B S 3 D H K (q/k/v over memory + segment; the memory"
     " rows' q discarded) + S D H K (R) + 3 B T S H K ((q+u)k, (q+v)R, weights x v) + B T H K D"
     " + 2 B T D F] + softmax B T (D V + clusters) (+ adaptive projections), S = M + T;"
     " remat adds the recomputed products (the 3 attention ones, or whole layers) to the"
-    " executed count, not to the model FLOPs")
+    " executed count, not to the model FLOPs"
+)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -81,8 +85,9 @@ class FlopCount:
     formula: str
 
     def forward(self, *, executed: bool = False) -> float:
-        return float(sum(t.forward for t in self.terms
-                         if (executed or t.needed) and not t.training_only))
+        return float(
+            sum(t.forward for t in self.terms if (executed or t.needed) and not t.training_only)
+        )
 
     def training(self, *, executed: bool = False) -> float:
         return float(sum(t.training for t in self.terms if executed or t.needed))
@@ -99,9 +104,14 @@ class FlopCount:
             "executed_forward": self.forward(executed=True),
             "executed_training": self.training(executed=True),
             "model_training_per_token": self.per_token(),
-            "terms": {t.name: {"forward": 0.0 if t.training_only else t.forward,
-                               "training": t.training, "needed": t.needed}
-                      for t in self.terms},
+            "terms": {
+                t.name: {
+                    "forward": 0.0 if t.training_only else t.forward,
+                    "training": t.training,
+                    "needed": t.needed,
+                }
+                for t in self.terms
+            },
         }
 
 
@@ -154,9 +164,15 @@ def xl_flops(config, *, batch: int, tgt_len: int, mem_len: int) -> FlopCount:
     recomputed = {"none": [], "attention": [attention], "full": layers}[remat]
     terms = list(layers)
     if recomputed:
-        terms.append(FlopTerm(f"recomputed in the backward (remat '{remat}')",
-                              sum(x.forward for x in recomputed), backward_factor=0.0,
-                              needed=False, training_only=True))
+        terms.append(
+            FlopTerm(
+                f"recomputed in the backward (remat '{remat}')",
+                sum(x.forward for x in recomputed),
+                backward_factor=0.0,
+                needed=False,
+                training_only=True,
+            )
+        )
     terms += _adaptive_terms(config, rows=b * t)
     return FlopCount(terms=tuple(terms), tokens=b * t, formula=XL_FORMULA)
 
@@ -173,8 +189,10 @@ def _adaptive_terms(config, *, rows: int) -> list[FlopTerm]:
     mm = lambda k, cols: 2.0 * rows * k * cols  # noqa: E731
     terms = []
     if projected:
-        widths = [config.cluster_width(c) if config.div_val > 1 else config.d_embed
-                  for c in range(n_tables)]
+        widths = [
+            config.cluster_width(c) if config.div_val > 1 else config.d_embed
+            for c in range(n_tables)
+        ]
         terms.append(FlopTerm("adaptive embedding projections", sum(mm(e, d) for e in widths)))
     out = 0.0
     for k in range(n_clusters + 1):
@@ -210,8 +228,7 @@ def _jaxpr_flops(jaxpr) -> float:
         elif name == "cond":
             total += max(_jaxpr_flops(br.jaxpr) for br in eqn.params["branches"])
         else:
-            inner = sum(_jaxpr_flops(getattr(j, "jaxpr", j))
-                        for j in jaxprs_in_params(eqn.params))
+            inner = sum(_jaxpr_flops(getattr(j, "jaxpr", j)) for j in jaxprs_in_params(eqn.params))
             total += inner * (eqn.params["length"] if name == "scan" else 1)
     return total
 

@@ -2,17 +2,19 @@
 `train.core.cli.add_dataclass_flags` like every other entry point's (`--field VALUE`; tuples as
 comma-separated lists, booleans as true/false), and `config_from_options`, which applies them
 to a `BenchConfig` preset."""
+
 from __future__ import annotations
 
 import argparse
 import dataclasses
 import os
-from typing import Any, Sequence
+from collections.abc import Sequence
+from typing import Any
 
 import jax
 
-from train.core import cli
 from train.bench.config import DEFAULT_SECTIONS, SECTIONS, BenchConfig
+from train.core import cli
 from transformer_jax.attention import IMPLEMENTATIONS
 from xl_jax.config import REMAT_MODES
 
@@ -66,8 +68,11 @@ class BenchOptions:
         unknown = sorted(set(self.only) - set(SECTIONS))
         if unknown or not self.only:
             raise ValueError(f"only: unknown section(s) {unknown}; choose from {SECTIONS}")
-        choices = {"dtype": ("auto", "float32", "bfloat16"), "attention_impl": IMPLEMENTATIONS,
-                   "xl_remat": REMAT_MODES}   # '' (the configs') passes
+        choices = {
+            "dtype": ("auto", "float32", "bfloat16"),
+            "attention_impl": IMPLEMENTATIONS,
+            "xl_remat": REMAT_MODES,
+        }  # '' (the configs') passes
         for name, allowed in choices.items():
             value = getattr(self, name)
             if value and value not in allowed:
@@ -76,8 +81,10 @@ class BenchOptions:
 
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(
-        prog="python -m train.bench", description=BenchOptions.__doc__,
-        formatter_class=argparse.RawDescriptionHelpFormatter)
+        prog="python -m train.bench",
+        description=BenchOptions.__doc__,
+        formatter_class=argparse.RawDescriptionHelpFormatter,
+    )
     cli.add_dataclass_flags(parser, BenchOptions)
     return parser
 
@@ -128,8 +135,10 @@ def config_from_options(options: BenchOptions) -> BenchConfig:
     if options.attention_impl:
         impl = options.attention_impl
         xl = [(n, c.replace(attention_impl=impl), b) for n, c, b in xl]
-        changes.update(transformer=config.transformer.replace(attention_impl=impl),
-                       decode_model=config.decode_model.replace(attention_impl=impl),
-                       xl_eval=config.xl_eval.replace(attention_impl=impl))
+        changes.update(
+            transformer=config.transformer.replace(attention_impl=impl),
+            decode_model=config.decode_model.replace(attention_impl=impl),
+            xl_eval=config.xl_eval.replace(attention_impl=impl),
+        )
     changes["xl"] = tuple(xl)
     return config.replace(**changes)

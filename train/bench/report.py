@@ -1,10 +1,12 @@
 """The results as files: OUT/bench.json (every raw figure) and OUT/bench.md (tables), and
 `merge_results`, which lays a later run over an earlier one."""
+
 from __future__ import annotations
 
 import json
 import os
-from typing import Any, Mapping
+from collections.abc import Mapping
+from typing import Any
 
 
 def merge_results(earlier: Mapping[str, Any], new: Mapping[str, Any]) -> dict[str, Any]:
@@ -14,9 +16,13 @@ def merge_results(earlier: Mapping[str, Any], new: Mapping[str, Any]) -> dict[st
     ran = set(new["meta"]["sections"])
     names = {r["name"] for r in new["train"]}
     merged = dict(earlier)
-    merged["meta"] = dict(new["meta"], earlier_runs=[
-        *earlier["meta"].get("earlier_runs", []),
-        {"date": earlier["meta"]["date"], "command": earlier["meta"]["command"]}])
+    merged["meta"] = dict(
+        new["meta"],
+        earlier_runs=[
+            *earlier["meta"].get("earlier_runs", []),
+            {"date": earlier["meta"]["date"], "command": earlier["meta"]["command"]},
+        ],
+    )
     merged["train"] = [r for r in earlier.get("train", []) if r["name"] not in names]
     merged["train"] += new["train"]
     for key in ("matmul", "decode", "xl_eval", "cpu_vs_torch"):
@@ -41,27 +47,38 @@ def write_results(results: Mapping[str, Any], out: str) -> tuple[str, str]:
 def to_markdown(results: Mapping[str, Any]) -> str:
     """The results as markdown tables (the README's performance section takes them as is)."""
     meta = results["meta"]
-    lines = [f"Device: {meta['device_kind']} ({meta['platform']}), jax {meta['jax']}, "
-             f"compute dtype {meta['dtype']}, {meta['date']}.",
-             f"Command: `{meta['command']}`"]
-    lines += [f"Earlier, merged: `{run['command']}` ({run['date']})"
-              for run in meta.get("earlier_runs", [])]
+    lines = [
+        f"Device: {meta['device_kind']} ({meta['platform']}), jax {meta['jax']}, "
+        f"compute dtype {meta['dtype']}, {meta['date']}.",
+        f"Command: `{meta['command']}`",
+    ]
+    lines += [
+        f"Earlier, merged: `{run['command']}` ({run['date']})"
+        for run in meta.get("earlier_runs", [])
+    ]
     lines.append("")
     matmul = results.get("matmul") or {}
     if matmul:
-        rates = ", ".join(f"{name} {m['rate'] / 1e12:.3g} TFLOP/s ({m['n']}^3)"
-                          for name, m in matmul.items())
+        rates = ", ".join(
+            f"{name} {m['rate'] / 1e12:.3g} TFLOP/s ({m['n']}^3)" for name, m in matmul.items()
+        )
         peak = meta.get("nominal_bf16_peak")
-        lines += [f"Measured matrix rate: {rates}"
-                  + (f"; datasheet bf16 peak {peak / 1e12:.4g} TFLOP/s." if peak else "."), ""]
+        lines += [
+            f"Measured matrix rate: {rates}"
+            + (f"; datasheet bf16 peak {peak / 1e12:.4g} TFLOP/s." if peak else "."),
+            "",
+        ]
     train = results.get("train") or []
     if train:
         # A float32 run (a CPU) is also compared with the float32 rate it actually uses.
         f32 = meta["dtype"] == "float32"
-        lines += ["| training step | tokens/step | step (ms) | tokens/s | compile (s) | "
-                  "memory (GiB) | model TFLOP/step | XLA / formula | MFU (measured bf16) | "
-                  + ("MFU (measured float32) | " if f32 else "") + "MFU (datasheet bf16) |",
-                  "|---" * (11 if f32 else 10) + "|"]
+        lines += [
+            "| training step | tokens/step | step (ms) | tokens/s | compile (s) | "
+            "memory (GiB) | model TFLOP/step | XLA / formula | MFU (measured bf16) | "
+            + ("MFU (measured float32) | " if f32 else "")
+            + "MFU (datasheet bf16) |",
+            "|---" * (11 if f32 else 10) + "|",
+        ]
         for r in train:
             mem = r.get("memory") or {}
             lines.append(
@@ -72,11 +89,15 @@ def to_markdown(results: Mapping[str, Any]) -> str:
                 f"{'*' if r.get('xla_counts_loops_once') else ''} | "
                 f"{_pct(r.get('mfu_vs_measured_bf16'))} | "
                 + (f"{_pct(r.get('mfu_vs_measured_float32'))} | " if f32 else "")
-                + f"{_pct(r.get('mfu_vs_nominal_bf16'))} |")
-        lines += ["", "FLOP formulas (matrix products only; MFU divides the model FLOPs, the XLA "
-                  "ratio compares with every product executed; * the program loops (the XL "
-                  "layers run in a scan) and XLA's cost analysis counts a loop body once, so "
-                  "its count falls short):"]
+                + f"{_pct(r.get('mfu_vs_nominal_bf16'))} |"
+            )
+        lines += [
+            "",
+            "FLOP formulas (matrix products only; MFU divides the model FLOPs, the XLA "
+            "ratio compares with every product executed; * the program loops (the XL "
+            "layers run in a scan) and XLA's cost analysis counts a loop body once, so "
+            "its count falls short):",
+        ]
         for formula in dict.fromkeys(r["flops"]["formula"] for r in train):
             lines.append(f"- {formula}")
         lines.append("")
@@ -84,20 +105,29 @@ def to_markdown(results: Mapping[str, Any]) -> str:
             lines += _profile_lines(r["name"], r.get("profile"), r["step_s_median"])
     decode = results.get("decode")
     if decode:
-        lines += ["| beam search | sentences | beam | batch | sentences/s | output tokens/s | "
-                  "first pass incl. compile (s) |", "|---|---|---|---|---|---|---|",
-                  f"| {decode['model']}, {decode['weights']}, {decode['split']} | "
-                  f"{decode['sentences']} | {decode['beam_size']} | {decode['batch']} | "
-                  f"{decode['sentences_per_s']:.1f} | {decode['output_tokens_per_s']:,.0f} | "
-                  f"{decode['first_pass_s']:.1f} |", ""]
+        lines += [
+            "| beam search | sentences | beam | batch | sentences/s | output tokens/s | "
+            "first pass incl. compile (s) |",
+            "|---|---|---|---|---|---|---|",
+            f"| {decode['model']}, {decode['weights']}, {decode['split']} | "
+            f"{decode['sentences']} | {decode['beam_size']} | {decode['batch']} | "
+            f"{decode['sentences_per_s']:.1f} | {decode['output_tokens_per_s']:,.0f} | "
+            f"{decode['first_pass_s']:.1f} |",
+            "",
+        ]
     xl_eval = results.get("xl_eval")
     if xl_eval:
-        lines += ["| attention length | XL with memory (ms/token) | vanilla window (ms/token) | "
-                  "speed-up | FLOP ratio |", "|---|---|---|---|---|"]
+        lines += [
+            "| attention length | XL with memory (ms/token) | vanilla window (ms/token) | "
+            "speed-up | FLOP ratio |",
+            "|---|---|---|---|---|",
+        ]
         for r in xl_eval:
-            lines.append(f"| {r['attn_len']} | {r['xl_s_per_token'] * 1e3:.4f} | "
-                         f"{r['vanilla_s_per_token'] * 1e3:.3f} | {r['speedup']:,.0f}x | "
-                         f"{r['flop_ratio']:,.0f}x |")
+            lines.append(
+                f"| {r['attn_len']} | {r['xl_s_per_token'] * 1e3:.4f} | "
+                f"{r['vanilla_s_per_token'] * 1e3:.3f} | {r['speedup']:,.0f}x | "
+                f"{r['flop_ratio']:,.0f}x |"
+            )
         lines.append("")
     lines += _cpu_vs_torch_lines(results.get("cpu_vs_torch"))
     for err in results.get("errors") or []:
@@ -105,18 +135,26 @@ def to_markdown(results: Mapping[str, Any]) -> str:
     return "\n".join(lines) + "\n"
 
 
-def _profile_lines(name: str, profile: Mapping[str, Any] | None, step_s: float,
-                   top: int = 5) -> list[str]:
+def _profile_lines(
+    name: str, profile: Mapping[str, Any] | None, step_s: float, top: int = 5
+) -> list[str]:
     """Where a training step's time went: category shares and the top ops."""
     if not profile:
         return []
     busy_ms = profile["busy_us_per_step"] / 1e3
     shares = ", ".join(f"{c} {100 * x:.0f}%" for c, x in profile["categories"].items())
-    lines = [f"Profile of {name} ({profile['source']}): {busy_ms:.1f} ms busy per step of "
-             f"{step_s * 1e3:.1f} ms; {shares}.", "", "| op | ms/step | share | category |",
-             "|---|---|---|---|"]
-    lines += [f"| `{op['name'][:60]}` | {op['us_per_step'] / 1e3:.2f} | "
-              f"{100 * op['share']:.1f}% | {op['category']} |" for op in profile["top"][:top]]
+    lines = [
+        f"Profile of {name} ({profile['source']}): {busy_ms:.1f} ms busy per step of "
+        f"{step_s * 1e3:.1f} ms; {shares}.",
+        "",
+        "| op | ms/step | share | category |",
+        "|---|---|---|---|",
+    ]
+    lines += [
+        f"| `{op['name'][:60]}` | {op['us_per_step'] / 1e3:.2f} | "
+        f"{100 * op['share']:.1f}% | {op['category']} |"
+        for op in profile["top"][:top]
+    ]
     return lines + [""]
 
 
@@ -124,31 +162,42 @@ def _cpu_vs_torch_lines(cmp: Mapping[str, Any] | None) -> list[str]:
     """The CPU training steps against PyTorch: medians and the project's speed ratios."""
     if not cmp:
         return []
-    lines = [f"CPU training step against PyTorch {cmp['torch']} ({cmp['cpu']}): float32, "
-             f"{cmp['threads']} threads for both (XLA's CPU pool uses the {cmp['threads']} "
-             f"CPUs this process may run on; torch.set_num_threads({cmp['threads']})), dropout "
-             f"off, the same parameter count, identical batches, steps interleaved, medians of "
-             f"{cmp['steps']} steps after {cmp['warmup']} untimed. Ratio: PyTorch's step time "
-             "over the project's (above 1: the project trains more tokens per second).", "",
-             "| step | params | project (ms) | torch eager (ms) | torch.compile (ms) | "
-             "project / eager | project / compile |", "|---|---:|---:|---:|---:|---:|---:|"]
+    lines = [
+        f"CPU training step against PyTorch {cmp['torch']} ({cmp['cpu']}): float32, "
+        f"{cmp['threads']} threads for both (XLA's CPU pool uses the {cmp['threads']} "
+        f"CPUs this process may run on; torch.set_num_threads({cmp['threads']})), dropout "
+        f"off, the same parameter count, identical batches, steps interleaved, medians of "
+        f"{cmp['steps']} steps after {cmp['warmup']} untimed. Ratio: PyTorch's step time "
+        "over the project's (above 1: the project trains more tokens per second).",
+        "",
+        "| step | params | project (ms) | torch eager (ms) | torch.compile (ms) | "
+        "project / eager | project / compile |",
+        "|---|---:|---:|---:|---:|---:|---:|",
+    ]
     for r in cmp["rows"]:
         arms = r["arms"]
-        ms = lambda name: ("n/a" if arms.get(name) is None  # noqa: E731
-                           else f"{arms[name]['median_s'] * 1e3:.1f}")
-        lines.append(f"| {r['name']} | {r['n_params']:,} | {ms('project')} | "
-                     f"{ms('torch_eager')} | {ms('torch_compile')} | "
-                     f"{_num(r['project_over_eager'], '.2f')} | "
-                     f"{_num(r.get('project_over_compile'), '.2f')} |")
-    notes = [f"{r['name']}: torch.compile failed: {r['compile_error']}"
-             for r in cmp["rows"] if r.get("compile_error")]
+
+        def ms(name, arms=arms):
+            return "n/a" if arms.get(name) is None else f"{arms[name]['median_s'] * 1e3:.1f}"
+
+        lines.append(
+            f"| {r['name']} | {r['n_params']:,} | {ms('project')} | "
+            f"{ms('torch_eager')} | {ms('torch_compile')} | "
+            f"{_num(r['project_over_eager'], '.2f')} | "
+            f"{_num(r.get('project_over_compile'), '.2f')} |"
+        )
+    notes = [
+        f"{r['name']}: torch.compile failed: {r['compile_error']}"
+        for r in cmp["rows"]
+        if r.get("compile_error")
+    ]
     # Results of older runs may carry notes (such as an XL row skipped) in a bench.json.
     notes += cmp.get("notes", [])
     return lines + [""] + [f"- {note}" for note in notes] + ([""] if notes else [])
 
 
 def _gib(n: int | None) -> str:
-    return "n/a" if n is None else f"{n / 2 ** 30:.2f}"
+    return "n/a" if n is None else f"{n / 2**30:.2f}"
 
 
 def _pct(x: float | None) -> str:
@@ -163,4 +212,3 @@ def _plain(x: Any) -> Any:
     if hasattr(x, "item"):
         return x.item()
     return str(x)
-

@@ -1,9 +1,11 @@
 """Measuring: timed calls (alone or interleaved), the matrix rate, compiled memory, MFU."""
+
 from __future__ import annotations
 
 import statistics
 import time
-from typing import Any, Callable, Mapping
+from collections.abc import Callable, Mapping
+from typing import Any
 
 import jax
 import jax.numpy as jnp
@@ -12,12 +14,11 @@ import jax.numpy as jnp
 NOMINAL_BF16_PEAK = (
     ("H100 PCIe", 756e12),
     ("H100 NVL", 835e12),
-    ("H100", 989.4e12),   # SXM ("NVIDIA H100 80GB HBM3")
+    ("H100", 989.4e12),  # SXM ("NVIDIA H100 80GB HBM3")
     ("H200", 989.4e12),
     ("A100", 312e12),
     ("L4", 121e12),
 )
-
 
 
 def time_calls(call: Callable[[], Any], *, warmup: int, repeats: int) -> list[float]:
@@ -33,8 +34,9 @@ def time_calls(call: Callable[[], Any], *, warmup: int, repeats: int) -> list[fl
     return times
 
 
-def time_interleaved(arms: Mapping[str, Callable[[int], Any]], *, warmup: int, steps: int
-                     ) -> dict[str, list[float]]:
+def time_interleaved(
+    arms: Mapping[str, Callable[[int], Any]], *, warmup: int, steps: int
+) -> dict[str, list[float]]:
     """Seconds of each timed step of every arm, the arms taking turns step by step (so a change
     in the machine's load falls on all of them alike). `arm(i)` runs step i to its end (it
     blocks on its own results); steps 0 .. warmup - 1 are untimed."""
@@ -58,9 +60,15 @@ def measure_matmul_rate(n: int, dtype: Any, *, repeats: int, warmup: int = 2) ->
     product = jax.jit(lambda x, y: jnp.matmul(x, y, preferred_element_type=dtype))
     times = time_calls(lambda: product(a, b), warmup=warmup, repeats=repeats)
     median = statistics.median(times)
-    flops = 2.0 * n ** 3
-    return {"n": n, "dtype": dtype.name, "flops": flops, "median_s": median, "times_s": times,
-            "rate": flops / median}
+    flops = 2.0 * n**3
+    return {
+        "n": n,
+        "dtype": dtype.name,
+        "flops": flops,
+        "median_s": median,
+        "times_s": times,
+        "rate": flops / median,
+    }
 
 
 def nominal_bf16_peak(device_kind: str) -> float | None:

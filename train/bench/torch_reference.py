@@ -9,11 +9,12 @@ count; `TorchTrainStep` is `train.core.step.make_train_step` with the project's 
 
 torch is a test-only dependency: only the cpu_vs_torch section imports this module.
 """
+
 from __future__ import annotations
 
 import math
 import warnings
-from typing import Callable
+from collections.abc import Callable
 
 import numpy as np
 import torch
@@ -39,15 +40,15 @@ class TorchTransformer(nn.Module):
         if not (cfg.share_embeddings and cfg.tie_output):
             raise ValueError("TorchTransformer: only a shared embedding tied to the output")
         if not cfg.positional.startswith("sinusoidal"):
-            raise ValueError(f"TorchTransformer: sinusoidal positions only, got "
-                             f"{cfg.positional!r}")
+            raise ValueError(f"TorchTransformer: sinusoidal positions only, got {cfg.positional!r}")
         if cfg.dropout or cfg.attention_dropout:
-            raise ValueError("TorchTransformer: dropout must be off (the comparison times no "
-                             "random numbers)")
+            raise ValueError(
+                "TorchTransformer: dropout must be off (the comparison times no random numbers)"
+            )
         d = cfg.d_model
         self.scale, self.pad_id = math.sqrt(d), cfg.pad_id
         self.embed = nn.Embedding(cfg.tgt_vocab_size, d)
-        nn.init.normal_(self.embed.weight, std=d ** -0.5)
+        nn.init.normal_(self.embed.weight, std=d**-0.5)
         layout = "concat" if cfg.positional == "sinusoidal_concat" else "interleaved"
         table = np.array(sinusoidal_positions(cfg.max_len, d, layout=layout))
         self.register_buffer("positions", torch.from_numpy(table), persistent=False)
@@ -55,24 +56,38 @@ class TorchTransformer(nn.Module):
             # Nested tensors (an inference fast path) do not apply to pre-LN: torch says so.
             warnings.filterwarnings("ignore", message="enable_nested_tensor is True")
             self.transformer = nn.Transformer(
-                d_model=d, nhead=cfg.n_heads, num_encoder_layers=cfg.n_encoder_layers,
-                num_decoder_layers=cfg.n_decoder_layers, dim_feedforward=cfg.d_ff,
-                dropout=0.0, layer_norm_eps=1e-6, batch_first=True, norm_first=cfg.norm_first)
+                d_model=d,
+                nhead=cfg.n_heads,
+                num_encoder_layers=cfg.n_encoder_layers,
+                num_decoder_layers=cfg.n_decoder_layers,
+                dim_feedforward=cfg.d_ff,
+                dropout=0.0,
+                layer_norm_eps=1e-6,
+                batch_first=True,
+                norm_first=cfg.norm_first,
+            )
 
     def forward(self, src: Tensor, tgt_in: Tensor) -> Tensor:
         s, t = src.shape[1], tgt_in.shape[1]
         x = self.embed(src) * self.scale + self.positions[:s]
         y = self.embed(tgt_in) * self.scale + self.positions[:t]
         src_pad, tgt_pad = src == self.pad_id, tgt_in == self.pad_id
-        causal = torch.triu(torch.ones(t, t, dtype=torch.bool), diagonal=1)   # True = masked
-        h = self.transformer(x, y, tgt_mask=causal, src_key_padding_mask=src_pad,
-                             tgt_key_padding_mask=tgt_pad, memory_key_padding_mask=src_pad,
-                             tgt_is_causal=True)
+        causal = torch.triu(torch.ones(t, t, dtype=torch.bool), diagonal=1)  # True = masked
+        h = self.transformer(
+            x,
+            y,
+            tgt_mask=causal,
+            src_key_padding_mask=src_pad,
+            tgt_key_padding_mask=tgt_pad,
+            memory_key_padding_mask=src_pad,
+            tgt_is_causal=True,
+        )
         return h @ self.embed.weight.t()
 
 
-def label_smoothed_loss(logits: Tensor, targets: Tensor, *, smoothing: float, pad_id: int
-                        ) -> tuple[Tensor, Tensor, Tensor]:
+def label_smoothed_loss(
+    logits: Tensor, targets: Tensor, *, smoothing: float, pad_id: int
+) -> tuple[Tensor, Tensor, Tensor]:
     """`transformer_jax.losses.label_smoothed_cross_entropy` (1 - smoothing on the target,
     smoothing / (V - 2) on every other token but pad) from one log-softmax -> (loss_sum,
     n_tokens, nll_sum), summed over the non-pad targets."""
@@ -85,13 +100,15 @@ def label_smoothed_loss(logits: Tensor, targets: Tensor, *, smoothing: float, pa
     return (loss * real).sum(), real.sum(), (-true_lp * real).sum().detach()
 
 
-def translation_loss_fn(model: TorchTransformer, *, smoothing: float
-                        ) -> Callable[[Tensor, Tensor, Tensor], tuple[Tensor, Tensor]]:
+def translation_loss_fn(
+    model: TorchTransformer, *, smoothing: float
+) -> Callable[[Tensor, Tensor, Tensor], tuple[Tensor, Tensor]]:
     """(src, tgt_in, tgt_out) -> (loss_sum, n_tokens): `train.translate.make_loss_fn`'s."""
 
     def loss_fn(src, tgt_in, tgt_out):
-        loss_sum, n_tokens, _ = label_smoothed_loss(model(src, tgt_in), tgt_out,
-                                                    smoothing=smoothing, pad_id=model.pad_id)
+        loss_sum, n_tokens, _ = label_smoothed_loss(
+            model(src, tgt_in), tgt_out, smoothing=smoothing, pad_id=model.pad_id
+        )
         return loss_sum, n_tokens
 
     return loss_fn
@@ -114,8 +131,15 @@ class TorchTrainStep:
     Adam (torch's defaults but the rate), then the parameter EMA (decay min(d, (n-1)/n) at
     update n, as `params_ema`)."""
 
-    def __init__(self, model: nn.Module, loss_fn: Callable, *, learning_rate: float,
-                 clip_norm: float | None, ema_decay: float = 0.0):
+    def __init__(
+        self,
+        model: nn.Module,
+        loss_fn: Callable,
+        *,
+        learning_rate: float,
+        clip_norm: float | None,
+        ema_decay: float = 0.0,
+    ):
         self.params = list(model.parameters())
         self.loss_fn, self.clip_norm, self.ema_decay = loss_fn, clip_norm, ema_decay
         self.optimizer = torch.optim.Adam(self.params, lr=learning_rate)
@@ -126,8 +150,11 @@ class TorchTrainStep:
         """-> the step's loss per token (a 0-d tensor, detached)."""
         self.optimizer.zero_grad(set_to_none=True)
         loss_sum, n_tokens = self.loss_fn(*batch)
-        loss = loss_sum / max(n_tokens, 1) if isinstance(n_tokens, int) else \
-            loss_sum / n_tokens.clamp(min=1)
+        loss = (
+            loss_sum / max(n_tokens, 1)
+            if isinstance(n_tokens, int)
+            else loss_sum / n_tokens.clamp(min=1)
+        )
         loss.backward()
         if self.clip_norm is not None:
             nn.utils.clip_grad_norm_(self.params, self.clip_norm)

@@ -1,6 +1,7 @@
 """Training-step benchmarks: the project's own train step (`train.core.step.make_train_step`,
 jitted by `train.core.parallel.DataParallel`: state donated, metrics left on device) on one
 device, timed, with its FLOPs (formula, XLA, jaxpr), memory, MFU and a profile."""
+
 from __future__ import annotations
 
 import dataclasses
@@ -8,7 +9,8 @@ import os
 import re
 import statistics
 import time
-from typing import Any, Callable, Mapping
+from collections.abc import Callable, Mapping
+from typing import Any
 
 import jax
 import jax.numpy as jnp
@@ -16,17 +18,17 @@ import numpy as np
 import optax
 
 from train.bench.config import BenchConfig
+from train.bench.flops import FlopCount, jaxpr_matmul_flops, transformer_flops, xl_flops, xla_flops
 from train.bench.profile import profile_summary
 from train.bench.timing import compiled_memory, device_peak_bytes, time_calls, utilisation
-from train.bench.flops import FlopCount, jaxpr_matmul_flops, transformer_flops, xl_flops, xla_flops
 from train.core.parallel import DataParallel
 from train.core.state import TrainState, count_params
 from train.core.step import make_train_step
-from xl_jax.config import TransformerXLConfig
 from train.lm import make_loss_fn as lm_loss_fn
 from train.translate import make_loss_fn as translate_loss_fn
 from transformer_jax.model import Transformer
 from transformer_jax.optim import OptimizerConfig, make_optimizer
+from xl_jax.config import TransformerXLConfig
 from xl_jax.memory import init_memory
 from xl_jax.model import TransformerXL
 
@@ -62,21 +64,30 @@ def transformer_train_setup(config: BenchConfig) -> TrainBench:
     def init_state() -> TrainState:
         dummy = jnp.ones((1, 8), jnp.int32)
         params = model.init({"params": jax.random.PRNGKey(0)}, dummy, dummy)["params"]
-        tx, _ = make_optimizer(OptimizerConfig(schedule="noam", d_model=cfg.d_model,
-                                               warmup_steps=4000))
+        tx, _ = make_optimizer(
+            OptimizerConfig(schedule="noam", d_model=cfg.d_model, warmup_steps=4000)
+        )
         return TrainState.create(params=params, tx=tx, rng=jax.random.PRNGKey(1))
 
     return TrainBench(
         name="transformer_base" if cfg.d_model == 512 else "transformer (quick)",
-        loss_fn=translate_loss_fn(model, smoothing=0.1, pad_id=cfg.pad_id), init_state=init_state,
+        loss_fn=translate_loss_fn(model, smoothing=0.1, pad_id=cfg.pad_id),
+        init_state=init_state,
         batch={"src": tokens(), "tgt_in": tokens(), "tgt_out": tokens()},
         flops=transformer_flops(cfg, batch=b, src_len=length, tgt_len=length),
-        info=dict(batch=b, src_len=length, tgt_len=length, dtype=config.dtype,
-                  attention_impl=cfg.attention_impl))
+        info=dict(
+            batch=b,
+            src_len=length,
+            tgt_len=length,
+            dtype=config.dtype,
+            attention_impl=cfg.attention_impl,
+        ),
+    )
 
 
-def xl_train_setup(name: str, xl_config: TransformerXLConfig, batch_size: int,
-                   config: BenchConfig) -> TrainBench:
+def xl_train_setup(
+    name: str, xl_config: TransformerXLConfig, batch_size: int, config: BenchConfig
+) -> TrainBench:
     """The Transformer-XL training step on random [B, tgt_len] segments, the mem_len memory
     carried from step to step (the state's `extra`), Adam: `train.lm`'s loss."""
 
@@ -87,23 +98,41 @@ def xl_train_setup(name: str, xl_config: TransformerXLConfig, batch_size: int,
 
     def init_state() -> TrainState:
         dummy = jnp.ones((1, 8), jnp.int32)
-        params = model.init({"params": jax.random.PRNGKey(0)}, dummy,
-                            init_memory(cfg, 1))["params"]
+        params = model.init({"params": jax.random.PRNGKey(0)}, dummy, init_memory(cfg, 1))["params"]
         # Adam as the paper (its cosine schedule does not change the cost of a step).
-        return TrainState.create(params=params, tx=optax.adam(2.5e-4),
-                                 rng=jax.random.PRNGKey(1), extra=init_memory(cfg, b))
+        return TrainState.create(
+            params=params,
+            tx=optax.adam(2.5e-4),
+            rng=jax.random.PRNGKey(1),
+            extra=init_memory(cfg, b),
+        )
 
     return TrainBench(
-        name=name, loss_fn=lm_loss_fn(model), init_state=init_state,
+        name=name,
+        loss_fn=lm_loss_fn(model),
+        init_state=init_state,
         batch={"inputs": tokens(), "targets": tokens()},
         flops=xl_flops(cfg, batch=b, tgt_len=cfg.tgt_len, mem_len=cfg.mem_len),
-        info=dict(batch=b, tgt_len=cfg.tgt_len, mem_len=cfg.mem_len, dtype=config.dtype,
-                  remat=cfg.remat, attention_impl=cfg.attention_impl))
+        info=dict(
+            batch=b,
+            tgt_len=cfg.tgt_len,
+            mem_len=cfg.mem_len,
+            dtype=config.dtype,
+            remat=cfg.remat,
+            attention_impl=cfg.attention_impl,
+        ),
+    )
 
 
-def bench_train_step(bench: TrainBench, *, steps: int, warmup: int,
-                     rates: Mapping[str, float], nominal_peak: float | None = None,
-                     profile_dir: str | None = None) -> dict[str, Any]:
+def bench_train_step(
+    bench: TrainBench,
+    *,
+    steps: int,
+    warmup: int,
+    rates: Mapping[str, float],
+    nominal_peak: float | None = None,
+    profile_dir: str | None = None,
+) -> dict[str, Any]:
     """Compiles the project's train step for `bench` on one device and times it.
 
     rates: measured matrix rates by dtype name ('bfloat16', 'float32'), for the MFU figures.
@@ -169,8 +198,11 @@ def bench_train_step(bench: TrainBench, *, steps: int, warmup: int,
         "xla_over_executed": xla / flops.training(executed=True) if xla else None,
         # XLA's cost analysis counts the body of a while loop (a scan) once, not per trip:
         # flagged where that is why its count falls short of the products executed.
-        "xla_counts_loops_once": bool(xla and xla < flops.training(executed=True) and re.search(
-            r"\bwhile\(", compiled.as_text() or "")),
+        "xla_counts_loops_once": bool(
+            xla
+            and xla < flops.training(executed=True)
+            and re.search(r"\bwhile\(", compiled.as_text() or "")
+        ),
         "jaxpr_matmul_flops": traced,
         "model_tflops_per_s": model_flops / median / 1e12,
         "mfu_vs_measured_bf16": utilisation(model_flops, median, rates.get("bfloat16")),
@@ -181,7 +213,5 @@ def bench_train_step(bench: TrainBench, *, steps: int, warmup: int,
     }
 
 
-
 def _slug(name: str) -> str:
     return "".join(c if c.isalnum() else "_" for c in name).strip("_")
-

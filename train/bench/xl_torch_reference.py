@@ -18,11 +18,12 @@ Eval-mode only matters for the tests (dropout is defined, but tests run `.eval()
 torch is a test-only dependency: only the tests and the cpu_vs_torch section import this
 module.
 """
+
 from __future__ import annotations
 
 import torch
-from torch import nn
 import torch.nn.functional as F
+from torch import nn
 
 
 def rel_shift(x):
@@ -68,9 +69,9 @@ class RelPartialLearnableMultiHeadAttn(nn.Module):
         k = k.view(klen, bsz, self.n_head, self.d_head)
         v = v.view(klen, bsz, self.n_head, self.d_head)
         rk = self.r_net(r).view(klen, self.n_head, self.d_head)
-        ac = torch.einsum("ibnd,jbnd->ijbn", q + r_w_bias, k)       # (a) + (c)
-        bd = rel_shift(torch.einsum("ibnd,jnd->ijbn", q + r_r_bias, rk))   # (b) + (d)
-        score = (ac + bd) / self.d_head ** 0.5
+        ac = torch.einsum("ibnd,jbnd->ijbn", q + r_w_bias, k)  # (a) + (c)
+        bd = rel_shift(torch.einsum("ibnd,jnd->ijbn", q + r_r_bias, rk))  # (b) + (d)
+        score = (ac + bd) / self.d_head**0.5
         score = score.masked_fill(attn_mask[:, :, None, None], -float("inf"))
         prob = self.dropatt(F.softmax(score, dim=1))
         vec = torch.einsum("ijbn,jbnd->ibnd", prob, v).reshape(qlen, bsz, -1)
@@ -82,8 +83,13 @@ class PositionwiseFF(nn.Module):
     def __init__(self, d_model, d_inner, dropout, pre_lnorm):
         super().__init__()
         self.pre_lnorm = pre_lnorm
-        self.CoreNet = nn.Sequential(nn.Linear(d_model, d_inner), nn.ReLU(), nn.Dropout(dropout),
-                                     nn.Linear(d_inner, d_model), nn.Dropout(dropout))
+        self.CoreNet = nn.Sequential(
+            nn.Linear(d_model, d_inner),
+            nn.ReLU(),
+            nn.Dropout(dropout),
+            nn.Linear(d_inner, d_model),
+            nn.Dropout(dropout),
+        )
         self.layer_norm = nn.LayerNorm(d_model)
 
     def forward(self, x):
@@ -95,8 +101,9 @@ class PositionwiseFF(nn.Module):
 class RelPartialLearnableDecoderLayer(nn.Module):
     def __init__(self, n_head, d_model, d_head, d_inner, dropout, dropatt, pre_lnorm, untie_r):
         super().__init__()
-        self.dec_attn = RelPartialLearnableMultiHeadAttn(n_head, d_model, d_head, dropout,
-                                                         dropatt, pre_lnorm, untie_r)
+        self.dec_attn = RelPartialLearnableMultiHeadAttn(
+            n_head, d_model, d_head, dropout, dropatt, pre_lnorm, untie_r
+        )
         self.pos_ff = PositionwiseFF(d_model, d_inner, dropout, pre_lnorm)
 
     def forward(self, x, r, r_w_bias, r_r_bias, attn_mask, mems):
@@ -119,7 +126,7 @@ class AdaptiveEmbedding(nn.Module):
                 self.emb_projs.append(nn.Parameter(torch.zeros(d_proj, d_embed)))
         else:
             for c in range(len(self.bounds) - 1):
-                d_c = d_embed // div_val ** c
+                d_c = d_embed // div_val**c
                 self.emb_layers.append(nn.Embedding(self.bounds[c + 1] - self.bounds[c], d_c))
                 self.emb_projs.append(nn.Parameter(torch.zeros(d_proj, d_c)))
 
@@ -134,9 +141,10 @@ class AdaptiveEmbedding(nn.Module):
                 lo, hi = self.bounds[c], self.bounds[c + 1]
                 inside = (tokens >= lo) & (tokens < hi)
                 if inside.any():
-                    out[inside] = F.linear(self.emb_layers[c](tokens[inside] - lo),
-                                           self.emb_projs[c])
-        return out * self.d_proj ** 0.5
+                    out[inside] = F.linear(
+                        self.emb_layers[c](tokens[inside] - lo), self.emb_projs[c]
+                    )
+        return out * self.d_proj**0.5
 
 
 class ProjectedAdaptiveLogSoftmax(nn.Module):
@@ -152,11 +160,14 @@ class ProjectedAdaptiveLogSoftmax(nn.Module):
         n = len(self.bounds) - 1
         if div_val == 1:
             self.out_layers.append(nn.Linear(d_embed, n_token))
-            self.out_projs.extend([nn.Parameter(torch.zeros(d_proj, d_embed))
-                                   for _ in range(n)] if d_proj != d_embed else [])
+            self.out_projs.extend(
+                [nn.Parameter(torch.zeros(d_proj, d_embed)) for _ in range(n)]
+                if d_proj != d_embed
+                else []
+            )
         else:
             for c in range(n):
-                d_c = d_embed // div_val ** c
+                d_c = d_embed // div_val**c
                 self.out_layers.append(nn.Linear(d_c, self.bounds[c + 1] - self.bounds[c]))
                 self.out_projs.append(nn.Parameter(torch.zeros(d_proj, d_c)))
 
@@ -182,8 +193,15 @@ class ProjectedAdaptiveLogSoftmax(nn.Module):
             lp = F.log_softmax(self._logit(hidden, w, b, self._proj(0)), -1)
             return -lp.gather(1, target[:, None])[:, 0]
         w, b = self._cluster(0)
-        head = F.log_softmax(self._logit(hidden, torch.cat([w, self.cluster_weight]),
-                                         torch.cat([b, self.cluster_bias]), self._proj(0)), -1)
+        head = F.log_softmax(
+            self._logit(
+                hidden,
+                torch.cat([w, self.cluster_weight]),
+                torch.cat([b, self.cluster_bias]),
+                self._proj(0),
+            ),
+            -1,
+        )
         nll = torch.zeros_like(target, dtype=hidden.dtype)
         for c in range(self.n_clusters + 1):
             lo, hi = self.bounds[c], self.bounds[c + 1]
@@ -203,19 +221,41 @@ class ProjectedAdaptiveLogSoftmax(nn.Module):
 
 
 class MemTransformerLM(nn.Module):
-    def __init__(self, n_token, n_layer, n_head, d_model, d_head, d_inner, dropout=0.0,
-                 dropatt=0.0, tie_weight=True, d_embed=None, div_val=1, tie_projs=(),
-                 pre_lnorm=False, mem_len=0, cutoffs=(), same_length=False, clamp_len=-1,
-                 untie_r=False):
+    def __init__(
+        self,
+        n_token,
+        n_layer,
+        n_head,
+        d_model,
+        d_head,
+        d_inner,
+        dropout=0.0,
+        dropatt=0.0,
+        tie_weight=True,
+        d_embed=None,
+        div_val=1,
+        tie_projs=(),
+        pre_lnorm=False,
+        mem_len=0,
+        cutoffs=(),
+        same_length=False,
+        clamp_len=-1,
+        untie_r=False,
+    ):
         super().__init__()
         d_embed = d_model if d_embed is None else d_embed
         self.d_model, self.mem_len = d_model, mem_len
         self.same_length, self.clamp_len = same_length, clamp_len
         self.word_emb = AdaptiveEmbedding(n_token, d_embed, d_model, cutoffs, div_val)
         self.drop = nn.Dropout(dropout)
-        self.layers = nn.ModuleList([
-            RelPartialLearnableDecoderLayer(n_head, d_model, d_head, d_inner, dropout, dropatt,
-                                            pre_lnorm, untie_r) for _ in range(n_layer)])
+        self.layers = nn.ModuleList(
+            [
+                RelPartialLearnableDecoderLayer(
+                    n_head, d_model, d_head, d_inner, dropout, dropatt, pre_lnorm, untie_r
+                )
+                for _ in range(n_layer)
+            ]
+        )
         self.crit = ProjectedAdaptiveLogSoftmax(n_token, d_embed, d_model, cutoffs, div_val)
         if tie_weight:
             for c in range(len(self.crit.out_layers)):
@@ -229,8 +269,8 @@ class MemTransformerLM(nn.Module):
             self.r_w_bias = nn.Parameter(torch.zeros(n_head, d_head))
             self.r_r_bias = nn.Parameter(torch.zeros(n_head, d_head))
         self.register_buffer(
-            "inv_freq", 1 / (10000 ** (torch.arange(0.0, d_model, 2.0) / d_model)),
-            persistent=False)
+            "inv_freq", 1 / (10000 ** (torch.arange(0.0, d_model, 2.0) / d_model)), persistent=False
+        )
 
     def _mask(self, qlen, mlen):
         """[qlen, klen] bool, True = masked, as the official `_forward`."""
@@ -257,16 +297,18 @@ class MemTransformerLM(nn.Module):
         r = self.drop(torch.cat([angles.sin(), angles.cos()], -1))
         mask = self._mask(qlen, mlen)
         hids = [x]
-        for l, layer in enumerate(self.layers):
+        for i, layer in enumerate(self.layers):
             u = getattr(self, "r_w_bias", None)
             v = getattr(self, "r_r_bias", None)
-            x = layer(x, r, u, v, mask, None if mems is None else mems[l])
+            x = layer(x, r, u, v, mask, None if mems is None else mems[i])
             hids.append(x)
         x = self.drop(x)
         nll = self.crit(x.reshape(-1, x.shape[-1]), target.reshape(-1)).view(qlen, bsz)
         new_mems = None
         if self.mem_len > 0:
             with torch.no_grad():
-                new_mems = [(h if mems is None else torch.cat([m, h], 0))[-self.mem_len:].detach()
-                            for h, m in zip(hids, mems or [None] * len(hids))]
+                new_mems = [
+                    (h if mems is None else torch.cat([m, h], 0))[-self.mem_len :].detach()
+                    for h, m in zip(hids, mems or [None] * len(hids))
+                ]
         return nll, new_mems

@@ -12,13 +12,15 @@ The last `keep` checkpoints are kept, and the best one by validation loss on top
 A checkpoint that cannot be read is an error naming its path; nothing is ever deleted or
 overwritten to get past it.
 """
+
 from __future__ import annotations
 
 import hashlib
 import json
 import logging
 import os
-from typing import Any, Callable, Mapping
+from collections.abc import Callable, Mapping
+from typing import Any
 
 import jax
 import orbax.checkpoint as ocp
@@ -69,16 +71,27 @@ class Checkpoints:
         # the local mirror and go up with `push` after each save.
         self.workdir = workdir
         self.directory = checkpoint_dir(workdir)
-        policy = ocp_keep.AnyPreservationPolicy([
-            ocp_keep.LatestN(n=keep),
-            ocp_keep.BestN(get_metric_fn=_best_key, reverse=True, n=1,
-                           keep_checkpoints_without_metrics=False),
-        ])
+        policy = ocp_keep.AnyPreservationPolicy(
+            [
+                ocp_keep.LatestN(n=keep),
+                ocp_keep.BestN(
+                    get_metric_fn=_best_key,
+                    reverse=True,
+                    n=1,
+                    keep_checkpoints_without_metrics=False,
+                ),
+            ]
+        )
         options = ocp.CheckpointManagerOptions(
-            best_fn=_best_key, best_mode="min", preservation_policy=policy,
-            enable_async_checkpointing=False, create=True)
-        self.manager = ocp.CheckpointManager(self.directory, options=options,
-                                             item_names=("state", "meta"))
+            best_fn=_best_key,
+            best_mode="min",
+            preservation_policy=policy,
+            enable_async_checkpointing=False,
+            create=True,
+        )
+        self.manager = ocp.CheckpointManager(
+            self.directory, options=options, item_names=("state", "meta")
+        )
 
     def latest_step(self) -> int | None:
         return self.manager.latest_step()
@@ -92,8 +105,13 @@ class Checkpoints:
     def path(self, step: int) -> str:
         return f"{self.directory}/{step}"
 
-    def save(self, state: TrainState, *, meta: Mapping[str, Any],
-             metrics: Mapping[str, float] | None = None) -> bool:
+    def save(
+        self,
+        state: TrainState,
+        *,
+        meta: Mapping[str, Any],
+        metrics: Mapping[str, float] | None = None,
+    ) -> bool:
         """Saves `state` (global layout) at its step; `metrics` must hold 'val_loss' to compete
         for best. Returns False (and writes nothing) if that step is already saved."""
         step = int(jax.device_get(state.step))
@@ -101,9 +119,13 @@ class Checkpoints:
             return False
         if metrics is not None and BEST_METRIC not in metrics:
             raise ValueError(f"checkpoint metrics need {BEST_METRIC!r}, got {sorted(metrics)}")
-        self.manager.save(step, args=ocp.args.Composite(
-            state=ocp.args.StandardSave(state), meta=ocp.args.JsonSave(dict(meta))),
-            metrics=None if metrics is None else {k: float(v) for k, v in metrics.items()})
+        self.manager.save(
+            step,
+            args=ocp.args.Composite(
+                state=ocp.args.StandardSave(state), meta=ocp.args.JsonSave(dict(meta))
+            ),
+            metrics=None if metrics is None else {k: float(v) for k, v in metrics.items()},
+        )
         self.manager.wait_until_finished()
         if jax.process_index() == 0:
             self._write_checksums(step)
@@ -135,7 +157,7 @@ class Checkpoints:
         os.replace(tmp, path)
         kept = {str(s) for s in self.all_steps()}
         for name in os.listdir(os.path.dirname(path)):  # steps the policy has deleted
-            if name.endswith(".json") and name[:-len(".json")] not in kept:
+            if name.endswith(".json") and name[: -len(".json")] not in kept:
                 os.remove(os.path.join(os.path.dirname(path), name))
 
     def verify(self, step: int) -> str | None:
@@ -157,8 +179,9 @@ class Checkpoints:
                 return f"{name} does not match the sha256 saved with it"
         return None
 
-    def restore(self, template: TrainState, step: int | None = None
-                ) -> tuple[TrainState, dict[str, Any]]:
+    def restore(
+        self, template: TrainState, step: int | None = None
+    ) -> tuple[TrainState, dict[str, Any]]:
         """Reads checkpoint `step` (default: the latest) into the structure, shapes and
         shardings of `template` (a global-layout state, arrays or ShapeDtypeStructs; leaves
         that are `ocp.PLACEHOLDER` are neither read nor built, and stay placeholders).
@@ -173,12 +196,18 @@ class Checkpoints:
             raise CheckpointError(
                 f"checkpoint {path} is damaged: {damage}. Nothing was changed in "
                 f"{self.directory}. "
-                + (f"The newest earlier checkpoint that verifies is step {others[-1]}: move "
-                   f"{path} out of {self.directory} to resume from it."
-                   if others else "No earlier checkpoint verifies; start a new workdir."))
+                + (
+                    f"The newest earlier checkpoint that verifies is step {others[-1]}: move "
+                    f"{path} out of {self.directory} to resume from it."
+                    if others
+                    else "No earlier checkpoint verifies; start a new workdir."
+                )
+            )
         try:
-            restored = self.manager.restore(step, args=ocp.args.Composite(
-                state=_restore_args(template), meta=ocp.args.JsonRestore()))
+            restored = self.manager.restore(
+                step,
+                args=ocp.args.Composite(state=_restore_args(template), meta=ocp.args.JsonRestore()),
+            )
         except Exception as e:  # orbax raises many types; all mean "unusable" here
             others = [s for s in self.all_steps() if s != step]
             cause = str(e).strip().splitlines()[0][:300] if str(e).strip() else ""
@@ -211,7 +240,8 @@ def _restore_args(template: TrainState):
         return ocp.ArrayRestoreArgs(sharding=x.sharding, global_shape=x.shape, dtype=x.dtype)
 
     abstract = jax.tree.map(
-        lambda x: x if x is ocp.PLACEHOLDER else ocp.utils.to_shape_dtype_struct(x), template)
+        lambda x: x if x is ocp.PLACEHOLDER else ocp.utils.to_shape_dtype_struct(x), template
+    )
     return ocp.args.PyTreeRestore(abstract, restore_args=jax.tree.map(restore_arg, abstract))
 
 
@@ -242,16 +272,24 @@ def load_run_config(workdir: str) -> dict[str, Any] | None:
             return None
         values = json.loads(path.read_text())
     except (OSError, json.JSONDecodeError, UnicodeDecodeError) as e:
-        raise CheckpointError(f"run config {path} is unreadable ({e}); restore it, or start a "
-                              "new --workdir") from e
+        raise CheckpointError(
+            f"run config {path} is unreadable ({e}); restore it, or start a new --workdir"
+        ) from e
     if not isinstance(values, dict):
-        raise CheckpointError(f"run config {path} is not a JSON object (it holds a "
-                              f"{type(values).__name__}); restore it, or start a new --workdir")
+        raise CheckpointError(
+            f"run config {path} is not a JSON object (it holds a "
+            f"{type(values).__name__}); restore it, or start a new --workdir"
+        )
     return values
 
 
-def config_mismatches(saved: Mapping[str, Any], given: Mapping[str, Any], *,
-                      may_change: tuple[str, ...] = (), prefix: str = "") -> list[str]:
+def config_mismatches(
+    saved: Mapping[str, Any],
+    given: Mapping[str, Any],
+    *,
+    may_change: tuple[str, ...] = (),
+    prefix: str = "",
+) -> list[str]:
     """Fields (dotted paths) whose values differ, as 'field: saved X, given Y' lines, ignoring
     the top-level fields in `may_change` (e.g. the step or time budget of a resumed run)."""
     out = []
@@ -267,10 +305,13 @@ def config_mismatches(saved: Mapping[str, Any], given: Mapping[str, Any], *,
     return out
 
 
-def check_run_config(workdir: str, config: Mapping[str, Any], *,
-                     may_change: tuple[str, ...],
-                     normalize: Callable[[Mapping[str, Any]], Mapping[str, Any]] | None = None
-                     ) -> list[str]:
+def check_run_config(
+    workdir: str,
+    config: Mapping[str, Any],
+    *,
+    may_change: tuple[str, ...],
+    normalize: Callable[[Mapping[str, Any]], Mapping[str, Any]] | None = None,
+) -> list[str]:
     """An existing run config in `workdir` must match `config` except in `may_change` fields;
     else ValueError listing the differences. `normalize` maps the saved JSON to today's form
     of the same config (fields added since then at their defaults; a CheckpointError naming
@@ -284,8 +325,13 @@ def check_run_config(workdir: str, config: Mapping[str, Any], *,
     diff = config_mismatches(saved, config, may_change=may_change)
     if diff:
         raise ValueError(
-            f"{workdir} holds a run with a different config:\n  " + "\n  ".join(diff) +
-            "\nResume it with --workdir alone (changing at most "
-            f"{', '.join(may_change)}), or pick a new --workdir.")
-    return [f"{k}: {saved.get(k)!r} -> {config.get(k)!r}" for k in may_change
-            if saved.get(k) != config.get(k)]
+            f"{workdir} holds a run with a different config:\n  "
+            + "\n  ".join(diff)
+            + "\nResume it with --workdir alone (changing at most "
+            f"{', '.join(may_change)}), or pick a new --workdir."
+        )
+    return [
+        f"{k}: {saved.get(k)!r} -> {config.get(k)!r}"
+        for k in may_change
+        if saved.get(k) != config.get(k)
+    ]

@@ -71,6 +71,7 @@ def converter(hint: Any) -> Callable[[str], Any]:
 
         def optional(text: str):
             return None if text.strip().lower() in ("none", "null") else convert(text)
+
         return optional
     if origin is tuple:
         convert = converter(args[0]) if args else _literal_or_text
@@ -78,36 +79,51 @@ def converter(hint: Any) -> Callable[[str], Any]:
         def as_tuple(text: str):
             text = text.strip().strip("()[]")
             return tuple(convert(p.strip()) for p in text.split(",") if p.strip())
+
         return as_tuple
     if origin is Literal:
+
         def choice(text: str):
             for a in args:
                 if str(a) == text:
                     return a
             raise argparse.ArgumentTypeError(f"expected one of {list(args)}, got {text!r}")
+
         return choice
     return _literal_or_text
 
 
-def add_dataclass_flags(parser: argparse.ArgumentParser, cls: type, *, prefix: str = "",
-                        exclude: Iterable[str] = (), group_title: str | None = None) -> None:
+def add_dataclass_flags(
+    parser: argparse.ArgumentParser,
+    cls: type,
+    *,
+    prefix: str = "",
+    exclude: Iterable[str] = (),
+    group_title: str | None = None,
+) -> None:
     """Adds `--{prefix}{field}` for each field of `cls` (not given -> absent from the args)."""
     target = parser.add_argument_group(group_title) if group_title else parser
     exclude = set(exclude)
     for name, hint in field_hints(cls).items():
         if name in exclude:
             continue
-        target.add_argument(f"--{prefix}{name}", dest=f"{prefix}{name}", type=converter(hint),
-                            default=argparse.SUPPRESS, metavar=name.upper(),
-                            help=f"({_hint_name(hint)})")
+        target.add_argument(
+            f"--{prefix}{name}",
+            dest=f"{prefix}{name}",
+            type=converter(hint),
+            default=argparse.SUPPRESS,
+            metavar=name.upper(),
+            help=f"({_hint_name(hint)})",
+        )
 
 
 def _hint_name(hint: Any) -> str:
     return getattr(hint, "__name__", None) or str(hint).replace("typing.", "")
 
 
-def split_given(args: argparse.Namespace, *, run_cls: type, model_cls: type | None,
-                sets: Iterable[str] = ()) -> tuple[dict[str, Any], dict[str, Any]]:
+def split_given(
+    args: argparse.Namespace, *, run_cls: type, model_cls: type | None, sets: Iterable[str] = ()
+) -> tuple[dict[str, Any], dict[str, Any]]:
     """The explicitly given (run fields, model fields), from flags and `--set k=v` items.
 
     A bare `--set name=v` goes to the run config if it has that field, else to the model
@@ -118,12 +134,13 @@ def split_given(args: argparse.Namespace, *, run_cls: type, model_cls: type | No
     run, model = {}, {}
     for key, value in vars(args).items():
         if key.startswith(MODEL_PREFIX):
-            name = key[len(MODEL_PREFIX):]
+            name = key[len(MODEL_PREFIX) :]
             if name not in model_fields:
                 raise ValueError(f"--{key}: the model config has no field {name!r}")
             # Model flags arrive as text (see the module docstring); typed here.
-            model[name] = (_convert(model_fields[name], value, f"--{key}")
-                           if isinstance(value, str) else value)
+            model[name] = (
+                _convert(model_fields[name], value, f"--{key}") if isinstance(value, str) else value
+            )
         elif key in run_fields:
             run[key] = value
     for item in sets:
@@ -132,7 +149,7 @@ def split_given(args: argparse.Namespace, *, run_cls: type, model_cls: type | No
         key, text = item.split("=", 1)
         key = key.strip()
         if key.startswith(MODEL_PREFIX) or (key not in run_fields and key in model_fields):
-            name = key[len(MODEL_PREFIX):] if key.startswith(MODEL_PREFIX) else key
+            name = key[len(MODEL_PREFIX) :] if key.startswith(MODEL_PREFIX) else key
             if name not in model_fields:
                 raise ValueError(f"--set {key}: the model config has no field {name!r}")
             model[name] = _convert(model_fields[name], text, f"--set {key}")
@@ -155,33 +172,55 @@ def task_parser(task: Task, *, description: str) -> argparse.ArgumentParser:
     """The parser of `task`'s entry point: --workdir, --<choice_flag> (model or dataset),
     --preset, --dtype, --set, one flag per run field, `--model.FIELD` for every field of any
     of the task's model configs (text, typed by `resolve`), and the per-process flags."""
-    parser = argparse.ArgumentParser(prog=f"python -m train.{task.name}",
-                                     description=description,
-                                     formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--workdir", default=None,
-                        help="run directory (default: a new one under runs/); an existing one "
-                             "is resumed with its saved config")
-    parser.add_argument(f"--{task.choice_flag}", default=argparse.SUPPRESS,
-                        choices=list(task.choices()))
+    parser = argparse.ArgumentParser(
+        prog=f"python -m train.{task.name}",
+        description=description,
+        formatter_class=argparse.RawDescriptionHelpFormatter,
+    )
+    parser.add_argument(
+        "--workdir",
+        default=None,
+        help="run directory (default: a new one under runs/); an existing one "
+        "is resumed with its saved config",
+    )
+    parser.add_argument(
+        f"--{task.choice_flag}", default=argparse.SUPPRESS, choices=list(task.choices())
+    )
     parser.add_argument("--preset", default=argparse.SUPPRESS, choices=list(task.presets))
-    parser.add_argument("--dtype", default=argparse.SUPPRESS,
-                        choices=["float32", "bfloat16", "float16"],
-                        help="compute dtype (params, softmax and loss stay float32); the same "
-                             "as --model.dtype")
-    parser.add_argument("--set", action="append", default=[], metavar="FIELD=VALUE",
-                        help="set any run field, or a model field (model.FIELD=VALUE)")
-    add_dataclass_flags(parser, task.config_cls,
-                        exclude=(task.choice_flag, "preset", "model_config"), group_title="run")
+    parser.add_argument(
+        "--dtype",
+        default=argparse.SUPPRESS,
+        choices=["float32", "bfloat16", "float16"],
+        help="compute dtype (params, softmax and loss stay float32); the same as --model.dtype",
+    )
+    parser.add_argument(
+        "--set",
+        action="append",
+        default=[],
+        metavar="FIELD=VALUE",
+        help="set any run field, or a model field (model.FIELD=VALUE)",
+    )
+    add_dataclass_flags(
+        parser,
+        task.config_cls,
+        exclude=(task.choice_flag, "preset", "model_config"),
+        group_title="run",
+    )
     model_fields: dict[str, Any] = {}
     for choice in task.choices():
         for name, hint in field_hints(task.model_config_cls(choice)).items():
             model_fields.setdefault(name, hint)
-    group = parser.add_argument_group(f"model (fields of the chosen --{task.choice_flag}'s "
-                                      "model config)")
+    group = parser.add_argument_group(
+        f"model (fields of the chosen --{task.choice_flag}'s model config)"
+    )
     for name, hint in model_fields.items():
-        group.add_argument(f"--{MODEL_PREFIX}{name}", dest=f"{MODEL_PREFIX}{name}",
-                           default=argparse.SUPPRESS, metavar=name.upper(),
-                           help=f"({_hint_name(hint)})")
+        group.add_argument(
+            f"--{MODEL_PREFIX}{name}",
+            dest=f"{MODEL_PREFIX}{name}",
+            default=argparse.SUPPRESS,
+            metavar=name.upper(),
+            help=f"({_hint_name(hint)})",
+        )
     add_distributed_flags(parser)
     return parser
 
@@ -190,14 +229,25 @@ def add_distributed_flags(parser: argparse.ArgumentParser) -> None:
     """The per-process flags of a multi-process run. They are not run-config fields: every
     process has its own id, and none of them is part of what the run is."""
     group = parser.add_argument_group("several processes (with --distributed true)")
-    group.add_argument("--coordinator_address", default=None, metavar="HOST:PORT",
-                       help="process 0's address (default: $JAX_COORDINATOR_ADDRESS, or the "
-                            "cluster's: TPU, SLURM, Open MPI)")
-    group.add_argument("--num_processes", type=int, default=None,
-                       help="default: $JAX_NUM_PROCESSES or the cluster's")
-    group.add_argument("--process_id", type=int, default=None,
-                       help="this process's id, 0..N-1 (default: $JAX_PROCESS_ID or the "
-                            "cluster's)")
+    group.add_argument(
+        "--coordinator_address",
+        default=None,
+        metavar="HOST:PORT",
+        help="process 0's address (default: $JAX_COORDINATOR_ADDRESS, or the "
+        "cluster's: TPU, SLURM, Open MPI)",
+    )
+    group.add_argument(
+        "--num_processes",
+        type=int,
+        default=None,
+        help="default: $JAX_NUM_PROCESSES or the cluster's",
+    )
+    group.add_argument(
+        "--process_id",
+        type=int,
+        default=None,
+        help="this process's id, 0..N-1 (default: $JAX_PROCESS_ID or the cluster's)",
+    )
 
 
 def start(args: argparse.Namespace) -> dict[str, Any] | None:
@@ -211,9 +261,12 @@ def start(args: argparse.Namespace) -> dict[str, Any] | None:
     if wanted is None:
         wanted = bool((saved or {}).get("distributed", False))
     try:
-        maybe_initialize_distributed(wanted, coordinator_address=args.coordinator_address,
-                                     num_processes=args.num_processes,
-                                     process_id=args.process_id)
+        maybe_initialize_distributed(
+            wanted,
+            coordinator_address=args.coordinator_address,
+            num_processes=args.num_processes,
+            process_id=args.process_id,
+        )
     except ValueError as e:  # the per-process flags or their environment variables
         raise UsageError(str(e)) from None
     return saved
@@ -226,8 +279,12 @@ def default_preset() -> str:
     return "gpu" if jax.default_backend() in ("gpu", "tpu") else "cpu"
 
 
-def resolve(task: Task, parser: argparse.ArgumentParser, args: argparse.Namespace,
-            saved: Mapping[str, Any] | None) -> tuple[RunConfig, str]:
+def resolve(
+    task: Task,
+    parser: argparse.ArgumentParser,
+    args: argparse.Namespace,
+    saved: Mapping[str, Any] | None,
+) -> tuple[RunConfig, str]:
     """-> (the run config, the work directory). The config is the saved one of --workdir with
     the given fields changed, else task.make_config(choice, preset or default_preset(), ...);
     the work directory is --workdir or a new one under runs/. A bad value is a usage error
@@ -235,34 +292,37 @@ def resolve(task: Task, parser: argparse.ArgumentParser, args: argparse.Namespac
     flag = task.choice_flag
     try:
         choice = getattr(args, flag, None)
-        model_cls = task.model_config_cls(choice or (saved or {}).get(flag,
-                                                                      task.default_choice))
-        run, model = split_given(args, run_cls=task.config_cls, model_cls=model_cls,
-                                 sets=args.set)
+        model_cls = task.model_config_cls(choice or (saved or {}).get(flag, task.default_choice))
+        run, model = split_given(args, run_cls=task.config_cls, model_cls=model_cls, sets=args.set)
         for key in (flag, "preset", "model_config"):
             run.pop(key, None)  # chosen by their own flags, not overridden as fields
         if "dtype" in args:
             model["dtype"] = args.dtype
         preset = getattr(args, "preset", None)
         if saved is None:
-            config = task.make_config(choice or task.default_choice,
-                                      preset or default_preset(), model_overrides=model, **run)
+            config = task.make_config(
+                choice or task.default_choice,
+                preset or default_preset(),
+                model_overrides=model,
+                **run,
+            )
         else:
-            config = config_from_saved(task, saved,
-                                       path=os.path.join(args.workdir, CONFIG_FILE))
-            if choice not in (None, getattr(config, flag)) or \
-                    preset not in (None, config.preset):
-                raise ValueError(f"{args.workdir} holds a {getattr(config, flag)} "
-                                 f"({config.preset}) run; use a new --workdir for another "
-                                 f"{flag} or preset")
+            config = config_from_saved(task, saved, path=os.path.join(args.workdir, CONFIG_FILE))
+            if choice not in (None, getattr(config, flag)) or preset not in (None, config.preset):
+                raise ValueError(
+                    f"{args.workdir} holds a {getattr(config, flag)} "
+                    f"({config.preset}) run; use a new --workdir for another "
+                    f"{flag} or preset"
+                )
             config = replace(config, model_overrides=model, **run)
     except (ValueError, TypeError) as e:
         parser.error(str(e))
     return config, args.workdir or default_workdir(task, config)
 
 
-def config_from_args(task: Task, parser: argparse.ArgumentParser, argv: Sequence[str] | None
-                     ) -> tuple[RunConfig, str, argparse.Namespace]:
+def config_from_args(
+    task: Task, parser: argparse.ArgumentParser, argv: Sequence[str] | None
+) -> tuple[RunConfig, str, argparse.Namespace]:
     """What a command line asks for, made as the command makes it (parse, `start`,
     `resolve`) -> (config, workdir, args); for notebooks and tests."""
     args = parser.parse_args(argv)
@@ -272,9 +332,9 @@ def config_from_args(task: Task, parser: argparse.ArgumentParser, argv: Sequence
 
 # ------------------------------------------------------------------- exit codes and errors
 EXIT_OK = 0
-EXIT_ERROR = 1        # a clear error: bad input, unusable checkpoint or data, disk, ...
-EXIT_USAGE = 2        # bad flags (argparse)
-EXIT_DIVERGED = 3     # the loss or gradient became NaN / infinite, or the result is infinite
+EXIT_ERROR = 1  # a clear error: bad input, unusable checkpoint or data, disk, ...
+EXIT_USAGE = 2  # bad flags (argparse)
+EXIT_DIVERGED = 3  # the loss or gradient became NaN / infinite, or the result is infinite
 EXIT_INTERRUPTED = 75  # stopped by SIGTERM / SIGINT after saving (EX_TEMPFAIL: run again)
 ERROR_LOG = "error.log"
 # What these mean is known: one message says what went wrong and where.
@@ -292,14 +352,20 @@ def finished(final: Mapping[str, Any], figure: str) -> int:
         return EXIT_INTERRUPTED
     value = final.get(f"test_{figure}")
     if value is not None and not math.isfinite(value):
-        print(f"training diverged: test {figure} is {value} (final training loss "
-              "too large); lower the learning rate", file=sys.stderr)
+        print(
+            f"training diverged: test {figure} is {value} (final training loss "
+            "too large); lower the learning rate",
+            file=sys.stderr,
+        )
         return EXIT_DIVERGED
     return EXIT_OK
 
 
-def main_of(parser: argparse.ArgumentParser, run: Callable[[argparse.Namespace], int],
-            argv: Sequence[str] | None) -> int:
+def main_of(
+    parser: argparse.ArgumentParser,
+    run: Callable[[argparse.Namespace], int],
+    argv: Sequence[str] | None,
+) -> int:
     """An entry point's main: parse argv (a bad flag exits with EXIT_USAGE), then `run(args)`
     under `run_command` -> the exit code (0 done, 1 error, 2 bad flags or values, 3 diverged,
     75 stopped by a signal after saving)."""
@@ -315,8 +381,10 @@ def run_command(body: Callable[[], int], *, workdir: str | None) -> int:
     try:
         return body()
     except KeyboardInterrupt:
-        print("interrupted (a second Ctrl-C: no checkpoint was saved after the first)",
-              file=sys.stderr)
+        print(
+            "interrupted (a second Ctrl-C: no checkpoint was saved after the first)",
+            file=sys.stderr,
+        )
         return 130
     except UsageError as e:
         print(f"error: {e}", file=sys.stderr, flush=True)
@@ -324,8 +392,11 @@ def run_command(body: Callable[[], int], *, workdir: str | None) -> int:
     except EXPECTED_ERRORS as e:
         where = _log_traceback(workdir)
         kind = "training diverged" if isinstance(e, TrainingDiverged) else "error"
-        print(f"{kind}: {e}" + (f"\n(traceback in {where})" if where else ""),
-              file=sys.stderr, flush=True)
+        print(
+            f"{kind}: {e}" + (f"\n(traceback in {where})" if where else ""),
+            file=sys.stderr,
+            flush=True,
+        )
         return EXIT_DIVERGED if isinstance(e, TrainingDiverged) else EXIT_ERROR
 
 
@@ -349,8 +420,9 @@ def _quiet_closed_event_loops() -> None:
     previous = sys.unraisablehook
 
     def hook(unraisable):
-        if isinstance(unraisable.exc_value, RuntimeError) and \
-                "Event loop is closed" in str(unraisable.exc_value):
+        if isinstance(unraisable.exc_value, RuntimeError) and "Event loop is closed" in str(
+            unraisable.exc_value
+        ):
             return
         previous(unraisable)
 

@@ -6,14 +6,15 @@ that extends `RunConfig` with its own fields and holds the model's own frozen co
 fields, which fields a resumed run may change, the JSON form saved in the work directory and
 the way back, and `replace` with model-field overrides.
 """
+
 from __future__ import annotations
 
 import dataclasses
 import json
 import math
 import typing
-from typing import Any, ClassVar, Mapping
-
+from collections.abc import Mapping
+from typing import Any, ClassVar
 
 PARALLEL_MODES = ("jit", "pmap")
 SHARDINGS = ("replicated", "fsdp")
@@ -32,8 +33,10 @@ def check_parallel(mode: str, sharding: str) -> None:
     check_choice("parallel", mode, PARALLEL_MODES)
     check_choice("sharding", sharding, SHARDINGS)
     if sharding == "fsdp" and mode == "pmap":
-        raise ValueError("sharding: 'fsdp' needs parallel='jit' (pmap keeps a whole copy "
-                         "of the state on every device)")
+        raise ValueError(
+            "sharding: 'fsdp' needs parallel='jit' (pmap keeps a whole copy "
+            "of the state on every device)"
+        )
 
 
 @dataclasses.dataclass(frozen=True)
@@ -86,9 +89,21 @@ class RunConfig:
     # Fields a resumed run may change: they do not alter the training trajectory. A task
     # adds its own (evaluation settings) with `RunConfig.MAY_CHANGE + (...)`.
     MAY_CHANGE: ClassVar[tuple[str, ...]] = (
-        "steps", "minutes", "parallel", "sharding", "distributed", "log_every", "eval_every",
-        "checkpoint_every", "keep_checkpoints", "data_dir", "progress", "plots", "on_nonfinite",
-        "compile_ahead")
+        "steps",
+        "minutes",
+        "parallel",
+        "sharding",
+        "distributed",
+        "log_every",
+        "eval_every",
+        "checkpoint_every",
+        "keep_checkpoints",
+        "data_dir",
+        "progress",
+        "plots",
+        "on_nonfinite",
+        "compile_ahead",
+    )
 
     def __post_init__(self):
         if self.model_config is None:
@@ -118,11 +133,15 @@ def check_finite(config: Any, names: tuple[str, ...], *, positive: bool) -> None
     """Each float field in `names` must be finite and > 0 (positive) or >= 0."""
     for name in names:
         value = getattr(config, name)
-        ok = isinstance(value, (int, float)) and math.isfinite(value) and (
-            value > 0 if positive else value >= 0)
+        ok = (
+            isinstance(value, (int, float))
+            and math.isfinite(value)
+            and (value > 0 if positive else value >= 0)
+        )
         if not ok:
-            raise ValueError(f"{name}: must be a finite number {'>' if positive else '>='} 0, "
-                             f"got {value!r}")
+            raise ValueError(
+                f"{name}: must be a finite number {'>' if positive else '>='} 0, got {value!r}"
+            )
 
 
 # ------------------------------------------------------------------------- round trip

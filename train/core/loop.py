@@ -88,8 +88,7 @@ class LoopConfig:
             raise ValueError(f"steps: must be >= 0, got {self.steps}")
         if self.log_every < 1 or self.agree_every < 1:
             raise ValueError(
-                f"log_every and agree_every: must be >= 1, got {self.log_every}, "
-                f"{self.agree_every}"
+                f"log_every and agree_every: must be >= 1, got {self.log_every}, {self.agree_every}"
             )
         for name in ("eval_every", "checkpoint_every"):
             if getattr(self, name) < 0:
@@ -196,7 +195,9 @@ def _preemption_sync_point(step: int) -> bool:
 
 
 # ----------------------------------------------------------------------------- intervals
-def divergence_message(step: int, metrics: Mapping[str, float], checkpoints: Checkpoints | None) -> str:
+def divergence_message(
+    step: int, metrics: Mapping[str, float], checkpoints: Checkpoints | None
+) -> str:
     """What to tell the user when step `step` (its host `metrics`) was not finite: what was
     not applied, what is on disk, and how to go on from there."""
     last = checkpoints.latest_step() if checkpoints else None
@@ -252,8 +253,9 @@ class Interval:
             # otherwise queue a whole interval). No transfer.
             jax.block_until_ready(self.pending[-2]["loss_sum"])
 
-    def take(self, step: int, *, nonfinite: str, checkpoints: Checkpoints | None
-             ) -> list[dict[str, float]]:
+    def take(
+        self, step: int, *, nonfinite: str, checkpoints: Checkpoints | None
+    ) -> list[dict[str, float]]:
         """The interval's host metrics up to `step` (one transfer) without its non-finite
         steps, and a fresh interval. nonfinite 'stop': such a step raises TrainingDiverged."""
         host = self.carried + self.dp.fetch(self.pending)
@@ -270,15 +272,28 @@ class Reporter:
     """Where the loop's figures go: metrics.jsonl and TensorBoard (`writer`), a progress bar on
     a terminal, else a line per interval, and an optional `on_log(record)` hook."""
 
-    def __init__(self, config: LoopConfig, writer: MetricsWriter, *, step: int,
-                 elapsed: float, log: Callable[[str], None], on_log=None):
+    def __init__(
+        self,
+        config: LoopConfig,
+        writer: MetricsWriter,
+        *,
+        step: int,
+        elapsed: float,
+        log: Callable[[str], None],
+        on_log=None,
+    ):
         # A bar on a terminal; elsewhere (CI, nohup, a log file) its carriage-return stream
         # would flood the log, so a plain line per logging interval instead.
         self.interactive = config.progress and sys.stderr.isatty()
         self.lines = config.progress and not self.interactive
         self.steps = config.steps
-        self.bar = tqdm(total=config.steps, initial=step, dynamic_ncols=True, desc="train",
-                        disable=not self.interactive or jax.process_index() != 0)
+        self.bar = tqdm(
+            total=config.steps,
+            initial=step,
+            dynamic_ncols=True,
+            desc="train",
+            disable=not self.interactive or jax.process_index() != 0,
+        )
         self.writer, self.log, self.on_log = writer, log, on_log
         self.earlier = elapsed  # training seconds of the runs before this one
         self.started = self.last = time.monotonic()
@@ -298,12 +313,18 @@ class Reporter:
         if skipped:
             line["skipped_steps"] = skipped
         record = self.writer.write(step, "train", line)
-        self.bar.set_postfix(loss=f"{line['loss']:.3f}", lr=f"{line.get('lr', 0):.2e}",
-                             tok_s=f"{line['tokens_per_sec']:.0f}", refresh=False)
+        self.bar.set_postfix(
+            loss=f"{line['loss']:.3f}",
+            lr=f"{line.get('lr', 0):.2e}",
+            tok_s=f"{line['tokens_per_sec']:.0f}",
+            refresh=False,
+        )
         if self.lines:
-            self.log(f"step {step}/{self.steps}: loss {line['loss']:.4f}, lr "
-                     f"{line.get('lr', 0):.3g}, {line['tokens_per_sec']:.0f} tokens/s, "
-                     f"{line['elapsed']:.0f}s")
+            self.log(
+                f"step {step}/{self.steps}: loss {line['loss']:.4f}, lr "
+                f"{line.get('lr', 0):.3g}, {line['tokens_per_sec']:.0f} tokens/s, "
+                f"{line['elapsed']:.0f}s"
+            )
         if self.on_log:
             self.on_log(record)
         self.last = now
@@ -348,8 +369,9 @@ def train_loop(
     agreement = Agreement(config.agree_every)
     step = start_step = int(jax.device_get(state.step).reshape(-1)[0])  # pmap: one per device
     interval = Interval(dp, carried)
-    report = Reporter(config, writer, step=step, elapsed=elapsed, log=log or printer(),
-                      on_log=on_log)
+    report = Reporter(
+        config, writer, step=step, elapsed=elapsed, log=log or printer(), on_log=on_log
+    )
     last_eval = None
 
     def log_interval():
@@ -363,8 +385,11 @@ def train_loop(
         meta = {"elapsed": report.elapsed()}
         if unfinished:
             meta["interval_metrics"] = unfinished
-        checkpoints.save(dp.get_state(state), meta=meta,
-                         metrics=None if validation is None else {BEST_METRIC: validation["loss"]})
+        checkpoints.save(
+            dp.get_state(state),
+            meta=meta,
+            metrics=None if validation is None else {BEST_METRIC: validation["loss"]},
+        )
 
     def validate():
         figures = evaluate(dp.get_state(state))
@@ -375,8 +400,9 @@ def train_loop(
         # The time budget may be spent before the first step (data preparation counts).
         reason = None
         if step < config.steps:
-            reason = agreement.should_stop(step, flag=StopFlag(), deadline=config.deadline,
-                                           force=True)
+            reason = agreement.should_stop(
+                step, flag=StopFlag(), deadline=config.deadline, force=True
+            )
         while reason is None and step < config.steps:
             state, metrics = train_step(state, dp.put_batch(next(batches)))
             step += 1
@@ -402,8 +428,7 @@ def train_loop(
             # not into a short log line, and the resumed run completes it.
             if step % config.log_every == 0:
                 log_interval()
-            unfinished = interval.take(step, nonfinite=config.nonfinite,
-                                       checkpoints=checkpoints)
+            unfinished = interval.take(step, nonfinite=config.nonfinite, checkpoints=checkpoints)
             if progressed:
                 save(unfinished=unfinished)
         else:
@@ -415,8 +440,13 @@ def train_loop(
                 save(last_eval)  # a final validation at this step ranks it
     finally:
         report.close()
-    return LoopResult(state=state, reason=reason, elapsed=report.elapsed(),
-                      last_eval=last_eval, skipped=interval.skipped)
+    return LoopResult(
+        state=state,
+        reason=reason,
+        elapsed=report.elapsed(),
+        last_eval=last_eval,
+        skipped=interval.skipped,
+    )
 
 
 def printer() -> Callable[[str], None]:

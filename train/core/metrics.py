@@ -1,17 +1,19 @@
 """Metrics: summing per-step device metrics into log lines, W/metrics.jsonl and TensorBoard.
 
 Each line of metrics.jsonl is one JSON object: {"step", "split", ...}. split 'train' lines carry
-loss (the training objective per token, label-smoothed for translation), nll and ppl (the
-unsmoothed per-token negative log-likelihood and its exp), lr, grad_norm, tokens_per_sec
-(real, non-pad target tokens), elapsed (training seconds, summed over resumed runs); 'validation' / test-split lines carry the
-evaluation figures (loss, ppl or bpc, bleu).
+loss (the training objective per token, label-smoothed for translation), nll and ppl (the unsmoothed
+per-token negative log-likelihood and its exp), lr, grad_norm, tokens_per_sec (real, non-pad target
+tokens), elapsed (training seconds, summed over resumed runs); 'validation' / test-split lines carry
+the evaluation figures (loss, ppl or bpc, bleu).
 """
+
 from __future__ import annotations
 
 import json
 import math
 import os
-from typing import Any, Iterable, Mapping
+from collections.abc import Iterable, Mapping
+from typing import Any
 
 import jax
 
@@ -101,8 +103,11 @@ class MetricsWriter:
         if not self.enabled:
             return
         from tensorboardX.summary import hparams  # noqa: PLC0415 - with the lazy writer
-        flat = {k: v if isinstance(v, (bool, int, float, str)) else str(v)
-                for k, v in _flatten(config).items()}
+
+        flat = {
+            k: v if isinstance(v, (bool, int, float, str)) else str(v)
+            for k, v in _flatten(config).items()
+        }
         board = self._writer()
         for event in hparams(flat, {"validation/loss": 0.0}):
             board.file_writer.add_summary(event)
@@ -141,15 +146,20 @@ class MetricsWriter:
     def _writer(self):
         if self._board is None:
             from tensorboardX import SummaryWriter  # noqa: PLC0415 - slow; only process 0
-            self._board = SummaryWriter(self.tensorboard_dir, purge_step=self._purge_step,
-                                        flush_secs=30)
+
+            self._board = SummaryWriter(
+                self.tensorboard_dir, purge_step=self._purge_step, flush_secs=30
+            )
         return self._board
 
     def _scalars(self, record: Mapping[str, Any]) -> None:
         board = self._writer()
         for key, value in record.items():
-            if key not in ("step", "split") and isinstance(value, (int, float)) and \
-                    not isinstance(value, bool):
+            if (
+                key not in ("step", "split")
+                and isinstance(value, (int, float))
+                and not isinstance(value, bool)
+            ):
                 board.add_scalar(f"{record['split']}/{key}", value, record["step"])
         board.flush()
 
@@ -172,8 +182,9 @@ def read_metrics(path: str) -> list[dict[str, Any]]:
         except json.JSONDecodeError as e:
             if number == len(lines):  # a partial last line: a kill mid-write; rewind drops it
                 break
-            raise ValueError(f"{path}, line {number}: not a JSON record ({e}); delete or "
-                             "fix that line") from e
+            raise ValueError(
+                f"{path}, line {number}: not a JSON record ({e}); delete or fix that line"
+            ) from e
     return records
 
 

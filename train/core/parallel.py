@@ -20,17 +20,20 @@ Every host plans the same global batch (the batchers are deterministic given see
 but builds only the rows of its own devices (`local_rows`), and `put_batch` assembles the
 global array from every host's share: `jax.make_array_from_process_local_data`.
 """
+
 from __future__ import annotations
 
 import concurrent.futures
 import hashlib
 import os
-from typing import Any, Callable, Literal, Sequence
+from collections.abc import Callable, Sequence
+from typing import Any, Literal
 
 import jax
 import numpy as np
 from jax.experimental import multihost_utils
-from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
+from jax.sharding import Mesh, NamedSharding
+from jax.sharding import PartitionSpec as P
 
 from train.core.config import check_parallel
 from train.core.state import TrainState
@@ -46,10 +49,13 @@ Sharding = Literal["replicated", "fsdp"]
 DISTRIBUTED_ENV = "TRAIN_DISTRIBUTED"
 
 
-def maybe_initialize_distributed(enabled: bool = False, *,
-                                 coordinator_address: str | None = None,
-                                 num_processes: int | None = None,
-                                 process_id: int | None = None) -> bool:
+def maybe_initialize_distributed(
+    enabled: bool = False,
+    *,
+    coordinator_address: str | None = None,
+    num_processes: int | None = None,
+    process_id: int | None = None,
+) -> bool:
     """Starts JAX's distributed runtime when `enabled` or $TRAIN_DISTRIBUTED is 1/true. Must
     run before the first JAX computation. Returns whether JAX runs distributed.
 
@@ -67,17 +73,25 @@ def maybe_initialize_distributed(enabled: bool = False, *,
     count = num_processes if num_processes is not None else _env_int("JAX_NUM_PROCESSES")
     index = process_id if process_id is not None else _env_int("JAX_PROCESS_ID")
     if address and (count is None or index is None):
-        missing = [name for name, v in (("--num_processes / JAX_NUM_PROCESSES", count),
-                                        ("--process_id / JAX_PROCESS_ID", index)) if v is None]
+        missing = [
+            name
+            for name, v in (
+                ("--num_processes / JAX_NUM_PROCESSES", count),
+                ("--process_id / JAX_PROCESS_ID", index),
+            )
+            if v is None
+        ]
         try:  # a cluster JAX knows may still supply them
-            jax.distributed.initialize(coordinator_address=address, num_processes=count,
-                                       process_id=index)
+            jax.distributed.initialize(
+                coordinator_address=address, num_processes=count, process_id=index
+            )
         except ValueError as e:
-            raise ValueError(f"distributed: a coordinator address was given but not "
-                             f"{' and '.join(missing)} ({e})") from e
+            raise ValueError(
+                f"distributed: a coordinator address was given but not "
+                f"{' and '.join(missing)} ({e})"
+            ) from e
         return True
-    jax.distributed.initialize(coordinator_address=address, num_processes=count,
-                               process_id=index)
+    jax.distributed.initialize(coordinator_address=address, num_processes=count, process_id=index)
     return True
 
 
@@ -90,9 +104,11 @@ def check_same_on_every_process(value: str, what: str) -> None:
     digest = np.frombuffer(hashlib.sha256(value.encode()).digest()[:8], np.int64)
     every = np.asarray(multihost_utils.process_allgather(digest)).reshape(-1)
     if (every != every[0]).any():
-        raise ValueError(f"{what}: the processes were given different values (this one: "
-                         f"{value}); give every process the same one, on a filesystem they "
-                         "share")
+        raise ValueError(
+            f"{what}: the processes were given different values (this one: "
+            f"{value}); give every process the same one, on a filesystem they "
+            "share"
+        )
 
 
 def _env_int(name: str) -> int | None:
@@ -117,7 +133,7 @@ def fsdp_spec(shape: Sequence[int], n_devices: int) -> P:
     divisible = [axis for axis, size in enumerate(shape) if size > 0 and size % n_devices == 0]
     if not divisible:
         return P()
-    axis = max(divisible, key=lambda a: (shape[a], -a))   # ties: the first axis
+    axis = max(divisible, key=lambda a: (shape[a], -a))  # ties: the first axis
     return P(*([None] * axis), DATA_AXIS)
 
 
@@ -136,12 +152,18 @@ class DataParallel:
     `put_state` / `get_state` convert to and from the layout the train step wants.
     """
 
-    def __init__(self, mode: ParallelMode = "jit", devices: Sequence[jax.Device] | None = None,
-                 *, sharding: Sharding = "replicated"):
+    def __init__(
+        self,
+        mode: ParallelMode = "jit",
+        devices: Sequence[jax.Device] | None = None,
+        *,
+        sharding: Sharding = "replicated",
+    ):
         check_parallel(mode, sharding)
         if mode == "pmap" and jax.process_count() > 1:
-            raise ValueError("parallel: the pmap path is single-process; use 'jit' on several "
-                             "hosts")
+            raise ValueError(
+                "parallel: the pmap path is single-process; use 'jit' on several hosts"
+            )
         self.mode = mode
         self.sharding = sharding
         self.mesh = make_mesh(devices)
@@ -165,10 +187,12 @@ class DataParallel:
         The optimizer state (Adam's moments, the EMA) is split like the params: its leaves
         have the params' shapes, so each device updates exactly its own slice."""
         return state.replace(
-            step=self.replicated, rng=self.replicated,
+            step=self.replicated,
+            rng=self.replicated,
             params=self.param_sharding(state.params),
             opt_state=self.param_sharding(state.opt_state),
-            extra=jax.tree.map(self._extra_sharding, state.extra))
+            extra=jax.tree.map(self._extra_sharding, state.extra),
+        )
 
     def param_sharding(self, tree: PyTree) -> PyTree:
         """The sharding of each leaf (arrays or ShapeDtypeStructs) of a params-like tree:
@@ -176,15 +200,19 @@ class DataParallel:
         if self.sharding == "replicated":
             return jax.tree.map(lambda _: self.replicated, tree)
         return jax.tree.map(
-            lambda x: NamedSharding(self.mesh, fsdp_spec(np.shape(x), self.n_devices)), tree)
+            lambda x: NamedSharding(self.mesh, fsdp_spec(np.shape(x), self.n_devices)), tree
+        )
 
     def replicate(self, tree: PyTree) -> PyTree:
         """A (possibly fsdp-split) tree of global arrays -> the same values replicated on
         every device: decoding runs a step per token, and gathering the weights once beats
         gathering them in every step. A tree with no split array (replicated, or host
         values) is returned as it is."""
-        split = [x for x in jax.tree.leaves(tree) if isinstance(x, jax.Array)
-                 and not x.sharding.is_equivalent_to(self.replicated, x.ndim)]
+        split = [
+            x
+            for x in jax.tree.leaves(tree)
+            if isinstance(x, jax.Array) and not x.sharding.is_equivalent_to(self.replicated, x.ndim)
+        ]
         if not split:
             return tree
         return jax.jit(lambda t: t, out_shardings=self.replicated)(tree)
@@ -216,17 +244,20 @@ class DataParallel:
         rows = [x for x in jax.tree.leaves(state.extra) if np.ndim(x)]
         self._check_rows(rows, "the carried state (extra)")
         if self.mode == "pmap" and len(rows) < len(jax.tree.leaves(state.extra)):
-            raise ValueError("parallel: carried scalar state (hard attention's baseline) needs "
-                             "parallel='jit'")
+            raise ValueError(
+                "parallel: carried scalar state (hard attention's baseline) needs parallel='jit'"
+            )
         if self.mode == "jit":
             return self.to_global(state, self.state_shardings(state))
         host = jax.device_get(state)
         n = self.n_devices
         stacked = host.replace(
-            step=_stack(host.step, n), rng=_stack(host.rng, n),
+            step=_stack(host.step, n),
+            rng=_stack(host.rng, n),
             params=jax.tree.map(lambda x: _stack(x, n), host.params),
             opt_state=jax.tree.map(lambda x: _stack(x, n), host.opt_state),
-            extra=jax.tree.map(lambda x: _split(x, n), host.extra))
+            extra=jax.tree.map(lambda x: _split(x, n), host.extra),
+        )
         return jax.pmap(lambda s: s, devices=self.local_devices)(stacked)
 
     def get_state(self, state: TrainState) -> TrainState:
@@ -236,10 +267,12 @@ class DataParallel:
         host = jax.device_get(state)
         first = lambda x: x[0]  # noqa: E731 - replicas are identical; take device 0's.
         host = host.replace(
-            step=first(host.step), rng=first(host.rng),
+            step=first(host.step),
+            rng=first(host.rng),
             params=jax.tree.map(first, host.params),
             opt_state=jax.tree.map(first, host.opt_state),
-            extra=jax.tree.map(lambda x: x.reshape((-1,) + x.shape[2:]), host.extra))
+            extra=jax.tree.map(lambda x: x.reshape((-1,) + x.shape[2:]), host.extra),
+        )
         return self.to_global(host, self.state_shardings(host))
 
     def local_rows(self, global_rows: int) -> slice:
@@ -251,8 +284,9 @@ class DataParallel:
         the global batch, and every number computed from it, does not depend on how many
         processes share the devices."""
         if global_rows % self.n_devices:
-            raise ValueError(f"the batch: {global_rows} rows do not split over "
-                             f"{self.n_devices} devices")
+            raise ValueError(
+                f"the batch: {global_rows} rows do not split over {self.n_devices} devices"
+            )
         per_device = global_rows // self.n_devices
         start = self._first_local * per_device
         return slice(start, start + per_device * len(self.local_devices))
@@ -271,16 +305,19 @@ class DataParallel:
         """Host arrays with leading axis B (identical on every process) -> global arrays split
         on B over the mesh: the layout of evaluation and decoding in both modes."""
         self._check_rows(tree, "the batch")
-        return jax.tree.map(lambda x: self._put_local_rows(
-            np.asarray(x)[self.local_rows(np.shape(x)[0])]), tree)
+        return jax.tree.map(
+            lambda x: self._put_local_rows(np.asarray(x)[self.local_rows(np.shape(x)[0])]), tree
+        )
 
     def _put_local_rows(self, x) -> jax.Array:
         x = np.asarray(x)
         n_local = len(self.local_devices)
         if x.ndim == 0 or x.shape[0] % n_local:
-            raise ValueError(f"the batch: leading (batch) axis of shape {np.shape(x)} (this "
-                             f"process's rows) must be divisible by the device count {n_local} "
-                             "(this process's devices)")
+            raise ValueError(
+                f"the batch: leading (batch) axis of shape {np.shape(x)} (this "
+                f"process's rows) must be divisible by the device count {n_local} "
+                "(this process's devices)"
+            )
         global_shape = (x.shape[0] // n_local * self.n_devices,) + x.shape[1:]
         return jax.make_array_from_process_local_data(self.batch_sharding, x, global_shape)
 
@@ -289,27 +326,39 @@ class DataParallel:
             if np.ndim(x) == 0 or np.shape(x)[0] % self.n_devices:
                 raise ValueError(
                     f"{what}: leading (batch) axis of shape {np.shape(x)} must be divisible by "
-                    f"the device count {self.n_devices}")
+                    f"the device count {self.n_devices}"
+                )
 
     # ----------------------------------------------------------------- steps
-    def compile_train_step(self, loss_fn: LossFn, state: TrainState, *,
-                           lr_schedule=None):
+    def compile_train_step(self, loss_fn: LossFn, state: TrainState, *, lr_schedule=None):
         """-> step(state, batch) -> (state, metrics), in this mode's layouts, with the state's
         buffers donated (updated in place). jit: a `CompiledStep`, which compiles once per
         batch shape and counts them (`compile_ahead` does it before the first step); pmap: the
         pmapped function, compiled lazily by JAX."""
         if self.mode == "pmap":
             step = make_train_step(loss_fn, lr_schedule=lr_schedule, axis_name=DATA_AXIS)
-            return jax.pmap(step, axis_name=DATA_AXIS, donate_argnums=(0,),
-                            devices=self.local_devices)
+            return jax.pmap(
+                step, axis_name=DATA_AXIS, donate_argnums=(0,), devices=self.local_devices
+            )
         step = make_train_step(loss_fn, lr_schedule=lr_schedule)
         state_sh = self.state_shardings(state)
-        return CompiledStep(jax.jit(step, in_shardings=(state_sh, self.batch_sharding),
-                                    out_shardings=(state_sh, self.replicated),
-                                    donate_argnums=(0,)))
+        return CompiledStep(
+            jax.jit(
+                step,
+                in_shardings=(state_sh, self.batch_sharding),
+                out_shardings=(state_sh, self.replicated),
+                donate_argnums=(0,),
+            )
+        )
 
-    def compile_ahead(self, train_step, state: TrainState, batches: Sequence[PyTree], *,
-                      workers: int | None = None) -> int:
+    def compile_ahead(
+        self,
+        train_step,
+        state: TrainState,
+        batches: Sequence[PyTree],
+        *,
+        workers: int | None = None,
+    ) -> int:
         """Compiles `train_step` (from `compile_train_step`) now for the shape of each of
         `batches` (host batches as `put_batch` takes them) -> how many shapes it compiled.
 
@@ -331,9 +380,11 @@ class DataParallel:
         of a global-layout state, batch and extra placed by `put_global`): evaluation is not
         where the pmap comparison matters, and one layout keeps it one code path."""
         state_sh = self.state_shardings(state)
-        return jax.jit(make_eval_step(loss_fn),
-                       in_shardings=(state_sh.params, self.batch_sharding, self.batch_sharding),
-                       out_shardings=(self.replicated, self.batch_sharding))
+        return jax.jit(
+            make_eval_step(loss_fn),
+            in_shardings=(state_sh.params, self.batch_sharding, self.batch_sharding),
+            out_shardings=(self.replicated, self.batch_sharding),
+        )
 
     def fetch_rows(self, x) -> np.ndarray:
         """A global array split on its rows (decoded tokens, ...) -> all of it on this host.
@@ -382,8 +433,7 @@ class CompiledStep:
         """The jitted step lowered for (state, batch): `.compile()` gives its executable."""
         return self.jitted.lower(state, batch)
 
-    def compile_for(self, state, batches: Sequence[PyTree], *, workers: int | None = None
-                    ) -> int:
+    def compile_for(self, state, batches: Sequence[PyTree], *, workers: int | None = None) -> int:
         """Compiles the executables of `batches` (placed batches) not compiled yet, the XLA
         compilations in threads -> how many were compiled."""
         todo = {}

@@ -6,6 +6,7 @@ It is what `train_step` takes and returns, what the checkpoints store and what a
 restores, so a resumed run continues bit for bit: the per-step key is derived from `rng` and
 `step` (`jax.random.fold_in`), never from a Python-side counter.
 """
+
 from __future__ import annotations
 
 from typing import Any
@@ -34,10 +35,22 @@ class TrainState(struct.PyTreeNode):
     tx: optax.GradientTransformation = struct.field(pytree_node=False, default=None)
 
     @classmethod
-    def create(cls, *, params: PyTree, tx: optax.GradientTransformation, rng: jax.Array,
-               extra: PyTree = None) -> TrainState:
-        return cls(step=jnp.zeros((), jnp.int32), params=params, opt_state=tx.init(params),
-                   rng=rng, extra=extra, tx=tx)
+    def create(
+        cls,
+        *,
+        params: PyTree,
+        tx: optax.GradientTransformation,
+        rng: jax.Array,
+        extra: PyTree = None,
+    ) -> TrainState:
+        return cls(
+            step=jnp.zeros((), jnp.int32),
+            params=params,
+            opt_state=tx.init(params),
+            rng=rng,
+            extra=extra,
+            tx=tx,
+        )
 
     def apply_gradients(self, grads: PyTree, **changes) -> TrainState:
         """One optimizer update; `changes` replaces other fields (e.g. extra=new_memory)."""

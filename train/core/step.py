@@ -15,9 +15,11 @@ The step normalises by the GLOBAL token count after summing over devices, so one
 devices computes the same update as one step on one device, whatever the padding per shard.
 `jit` / `pmap` and shardings are applied by `train.core.parallel`, not here.
 """
+
 from __future__ import annotations
 
-from typing import Any, Callable
+from collections.abc import Callable
+from typing import Any
 
 import jax
 import jax.numpy as jnp
@@ -31,8 +33,9 @@ Array = jax.Array
 LossFn = Callable[..., tuple[Array, dict[str, Array], PyTree]]
 
 
-def make_train_step(loss_fn: LossFn, *, lr_schedule: optax.Schedule | None = None,
-                    axis_name: str | None = None):
+def make_train_step(
+    loss_fn: LossFn, *, lr_schedule: optax.Schedule | None = None, axis_name: str | None = None
+):
     """-> train_step(state, batch) -> (state, metrics).
 
     metrics: the summed `sums` plus 'loss_sum', 'grad_norm' (of the normalised gradient, before
@@ -49,12 +52,12 @@ def make_train_step(loss_fn: LossFn, *, lr_schedule: optax.Schedule | None = Non
             rng = jax.random.fold_in(rng, lax.axis_index(axis_name))
 
         def objective(params):
-            loss_sum, sums, extra = loss_fn(params, batch, rng=rng, extra=state.extra,
-                                            deterministic=False)
+            loss_sum, sums, extra = loss_fn(
+                params, batch, rng=rng, extra=state.extra, deterministic=False
+            )
             return loss_sum, (sums, extra)
 
-        (loss_sum, (sums, extra)), grads = jax.value_and_grad(objective, has_aux=True)(
-            state.params)
+        (loss_sum, (sums, extra)), grads = jax.value_and_grad(objective, has_aux=True)(state.params)
         # A loss_fn may report a 'loss_sum' of its own: the objective without a term that is
         # only there for its gradient (hard attention's REINFORCE surrogate).
         sums = {"loss_sum": loss_sum, **sums}
@@ -70,15 +73,21 @@ def make_train_step(loss_fn: LossFn, *, lr_schedule: optax.Schedule | None = Non
         # travels with the metrics, so the host learns of it without an extra transfer.
         # (Checked leaf by leaf, not through grad_norm: sharing that reduction with the
         # clipping's own norm lets XLA reorder it and move the losses: benchmarks/README.md.)
-        finite = jnp.isfinite(loss_sum) & jnp.all(jnp.stack(
-            [jnp.all(jnp.isfinite(g)) for g in jax.tree.leaves(grads)]))
+        finite = jnp.isfinite(loss_sum) & jnp.all(
+            jnp.stack([jnp.all(jnp.isfinite(g)) for g in jax.tree.leaves(grads)])
+        )
         # A cond, not a select per leaf of the state: XLA fuses the chain of per-leaf checks
         # into each select, which multiplies compile time (benchmarks/README.md), and a
         # skipped step does no optimizer work.
-        new_state = lax.cond(finite, lambda s: s.apply_gradients(grads, extra=extra),
-                             lambda s: s.replace(step=s.step + 1), state)
-        metrics = dict(sums, grad_norm=grad_norm,
-                       nonfinite=jnp.float32(1.0) - finite.astype(jnp.float32))
+        new_state = lax.cond(
+            finite,
+            lambda s: s.apply_gradients(grads, extra=extra),
+            lambda s: s.replace(step=s.step + 1),
+            state,
+        )
+        metrics = dict(
+            sums, grad_norm=grad_norm, nonfinite=jnp.float32(1.0) - finite.astype(jnp.float32)
+        )
         if lr_schedule is not None:
             metrics["lr"] = jnp.asarray(lr_schedule(state.step), jnp.float32)
         return new_state, metrics

@@ -53,8 +53,7 @@ Rows = Callable[[int], slice]  # a global batch's row count -> this process's ro
 class TaskData(Protocol):
     """What a task prepared for one run: the training stream and its evaluations."""
 
-    def batches(self, start_step: int, rows: Rows | None = None
-                ) -> Iterator[Mapping[str, Any]]:
+    def batches(self, start_step: int, rows: Rows | None = None) -> Iterator[Mapping[str, Any]]:
         """The global batch of step `start_step`, then the next, ... (host arrays): only the
         rows `rows(N)` of each N-row batch when given (this process's share), built from the
         same global plan on every process."""
@@ -66,9 +65,19 @@ class TaskData(Protocol):
     def evaluate(self, dp: DataParallel, eval_step: Callable, params: PyTree) -> dict[str, float]:
         """Validation figures ('loss' ranks the checkpoints) of `params` (global layout)."""
 
-    def finish(self, *, workdir: str, dp: DataParallel, eval_step: Callable, model: nn.Module,
-               state: TrainState, params: PyTree, validation: dict[str, float],
-               writer: MetricsWriter, start: float) -> dict[str, Any]:
+    def finish(
+        self,
+        *,
+        workdir: str,
+        dp: DataParallel,
+        eval_step: Callable,
+        model: nn.Module,
+        state: TrainState,
+        params: PyTree,
+        validation: dict[str, float],
+        writer: MetricsWriter,
+        start: float,
+    ) -> dict[str, Any]:
         """The final evaluation after training (test figures, files, plots; its metrics
         lines through `writer`) -> the entries it adds to the run's final metrics."""
 
@@ -87,28 +96,32 @@ class Task(Protocol):
 
     def model_config_cls(self, choice: str) -> type: ...
 
-    def make_config(self, choice: str, preset: str, *, model_overrides: Mapping[str, Any] = (),
-                    **run_overrides) -> RunConfig: ...
+    def make_config(
+        self, choice: str, preset: str, *, model_overrides: Mapping[str, Any] = (), **run_overrides
+    ) -> RunConfig: ...
 
     def build_model(self, config: RunConfig) -> nn.Module: ...
 
     def optimizer_config(self, config: RunConfig) -> OptimizerConfig: ...
 
-    def init_params(self, config: RunConfig, model: nn.Module, rng: jax.Array
-                    ) -> tuple[PyTree, PyTree]:
+    def init_params(
+        self, config: RunConfig, model: nn.Module, rng: jax.Array
+    ) -> tuple[PyTree, PyTree]:
         """-> (params, the initial carried state `extra` or None), traceable under jit."""
 
     def loss_fn(self, config: RunConfig, model: nn.Module) -> LossFn: ...
 
-    def prepare(self, config: RunConfig, workdir: str, dp: DataParallel,
-                log: Callable[[str], None]) -> TaskData: ...
+    def prepare(
+        self, config: RunConfig, workdir: str, dp: DataParallel, log: Callable[[str], None]
+    ) -> TaskData: ...
 
     def describe(self, config: RunConfig) -> str:
         """The model's name in log lines."""
 
 
-def config_from_saved(task: Task, values: Mapping[str, Any], *,
-                      path: str = CONFIG_FILE) -> RunConfig:
+def config_from_saved(
+    task: Task, values: Mapping[str, Any], *, path: str = CONFIG_FILE
+) -> RunConfig:
     """A task's config from its saved JSON form (read from `path`): one that does not
     describe a run of this task is a CheckpointError naming the file."""
     try:
@@ -117,19 +130,20 @@ def config_from_saved(task: Task, values: Mapping[str, Any], *,
     except (ValueError, TypeError, KeyError) as e:
         raise CheckpointError(
             f"run config {path} does not describe a run this version can resume (of "
-            f"train.{task.name}; {type(e).__name__}: {e}). Start a new --workdir, or edit that file to "
-            "today's fields (see the README's 'Reliability' section).") from e
+            f"train.{task.name}; {type(e).__name__}: {e}). Start a new --workdir, or edit "
+            "that file to today's fields (see the README's 'Reliability' section)."
+        ) from e
 
 
-def normal_form(task: Task, values: Mapping[str, Any], *,
-                path: str = CONFIG_FILE) -> dict[str, Any]:
+def normal_form(
+    task: Task, values: Mapping[str, Any], *, path: str = CONFIG_FILE
+) -> dict[str, Any]:
     """Saved JSON -> config -> JSON: fields added since it was saved get their defaults, so an
     older work directory compares equal to the same run described today."""
     return config_to_dict(config_from_saved(task, values, path=path))
 
 
-def init_state(task: Task, config: RunConfig, model: nn.Module, tx,
-               dp: DataParallel) -> TrainState:
+def init_state(task: Task, config: RunConfig, model: nn.Module, tx, dp: DataParallel) -> TrainState:
     """Fresh float32 params, optimizer state and carried state from the seed, in the global
     layout."""
     return dp.init_state(_state_maker(task, config, model, tx), config.seed)
@@ -151,8 +165,9 @@ def eval_params(state: TrainState) -> PyTree:
     return state.params if ema is None else ema
 
 
-def restore_for_inference(task: Task, workdir: str, *, step: int | None = None,
-                          dp: DataParallel | None = None):
+def restore_for_inference(
+    task: Task, workdir: str, *, step: int | None = None, dp: DataParallel | None = None
+):
     """-> (config, model, state, dp) of a trained work directory's checkpoint `step`
     (default: the best by validation loss, else the latest).
 
@@ -162,8 +177,9 @@ def restore_for_inference(task: Task, workdir: str, *, step: int | None = None,
     inference."""
     saved = load_run_config(workdir)
     if saved is None:
-        raise FileNotFoundError(f"{workdir} has no config.json: not a train.{task.name} work "
-                                "directory")
+        raise FileNotFoundError(
+            f"{workdir} has no config.json: not a train.{task.name} work directory"
+        )
     pull(workdir)  # a remote W: the checksums (and the tokenizer) beside the checkpoints
     config = config_from_saved(task, saved, path=os.path.join(workdir, CONFIG_FILE))
     checkpoints = Checkpoints(workdir, keep=config.keep_checkpoints)
@@ -178,12 +194,15 @@ def restore_for_inference(task: Task, workdir: str, *, step: int | None = None,
         # reads: a template whose other leaves are placeholders orbax skips.
         create = _state_maker(task, config, model, tx)
         abstract = jax.eval_shape(
-            jax.jit(create, out_shardings=dp.state_shardings(jax.eval_shape(create, 0))), 0)
+            jax.jit(create, out_shardings=dp.state_shardings(jax.eval_shape(create, 0))), 0
+        )
         keep = {id(x) for x in jax.tree.leaves(find_params_ema(abstract.opt_state))}
         template = abstract.replace(
-            opt_state=jax.tree.map(lambda x: x if id(x) in keep else ocp.PLACEHOLDER,
-                                   abstract.opt_state),
-            extra=jax.tree.map(lambda _: ocp.PLACEHOLDER, abstract.extra))
+            opt_state=jax.tree.map(
+                lambda x: x if id(x) in keep else ocp.PLACEHOLDER, abstract.opt_state
+            ),
+            extra=jax.tree.map(lambda _: ocp.PLACEHOLDER, abstract.extra),
+        )
         state, _ = checkpoints.restore(template, step)
     finally:
         checkpoints.close()
@@ -201,8 +220,9 @@ def train_and_evaluate(task: Task, config: RunConfig, workdir: str) -> dict[str,
     # JAX's own start-up, whose preemption notifier would otherwise take SIGTERM): a signal
     # during data preparation or compilation stops the run after its first step, saved.
     maybe_initialize_distributed(config.distributed)
-    check_same_on_every_process(workdir if is_remote(workdir) else os.path.abspath(workdir),
-                                "--workdir")
+    check_same_on_every_process(
+        workdir if is_remote(workdir) else os.path.abspath(workdir), "--workdir"
+    )
     with stop_on_signals() as stop, WorkdirLock(workdir):
         log = printer()
         run_config = config_to_dict(config)
@@ -236,8 +256,10 @@ def train_and_evaluate(task: Task, config: RunConfig, workdir: str) -> dict[str,
             writer.hparams(run_config)
             data = prepare_data(task, config, workdir, dp, log)
             log(f"prepared in {time.monotonic() - start:.1f}s")
-            log(f"model: {task.describe(config)} ({config.preset}), "
-                f"{count_params(state.params):,} parameters")
+            log(
+                f"model: {task.describe(config)} ({config.preset}), "
+                f"{count_params(state.params):,} parameters"
+            )
 
             # 3. The loop, and the final save (train_loop's last act).
             loss_fn = task.loss_fn(config, model)
@@ -250,23 +272,40 @@ def train_and_evaluate(task: Task, config: RunConfig, workdir: str) -> dict[str,
             train_step = dp.compile_train_step(loss_fn, dstate, lr_schedule=schedule)
             if config.compile_ahead and step < config.steps:
                 t0 = time.monotonic()
-                ahead = dp.compile_ahead(train_step, dstate,
-                                         data.example_batches(dp.local_rows))
+                ahead = dp.compile_ahead(train_step, dstate, data.example_batches(dp.local_rows))
                 if ahead:
-                    log(f"compiled the train step for {ahead} batch shape(s) ahead in "
-                        f"{time.monotonic() - t0:.1f}s")
+                    log(
+                        f"compiled the train step for {ahead} batch shape(s) ahead in "
+                        f"{time.monotonic() - t0:.1f}s"
+                    )
             loop = LoopConfig.from_run(config, start=start)
-            log(f"training from step {step} to {config.steps}"
+            log(
+                f"training from step {step} to {config.steps}"
                 + (f" or until {_wall_clock(loop.deadline)}" if loop.deadline else "")
-                + "; SIGTERM saves a checkpoint and stops")
-            result = train_loop(dstate, dp=dp, train_step=train_step,
-                                batches=data.batches(step, dp.local_rows), config=loop,
-                                writer=writer, checkpoints=checkpoints, evaluate=evaluate,
-                                elapsed=elapsed, stop=stop, log=log, carried=carried)
+                + "; SIGTERM saves a checkpoint and stops"
+            )
+            result = train_loop(
+                dstate,
+                dp=dp,
+                train_step=train_step,
+                batches=data.batches(step, dp.local_rows),
+                config=loop,
+                writer=writer,
+                checkpoints=checkpoints,
+                evaluate=evaluate,
+                elapsed=elapsed,
+                stop=stop,
+                log=log,
+                carried=carried,
+            )
             state = dp.get_state(result.state)
             log_stop(result, state, train_step, workdir, log)
-            final = {"step": int(jax.device_get(state.step)), "reason": result.reason,
-                     "params": count_params(state.params), "train_seconds": result.elapsed}
+            final = {
+                "step": int(jax.device_get(state.step)),
+                "reason": result.reason,
+                "params": count_params(state.params),
+                "train_seconds": result.elapsed,
+            }
             if result.skipped:
                 final["skipped_steps"] = result.skipped
             if result.interrupted:
@@ -274,10 +313,19 @@ def train_and_evaluate(task: Task, config: RunConfig, workdir: str) -> dict[str,
 
             # 4. Evaluate: the last validation (or a new one), then the task's test figures.
             validation = result.last_eval or evaluate(state)
-            final.update(data.finish(workdir=local_dir(workdir), dp=eval_dp,
-                                     eval_step=eval_step, model=model, state=state,
-                                     params=eval_params(state), validation=validation,
-                                     writer=writer, start=start))
+            final.update(
+                data.finish(
+                    workdir=local_dir(workdir),
+                    dp=eval_dp,
+                    eval_step=eval_step,
+                    model=model,
+                    state=state,
+                    params=eval_params(state),
+                    validation=validation,
+                    writer=writer,
+                    start=start,
+                )
+            )
         finally:
             # 5. Close.
             writer.close()
@@ -286,18 +334,24 @@ def train_and_evaluate(task: Task, config: RunConfig, workdir: str) -> dict[str,
         return final
 
 
-def check_workdir(task: Task, workdir: str, run_config: Mapping[str, Any],
-                  may_change: tuple[str, ...]) -> list[str]:
+def check_workdir(
+    task: Task, workdir: str, run_config: Mapping[str, Any], may_change: tuple[str, ...]
+) -> list[str]:
     """Whether `workdir` can take this run, before anything is written or prepared: the run
     it holds (if any) is this one, past one process every process was given the same run,
     and its checkpoint directory can be written. Pulls a remote W's files into the mirror.
     -> the may-change fields the run changes ('field: saved -> given')."""
     if jax.process_count() > 1:  # a flag missing on one host: an error on every host, not a hang
-        check_same_on_every_process(json.dumps(run_config, sort_keys=True),
-                                    "the run's settings (flags)")
+        check_same_on_every_process(
+            json.dumps(run_config, sort_keys=True), "the run's settings (flags)"
+        )
     path = os.path.join(workdir, CONFIG_FILE)
-    changed = check_run_config(workdir, run_config, may_change=may_change,
-                               normalize=lambda saved: normal_form(task, saved, path=path))
+    changed = check_run_config(
+        workdir,
+        run_config,
+        may_change=may_change,
+        normalize=lambda saved: normal_form(task, saved, path=path),
+    )
     if not is_remote(workdir) and jax.process_index() == 0:
         _check_writable(checkpoint_dir(workdir))
     pull(workdir)  # a remote W: its files (tokenizer, metrics, checksums) into the mirror
@@ -315,12 +369,15 @@ def _check_writable(directory: str) -> None:
         os.mkdir(probe)
         os.rmdir(probe)
     except OSError as e:
-        raise WorkdirError(f"checkpoint directory {directory} is not writable ({e.strerror}); "
-                           "make it writable, or use another --workdir") from e
+        raise WorkdirError(
+            f"checkpoint directory {directory} is not writable ({e.strerror}); "
+            "make it writable, or use another --workdir"
+        ) from e
 
 
-def prepare_data(task: Task, config: RunConfig, workdir: str, dp: DataParallel,
-                 log: Callable[[str], None]) -> TaskData:
+def prepare_data(
+    task: Task, config: RunConfig, workdir: str, dp: DataParallel, log: Callable[[str], None]
+) -> TaskData:
     """The task's data. Past one process, process 0 prepares first (TFDS builds the datasets,
     the tokenizer is trained and written, and pushed when W is remote) and the others then
     read what it wrote: two writers of the same files would race."""
@@ -335,13 +392,16 @@ def prepare_data(task: Task, config: RunConfig, workdir: str, dp: DataParallel,
     return data
 
 
-def log_stop(result: LoopResult, state: TrainState, train_step, workdir: str,
-             log: Callable[[str], None]) -> None:
+def log_stop(
+    result: LoopResult, state: TrainState, train_step, workdir: str, log: Callable[[str], None]
+) -> None:
     """How the loop ended, in the log."""
     compiled = getattr(train_step, "compiled_shapes", None)  # None: the pmap path
-    log(f"stopped at step {int(jax.device_get(state.step))} ({result.reason}) after "
+    log(
+        f"stopped at step {int(jax.device_get(state.step))} ({result.reason}) after "
         f"{result.elapsed:.0f}s of training"
-        + (f"; the train step compiled {compiled} batch shape(s)" if compiled else ""))
+        + (f"; the train step compiled {compiled} batch shape(s)" if compiled else "")
+    )
     if result.interrupted:
         log(f"{result.reason.upper()}: checkpoint saved; resume with --workdir {workdir}")
     if result.skipped:
@@ -359,11 +419,23 @@ def default_workdir(task: Task, config: RunConfig) -> str:
     stamp = int(time.time())
     if jax.process_count() > 1:
         stamp = int(multihost_utils.broadcast_one_to_all(np.int64(stamp)))
-    return os.path.join("runs", f"{task.name}-{getattr(config, task.choice_flag)}-"
-                                f"{config.preset}-"
-                                f"{time.strftime('%Y%m%d-%H%M%S', time.localtime(stamp))}")
+    return os.path.join(
+        "runs",
+        f"{task.name}-{getattr(config, task.choice_flag)}-"
+        f"{config.preset}-"
+        f"{time.strftime('%Y%m%d-%H%M%S', time.localtime(stamp))}",
+    )
 
 
-__all__ = ["CheckpointError", "Task", "TaskData", "config_from_saved", "default_workdir",
-           "eval_params", "init_state", "normal_form", "restore_for_inference",
-           "train_and_evaluate"]
+__all__ = [
+    "CheckpointError",
+    "Task",
+    "TaskData",
+    "config_from_saved",
+    "default_workdir",
+    "eval_params",
+    "init_state",
+    "normal_form",
+    "restore_for_inference",
+    "train_and_evaluate",
+]

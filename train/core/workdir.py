@@ -12,12 +12,13 @@ to its checkpoint anyway (`MetricsWriter.rewind`), so nothing it keeps is lost.
 
 One run per work directory: an advisory lock that a killed run cannot leave stuck.
 
-`WorkdirLock(W)` takes an exclusive `flock` on W/.lock for the run's lifetime and writes who
-holds it (pid, host, start time) into the file (emptied again at the end). The kernel drops a flock when its process dies,
-however it dies, so a kill -9 never leaves the directory locked; a second run on W is refused
-with a message naming the holder. Process 0 locks for all processes of a multi-process run;
-a remote work directory has no flock: its local mirror is locked instead.
+`WorkdirLock(W)` takes an exclusive `flock` on W/.lock for the run's lifetime and writes who holds
+it (pid, host, start time) into the file (emptied again at the end). The kernel drops a flock when
+its process dies, however it dies, so a kill -9 never leaves the directory locked; a second run on W
+is refused with a message naming the holder. Process 0 locks for all processes of a multi-process
+run; a remote work directory has no flock: its local mirror is locked instead.
 """
+
 from __future__ import annotations
 
 import fcntl
@@ -48,7 +49,8 @@ def local_dir(workdir: str) -> str:
     if not is_remote(workdir):
         return workdir
     root = os.environ.get(MIRROR_ENV) or os.path.join(
-        os.path.expanduser("~"), ".cache", "attention-jax", "workdirs")
+        os.path.expanduser("~"), ".cache", "attention-jax", "workdirs"
+    )
     uri = str(workdir).rstrip("/")
     tag = hashlib.sha256(uri.encode()).hexdigest()[:12]
     # One mirror per process: processes sharing a machine must not write each other's files.
@@ -66,7 +68,7 @@ def files_below(root, *, skip: tuple[str, ...] = ()):
     pending = [root]
     while pending:
         for child in sorted(pending.pop().iterdir()):
-            name = str(child)[len(str(root)):].lstrip("/")
+            name = str(child)[len(str(root)) :].lstrip("/")
             if name.split("/")[0] in skip:
                 continue
             if child.is_dir():
@@ -107,8 +109,11 @@ def push(workdir: str) -> int:
     for parent, _, files in os.walk(local):
         for file in files:
             path = os.path.join(parent, file)
-            if file == LOCK_FILE or file.endswith((".tmp", ".pull")) or \
-                    _pushed.get(path) == _signature(path):
+            if (
+                file == LOCK_FILE
+                or file.endswith((".tmp", ".pull"))
+                or _pushed.get(path) == _signature(path)
+            ):
                 continue
             target = root / os.path.relpath(path, local)
             target.parent.mkdir(parents=True, exist_ok=True)
@@ -145,8 +150,10 @@ class WorkdirLock:
             os.makedirs(self.workdir, exist_ok=True)
             fd = os.open(self.path, os.O_RDWR | os.O_CREAT, 0o644)
         except OSError as e:
-            raise WorkdirError(f"work directory {self.workdir} is not writable "
-                               f"({e.strerror}); choose another --workdir") from e
+            raise WorkdirError(
+                f"work directory {self.workdir} is not writable "
+                f"({e.strerror}); choose another --workdir"
+            ) from e
         try:
             fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
         except BlockingIOError:
@@ -155,10 +162,19 @@ class WorkdirLock:
             raise WorkdirError(
                 f"work directory {self.workdir} is in use by another run ({holder}); wait for "
                 "it to finish or stop it (SIGTERM saves a checkpoint), or use another "
-                "--workdir") from None
+                "--workdir"
+            ) from None
         os.ftruncate(fd, 0)
-        os.write(fd, json.dumps({"pid": os.getpid(), "host": socket.gethostname(),
-                                 "since": time.strftime("%Y-%m-%d %H:%M:%S")}).encode())
+        os.write(
+            fd,
+            json.dumps(
+                {
+                    "pid": os.getpid(),
+                    "host": socket.gethostname(),
+                    "since": time.strftime("%Y-%m-%d %H:%M:%S"),
+                }
+            ).encode(),
+        )
         self._fd = fd
         return self
 

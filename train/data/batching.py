@@ -12,13 +12,13 @@ bucket of length L has N = tokens_per_batch // L rows, rounded down to a multipl
 token budget. `jit` therefore compiles once per bucket (at most len(buckets) times), not once
 per batch.
 
-Training (`TokenBatcher`): each epoch shuffles the pairs within each bucket, cuts them into
-batches of N rows (the last one of a bucket is filled up with all-pad rows, so the shape stays
-fixed; an all-pad row has zero loss weight when weights come from tgt_out != pad), and shuffles
-the order of all batches. The shuffle depends only on (seed, epoch), and every epoch has the
-same number of batches, so global step k always maps to the same batch: `iterate(k)` resumes a
-stream exactly where an uninterrupted run would be. Past one process every process plans the
-same batches and packs only its own rows of each (`iterate(k, rows=dp.local_rows)`). Pairs longer than the largest bucket are
+Training (`TokenBatcher`): each epoch shuffles the pairs within each bucket, cuts them into batches
+of N rows (the last one of a bucket is filled up with all-pad rows, so the shape stays fixed; an
+all-pad row has zero loss weight when weights come from tgt_out != pad), and shuffles the order of
+all batches. The shuffle depends only on (seed, epoch), and every epoch has the same number of
+batches, so global step k always maps to the same batch: `iterate(k)` resumes a stream exactly where
+an uninterrupted run would be. Past one process every process plans the same batches and packs only
+its own rows of each (`iterate(k, rows=dp.local_rows)`). Pairs longer than the largest bucket are
 dropped (counted in `num_dropped`): with the default buckets that is none of Multi30k.
 
 Evaluation (`eval_batches`): no shuffling, nothing dropped, original order, fixed row count;
@@ -29,7 +29,7 @@ written in order.
 from __future__ import annotations
 
 import math
-from typing import Callable, Iterator, Sequence
+from collections.abc import Callable, Iterator, Sequence
 
 import numpy as np
 
@@ -46,7 +46,7 @@ Pair = tuple[Sequence[int], Sequence[int]]
 def _check_buckets(buckets: Sequence[int]) -> tuple[int, ...]:
     buckets = tuple(int(b) for b in buckets)
     if not buckets or buckets[0] < 2 or any(a >= b for a, b in zip(buckets, buckets[1:])):
-        raise ValueError(f'buckets must be strictly increasing lengths >= 2, got {buckets}')
+        raise ValueError(f"buckets must be strictly increasing lengths >= 2, got {buckets}")
     return buckets
 
 
@@ -55,28 +55,29 @@ def pair_length(src: Sequence[int], tgt: Sequence[int]) -> int:
     return max(len(src), len(tgt) + 1)
 
 
-def _pack(pairs: Sequence[Pair], length: int, *, pad_id: int, bos_id: int, eos_id: int,
-          fill_rows: int = 0) -> dict[str, np.ndarray]:
+def _pack(
+    pairs: Sequence[Pair], length: int, *, pad_id: int, bos_id: int, eos_id: int, fill_rows: int = 0
+) -> dict[str, np.ndarray]:
     """The padded [len(pairs) + fill_rows, length] arrays of `pairs` (fill rows: all pad)."""
     rows = len(pairs) + fill_rows
     src = np.full((rows, length), pad_id, dtype=np.int32)
     tgt_in = np.full((rows, length), pad_id, dtype=np.int32)
     tgt_out = np.full((rows, length), pad_id, dtype=np.int32)
     for r, (s, t) in enumerate(pairs):
-        src[r, :len(s)] = s
+        src[r, : len(s)] = s
         tgt_in[r, 0] = bos_id
-        tgt_in[r, 1:len(t) + 1] = t
-        tgt_out[r, :len(t)] = t
+        tgt_in[r, 1 : len(t) + 1] = t
+        tgt_out[r, : len(t)] = t
         tgt_out[r, len(t)] = eos_id
-    return {'src': src, 'tgt_in': tgt_in, 'tgt_out': tgt_out}
+    return {"src": src, "tgt_in": tgt_in, "tgt_out": tgt_out}
 
 
 def _rows_for(length: int, *, tokens_per_batch: int, num_devices: int) -> int:
     rows = tokens_per_batch // length // num_devices * num_devices
     if rows == 0:
         raise ValueError(
-            f'tokens_per_batch={tokens_per_batch} is too small for bucket length {length} on '
-            f'{num_devices} devices: it needs at least {length * num_devices}'
+            f"tokens_per_batch={tokens_per_batch} is too small for bucket length {length} on "
+            f"{num_devices} devices: it needs at least {length * num_devices}"
         )
     return rows
 
@@ -97,15 +98,15 @@ class TokenBatcher:
         eos_id: int = EOS_ID,
     ):
         """Args:
-          pairs: encoded (src_ids, tgt_ids) pairs, without bos/eos on the target.
-          tokens_per_batch: the budget N * L of each array of a batch.
-          buckets: the allowed lengths L, increasing.
-          num_devices: N is a multiple of this (the size of the data-parallel axis).
-          seed: the shuffle seed; (seed, epoch) fixes an epoch's batches and their order.
-          pad_id, bos_id, eos_id: the special ids (the tokenizer's).
+        pairs: encoded (src_ids, tgt_ids) pairs, without bos/eos on the target.
+        tokens_per_batch: the budget N * L of each array of a batch.
+        buckets: the allowed lengths L, increasing.
+        num_devices: N is a multiple of this (the size of the data-parallel axis).
+        seed: the shuffle seed; (seed, epoch) fixes an epoch's batches and their order.
+        pad_id, bos_id, eos_id: the special ids (the tokenizer's).
         """
         if num_devices < 1:
-            raise ValueError(f'num_devices must be >= 1, got {num_devices}')
+            raise ValueError(f"num_devices must be >= 1, got {num_devices}")
         self.buckets = _check_buckets(buckets)
         self.tokens_per_batch = tokens_per_batch
         self.num_devices = num_devices
@@ -121,15 +122,22 @@ class TokenBatcher:
                 members[L].append((src, tgt))
         self.bucket_counts = {L: len(m) for L, m in members.items() if m}
         if not self.bucket_counts:
-            raise ValueError(f'no pair fits the largest bucket ({self.buckets[-1]}); '
-                             f'{self.num_dropped} pairs dropped')
+            raise ValueError(
+                f"no pair fits the largest bucket ({self.buckets[-1]}); "
+                f"{self.num_dropped} pairs dropped"
+            )
         # Rows only for buckets in use: an empty long bucket must not reject a small budget.
-        self.rows = {L: _rows_for(L, tokens_per_batch=tokens_per_batch, num_devices=num_devices)
-                     for L in self.bucket_counts}
+        self.rows = {
+            L: _rows_for(L, tokens_per_batch=tokens_per_batch, num_devices=num_devices)
+            for L in self.bucket_counts
+        }
         # Packed once; a batch is then a row gather. Row `count` of each bucket is all pad: the
         # index that fills up a bucket's last batch.
-        self._packed = {L: _pack(m, L, pad_id=pad_id, bos_id=bos_id, eos_id=eos_id, fill_rows=1)
-                        for L, m in members.items() if m}
+        self._packed = {
+            L: _pack(m, L, pad_id=pad_id, bos_id=bos_id, eos_id=eos_id, fill_rows=1)
+            for L, m in members.items()
+            if m
+        }
         self.num_batches = sum(math.ceil(n / self.rows[L]) for L, n in self.bucket_counts.items())
 
     @property
@@ -140,8 +148,9 @@ class TokenBatcher:
         """The (N, L) shapes batches can have (one per non-empty bucket), by increasing L."""
         return [(self.rows[L], L) for L in sorted(self.bucket_counts)]
 
-    def example_batches(self, rows: Callable[[int], slice] | None = None
-                        ) -> list[dict[str, np.ndarray]]:
+    def example_batches(
+        self, rows: Callable[[int], slice] | None = None
+    ) -> list[dict[str, np.ndarray]]:
         """One batch of each shape of `shape_set()`, in its order, as `iterate(..., rows)`
         builds them (all fill rows, so all pad): what a trainer compiles its step for ahead."""
         out = []
@@ -153,7 +162,7 @@ class TokenBatcher:
     def _epoch_plan(self, epoch: int) -> list[tuple[int, np.ndarray]]:
         """The epoch's batches as (L, row indices [N]) in order."""
         if epoch < 0:
-            raise ValueError(f'epoch must be >= 0, got {epoch}')
+            raise ValueError(f"epoch must be >= 0, got {epoch}")
         rng = np.random.default_rng([self.seed, epoch])
         plan = []
         for L in sorted(self.bucket_counts):
@@ -171,8 +180,9 @@ class TokenBatcher:
         for L, rows in self._epoch_plan(epoch):
             yield self._gather(L, rows)
 
-    def iterate(self, start_step: int = 0, rows: Callable[[int], slice] | None = None
-                ) -> Iterator[dict[str, np.ndarray]]:
+    def iterate(
+        self, start_step: int = 0, rows: Callable[[int], slice] | None = None
+    ) -> Iterator[dict[str, np.ndarray]]:
         """The endless training stream from global step `start_step` (0-based) on.
 
         Step k is batch k % num_batches of epoch k // num_batches, so the stream resumed at k
@@ -182,7 +192,7 @@ class TokenBatcher:
           process's share); by default all of them. Only those rows are packed.
         """
         if start_step < 0:
-            raise ValueError(f'start_step must be >= 0, got {start_step}')
+            raise ValueError(f"start_step must be >= 0, got {start_step}")
         epoch, offset = divmod(start_step, self.num_batches)
         while True:
             for L, members in self._epoch_plan(epoch)[offset:]:
@@ -217,21 +227,24 @@ def eval_batches(
     """
     buckets = _check_buckets(buckets)
     if batch_size < 1 or batch_size % num_devices:
-        raise ValueError(f'batch_size must be a positive multiple of num_devices '
-                         f'({num_devices}), got {batch_size}')
+        raise ValueError(
+            f"batch_size must be a positive multiple of num_devices "
+            f"({num_devices}), got {batch_size}"
+        )
     order = np.arange(len(pairs), dtype=np.int32)
     if sort_by_length:
-        order = order[np.argsort([pair_length(s, t) for s, t in pairs], kind='stable')]
+        order = order[np.argsort([pair_length(s, t) for s, t in pairs], kind="stable")]
     batches = []
     for start in range(0, len(pairs), batch_size):
-        positions = order[start:start + batch_size]
+        positions = order[start : start + batch_size]
         chunk = [pairs[i] for i in positions]
         need = max(pair_length(s, t) for s, t in chunk)
         L = next((b for b in buckets if b >= need), -(-need // buckets[-1]) * buckets[-1])
-        batch = _pack(chunk, L, pad_id=pad_id, bos_id=bos_id, eos_id=eos_id,
-                      fill_rows=batch_size - len(chunk))
+        batch = _pack(
+            chunk, L, pad_id=pad_id, bos_id=bos_id, eos_id=eos_id, fill_rows=batch_size - len(chunk)
+        )
         index = np.full(batch_size, -1, dtype=np.int32)
-        index[:len(chunk)] = positions
-        batch['index'] = index
+        index[: len(chunk)] = positions
+        batch["index"] = index
         batches.append(batch)
     return batches

@@ -21,8 +21,9 @@ import io
 import os
 import tempfile
 from collections import Counter
+from collections.abc import Iterable, Sequence
 from pathlib import Path
-from typing import ClassVar, Iterable, Sequence
+from typing import ClassVar
 
 import numpy as np
 import sentencepiece as spm
@@ -46,8 +47,10 @@ class SentencePieceTokenizer:
         self._sp = spm.SentencePieceProcessor(model_file=os.fspath(self.model_path))
         ids = (self._sp.pad_id(), self._sp.bos_id(), self._sp.eos_id(), self._sp.unk_id())
         if ids != (PAD_ID, BOS_ID, EOS_ID, UNK_ID):
-            raise ValueError(f'{self.model_path}: special ids (pad, bos, eos, unk) are {ids}, '
-                             f'expected {(PAD_ID, BOS_ID, EOS_ID, UNK_ID)}')
+            raise ValueError(
+                f"{self.model_path}: special ids (pad, bos, eos, unk) are {ids}, "
+                f"expected {(PAD_ID, BOS_ID, EOS_ID, UNK_ID)}"
+            )
 
     @classmethod
     def train_or_load(
@@ -56,8 +59,8 @@ class SentencePieceTokenizer:
         workdir: str | os.PathLike,
         *,
         vocab_size: int = 8000,
-        model_type: str = 'bpe',
-        name: str = 'spm',
+        model_type: str = "bpe",
+        name: str = "spm",
     ) -> SentencePieceTokenizer:
         """Loads the cached model for these sentences and options, training it if missing.
 
@@ -69,23 +72,24 @@ class SentencePieceTokenizer:
           model_type: 'bpe' (default: trains in about a second on Multi30k) or 'unigram'.
           name: file name prefix.
         """
-        if model_type not in ('bpe', 'unigram'):
+        if model_type not in ("bpe", "unigram"):
             raise ValueError(f"model_type must be 'bpe' or 'unigram', got {model_type!r}")
         if vocab_size <= 4 + 256:
-            raise ValueError(f'vocab_size must exceed the 4 special and 256 byte pieces, '
-                             f'got {vocab_size}')
+            raise ValueError(
+                f"vocab_size must exceed the 4 special and 256 byte pieces, got {vocab_size}"
+            )
         # The hash covers the text and the options, so a changed corpus never reuses a stale model.
         digest = hashlib.sha256()
-        digest.update(f'{model_type}|{vocab_size}|{len(sentences)}\n'.encode())
+        digest.update(f"{model_type}|{vocab_size}|{len(sentences)}\n".encode())
         for s in sentences:
-            digest.update(s.encode('utf-8') + b'\n')
+            digest.update(s.encode("utf-8") + b"\n")
         workdir = Path(workdir)
-        path = workdir / f'{name}_{model_type}{vocab_size}_{digest.hexdigest()[:12]}.model'
+        path = workdir / f"{name}_{model_type}{vocab_size}_{digest.hexdigest()[:12]}.model"
         if not path.exists():
             workdir.mkdir(parents=True, exist_ok=True)
             proto = _train_model(sentences, vocab_size=vocab_size, model_type=model_type)
             # Write-then-rename: a concurrent reader (another host) never sees half a model.
-            with tempfile.NamedTemporaryFile(dir=workdir, suffix='.tmp', delete=False) as f:
+            with tempfile.NamedTemporaryFile(dir=workdir, suffix=".tmp", delete=False) as f:
                 f.write(proto)
             os.replace(f.name, path)
         return cls(path)
@@ -131,10 +135,13 @@ def _train_model(sentences: Sequence[str], *, vocab_size: int, model_type: str) 
             model_writer=model,
             vocab_size=vocab_size,
             model_type=model_type,
-            pad_id=PAD_ID, bos_id=BOS_ID, eos_id=EOS_ID, unk_id=UNK_ID,
+            pad_id=PAD_ID,
+            bos_id=BOS_ID,
+            eos_id=EOS_ID,
+            unk_id=UNK_ID,
             # Exact round trip: no NFKC, keep doubled/leading/trailing spaces as pieces, every
             # training character in the vocabulary, unseen characters as UTF-8 byte pieces.
-            normalization_rule_name='identity',
+            normalization_rule_name="identity",
             remove_extra_whitespaces=False,
             character_coverage=1.0,
             byte_fallback=True,
@@ -146,8 +153,10 @@ def _train_model(sentences: Sequence[str], *, vocab_size: int, model_type: str) 
             minloglevel=2,
         )
     except RuntimeError as e:
-        raise ValueError(f'SentencePiece training failed (vocab_size={vocab_size}, '
-                         f'{len(sentences)} sentences): {e}') from e
+        raise ValueError(
+            f"SentencePiece training failed (vocab_size={vocab_size}, "
+            f"{len(sentences)} sentences): {e}"
+        ) from e
     return model.getvalue()
 
 
@@ -155,16 +164,17 @@ def multi30k_tokenizer(
     workdir: str | os.PathLike,
     *,
     vocab_size: int = 8000,
-    model_type: str = 'bpe',
+    model_type: str = "bpe",
     data_dir: str | os.PathLike | None = None,
 ) -> SentencePieceTokenizer:
     """The joint de+en tokenizer of the Multi30k train split, cached in `workdir`."""
     from train.data.datasets import load_multi30k  # local: importing TFDS is not free
 
-    pairs = load_multi30k('train', data_dir=data_dir)
+    pairs = load_multi30k("train", data_dir=data_dir)
     sentences = [s for de, en in pairs for s in (de, en)]
-    return SentencePieceTokenizer.train_or_load(sentences, workdir, vocab_size=vocab_size,
-                                                model_type=model_type, name='multi30k_spm')
+    return SentencePieceTokenizer.train_or_load(
+        sentences, workdir, vocab_size=vocab_size, model_type=model_type, name="multi30k_spm"
+    )
 
 
 class StreamVocab:
@@ -176,16 +186,16 @@ class StreamVocab:
     reference's vocabulary and suits adaptive softmax cut-offs.
     """
 
-    EOS: ClassVar[str] = '<eos>'
-    LEVEL: ClassVar[str] = ''  # the PTB config this vocabulary is for
+    EOS: ClassVar[str] = "<eos>"
+    LEVEL: ClassVar[str] = ""  # the PTB config this vocabulary is for
     PTB_SIZE: ClassVar[int] = 0  # the size from_ptb must find
 
     def __init__(self, symbols: Sequence[str]):
         """Args: symbols: the vocabulary in id order, `<eos>` first."""
         if not symbols or symbols[0] != self.EOS:
-            raise ValueError(f'symbols must start with {self.EOS!r}')
+            raise ValueError(f"symbols must start with {self.EOS!r}")
         if len(set(symbols)) != len(symbols):
-            raise ValueError('symbols must be distinct')
+            raise ValueError("symbols must be distinct")
         self.symbols = tuple(symbols)
         self._ids = {s: i for i, s in enumerate(self.symbols)}
 
@@ -201,10 +211,12 @@ class StreamVocab:
         """The standard vocabulary of the PTB train split at this class's level."""
         from train.data.datasets import load_ptb  # local: importing TFDS is not free
 
-        vocab = cls.from_lines(load_ptb(cls.LEVEL, 'train', data_dir=data_dir))
+        vocab = cls.from_lines(load_ptb(cls.LEVEL, "train", data_dir=data_dir))
         if vocab.vocab_size != cls.PTB_SIZE:
-            raise ValueError(f'PTB {cls.LEVEL} train gives {vocab.vocab_size} symbols with '
-                             f'<eos>, expected {cls.PTB_SIZE}: the prepared data is not PTB')
+            raise ValueError(
+                f"PTB {cls.LEVEL} train gives {vocab.vocab_size} symbols with "
+                f"<eos>, expected {cls.PTB_SIZE}: the prepared data is not PTB"
+            )
         return vocab
 
     @property
@@ -234,25 +246,27 @@ class StreamVocab:
             try:
                 stream.extend([ids[sym] for sym in line.split()])
             except KeyError as e:
-                raise ValueError(f'line {n}: symbol {e.args[0]!r} is not in the '
-                                 f'{self.vocab_size}-symbol vocabulary') from None
+                raise ValueError(
+                    f"line {n}: symbol {e.args[0]!r} is not in the "
+                    f"{self.vocab_size}-symbol vocabulary"
+                ) from None
             stream.append(0)
         return np.asarray(stream, dtype=np.int32)
 
     def decode(self, ids: Iterable[int]) -> str:
         """Space-joined symbols of `ids` (`<eos>` included), for inspection."""
-        return ' '.join(self.symbols[i] for i in np.asarray(ids).reshape(-1).tolist())
+        return " ".join(self.symbols[i] for i in np.asarray(ids).reshape(-1).tolist())
 
 
 class WordVocab(StreamVocab):
     """PTB word vocabulary: the 9,999 train word types (with `<unk>`) + `<eos>` = 10,000."""
 
-    LEVEL = 'word'
+    LEVEL = "word"
     PTB_SIZE = 10_000
 
 
 class CharVocab(StreamVocab):
     """PTB character vocabulary: the 49 train symbols (a-z, 0-9, N, `_`, punctuation) + `<eos>`."""
 
-    LEVEL = 'char'
+    LEVEL = "char"
     PTB_SIZE = 50

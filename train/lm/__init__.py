@@ -5,6 +5,7 @@ its evaluation, as a library (`python -m train.lm` is its command line).
     config = lm.make_config("ptb", "tiny", steps=50)
     final = lm.train_and_evaluate(config, "runs/ptb-tiny")        # test ppl (bpc for ptb_char)
 """
+
 from __future__ import annotations
 
 from typing import Any
@@ -13,8 +14,15 @@ from train.core.config import replace
 from train.core.task import train_and_evaluate as _run
 from train.lm.cli import config_from_args
 from train.lm.config import DATASETS, MODEL_PRESETS, PRESETS, VOCAB_SIZES, LMConfig, make_config
-from train.lm.task import (TASK, as_batch, evaluate_stream, load_stream, make_loss_fn,
-                           train_batches, with_bpc)
+from train.lm.task import (
+    TASK,
+    as_batch,
+    evaluate_stream,
+    load_stream,
+    make_loss_fn,
+    train_batches,
+    with_bpc,
+)
 
 
 def train_and_evaluate(config: LMConfig, workdir: str) -> dict[str, Any]:
@@ -23,6 +31,21 @@ def train_and_evaluate(config: LMConfig, workdir: str) -> dict[str, Any]:
     return _run(TASK, config, workdir)
 
 
-__all__ = ["DATASETS", "LMConfig", "MODEL_PRESETS", "PRESETS", "TASK", "VOCAB_SIZES",
-           "as_batch", "config_from_args", "evaluate_stream", "load_stream", "make_config",
-           "make_loss_fn", "replace", "train_and_evaluate", "train_batches", "with_bpc"]
+__all__ = [
+    "DATASETS",
+    "LMConfig",
+    "MODEL_PRESETS",
+    "PRESETS",
+    "TASK",
+    "VOCAB_SIZES",
+    "as_batch",
+    "config_from_args",
+    "evaluate_stream",
+    "load_stream",
+    "make_config",
+    "make_loss_fn",
+    "replace",
+    "train_and_evaluate",
+    "train_batches",
+    "with_bpc",
+]

@@ -28,8 +28,11 @@ def make_parser() -> argparse.ArgumentParser:
     """Every flag of `python -m train.lm` (building it reads no file and starts nothing)."""
     parser = cli.task_parser(TASK, description=DESCRIPTION)
     sample = parser.add_argument_group("generation (with --workdir of a trained run)")
-    sample.add_argument("--generate", metavar="PROMPT",
-                        help="print a continuation of PROMPT sampled from the checkpoint")
+    sample.add_argument(
+        "--generate",
+        metavar="PROMPT",
+        help="print a continuation of PROMPT sampled from the checkpoint",
+    )
     sample.add_argument("--num_tokens", type=int, default=100)
     sample.add_argument("--temperature", type=float, default=1.0)
     sample.add_argument("--top_k", type=int, default=None)
@@ -37,8 +40,7 @@ def make_parser() -> argparse.ArgumentParser:
     return parser
 
 
-def config_from_args(argv: Sequence[str] | None
-                     ) -> tuple[LMConfig, str, argparse.Namespace]:
+def config_from_args(argv: Sequence[str] | None) -> tuple[LMConfig, str, argparse.Namespace]:
     """-> (config, workdir, args) of a training command line, as `main` makes them."""
     return cli.config_from_args(TASK, make_parser(), argv)
 
@@ -54,9 +56,15 @@ def _run(parser: argparse.ArgumentParser, args: argparse.Namespace) -> int:
         parser.error("--generate needs --workdir (a trained run)")
     saved = cli.start(args)
     if args.generate is not None:
-        text = generate_text(args.workdir, args.generate, num_tokens=args.num_tokens,
-                             seed=getattr(args, "seed", 0), temperature=args.temperature,
-                             top_k=args.top_k, top_p=args.top_p)
+        text = generate_text(
+            args.workdir,
+            args.generate,
+            num_tokens=args.num_tokens,
+            seed=getattr(args, "seed", 0),
+            temperature=args.temperature,
+            top_k=args.top_k,
+            top_p=args.top_p,
+        )
         if jax.process_index() == 0:  # the same sample on every process (same seed): once
             print(text)
         return cli.EXIT_OK
@@ -65,6 +73,7 @@ def _run(parser: argparse.ArgumentParser, args: argparse.Namespace) -> int:
     final = train_and_evaluate(TASK, config, workdir)
     figure = "bpc" if "test_bpc" in final else "ppl"
     if f"test_{figure}" in final:
-        print(f"final: step {final['step']}, test {figure} {final['test_' + figure]:.3f}",
-              flush=True)
+        print(
+            f"final: step {final['step']}, test {figure} {final['test_' + figure]:.3f}", flush=True
+        )
     return cli.finished(final, figure)

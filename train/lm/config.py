@@ -1,9 +1,11 @@
 """LMConfig: one Transformer-XL language-model run on Penn Treebank, its presets and how it is
 made. How each preset was chosen is in benchmarks/README.md."""
+
 from __future__ import annotations
 
 import dataclasses
-from typing import Any, ClassVar, Mapping
+from collections.abc import Mapping
+from typing import Any, ClassVar
 
 from train.core.config import RunConfig, check_finite, check_positive
 from transformer_jax.optim import OptimizerConfig
@@ -51,22 +53,29 @@ class LMConfig(RunConfig):
     reset_memory_each_epoch: bool = True
 
     MAY_CHANGE: ClassVar[tuple[str, ...]] = RunConfig.MAY_CHANGE + (
-        "eval_batch_size", "eval_tgt_len", "eval_mem_len", "eval_tokens",
+        "eval_batch_size",
+        "eval_tgt_len",
+        "eval_mem_len",
+        "eval_tokens",
         # The rate may change (say, after a divergence); the optimizer state's tree does not.
-        "learning_rate", "min_learning_rate")
+        "learning_rate",
+        "min_learning_rate",
+    )
 
     def __post_init__(self):
         if self.dataset not in DATASETS:
-            raise ValueError(f"dataset: expected one of {sorted(DATASETS)}, got "
-                             f"{self.dataset!r}")
+            raise ValueError(f"dataset: expected one of {sorted(DATASETS)}, got {self.dataset!r}")
         super().__post_init__()
         if self.model_config.vocab_size != VOCAB_SIZES[self.dataset]:
-            raise ValueError(f"model_config.vocab_size: {self.dataset} has "
-                             f"{VOCAB_SIZES[self.dataset]} symbols, got "
-                             f"{self.model_config.vocab_size}")
+            raise ValueError(
+                f"model_config.vocab_size: {self.dataset} has "
+                f"{VOCAB_SIZES[self.dataset]} symbols, got "
+                f"{self.model_config.vocab_size}"
+            )
         check_positive(self, ("batch_size", "eval_batch_size", "eval_tgt_len"))
-        check_positive(self, ("decay_steps", "warmup_steps", "eval_mem_len", "eval_tokens"),
-                       minimum=0)
+        check_positive(
+            self, ("decay_steps", "warmup_steps", "eval_mem_len", "eval_tokens"), minimum=0
+        )
         check_finite(self, ("learning_rate", "clip_norm"), positive=True)
         check_finite(self, ("min_learning_rate",), positive=False)
         if self.decay_steps == 0:
@@ -76,10 +85,14 @@ class LMConfig(RunConfig):
         self.optimizer_config()  # validated there too
 
     def optimizer_config(self) -> OptimizerConfig:
-        return OptimizerConfig(schedule="cosine", learning_rate=self.learning_rate,
-                               warmup_steps=self.warmup_steps, decay_steps=self.decay_steps,
-                               min_learning_rate=self.min_learning_rate,
-                               clip_norm=self.clip_norm)
+        return OptimizerConfig(
+            schedule="cosine",
+            learning_rate=self.learning_rate,
+            warmup_steps=self.warmup_steps,
+            decay_steps=self.decay_steps,
+            min_learning_rate=self.min_learning_rate,
+            clip_norm=self.clip_norm,
+        )
 
 
 # Model sizes per (dataset, preset): TransformerXLConfig preset and overrides. The run fields
@@ -89,49 +102,140 @@ MODEL_PRESETS: dict[str, dict[str, tuple[str, dict[str, Any]]]] = {
         "tiny": ("tiny", dict(tgt_len=16, mem_len=16)),
         # A small model a 2-core CPU trains for about an epoch in minutes. Its activations
         # are small, so recomputing nothing (remat 'none') is faster (benchmarks/README.md).
-        "cpu": ("ptb", dict(n_layers=3, n_heads=4, d_model=256, d_head=64, d_inner=768,
-                            dropout=0.1, dropatt=0.0, tgt_len=35, mem_len=35, remat="none")),
+        "cpu": (
+            "ptb",
+            dict(
+                n_layers=3,
+                n_heads=4,
+                d_model=256,
+                d_head=64,
+                d_inner=768,
+                dropout=0.1,
+                dropatt=0.0,
+                tgt_len=35,
+                mem_len=35,
+                remat="none",
+            ),
+        ),
         # One GPU, ten minutes: 8 x 512 (32.4M parameters with the 10k embedding), heavily
         # regularised, as the paper's PTB model (24M) needs.
-        "gpu": ("ptb", dict(n_layers=8, n_heads=8, d_model=512, d_head=64, d_inner=2048,
-                            dropout=0.45, dropatt=0.2, tgt_len=70, mem_len=70,
-                            remat="none", dtype="bfloat16")),
+        "gpu": (
+            "ptb",
+            dict(
+                n_layers=8,
+                n_heads=8,
+                d_model=512,
+                d_head=64,
+                d_inner=2048,
+                dropout=0.45,
+                dropatt=0.2,
+                tgt_len=70,
+                mem_len=70,
+                remat="none",
+                dtype="bfloat16",
+            ),
+        ),
         "base": ("ptb", {}),
     },
     "ptb_char": {
         "tiny": ("tiny", dict(tgt_len=32, mem_len=32)),
-        "cpu": ("ptb", dict(n_layers=3, n_heads=4, d_model=256, d_head=64, d_inner=768,
-                            dropout=0.1, dropatt=0.0, tgt_len=100, mem_len=100)),
+        "cpu": (
+            "ptb",
+            dict(
+                n_layers=3,
+                n_heads=4,
+                d_model=256,
+                d_head=64,
+                d_inner=768,
+                dropout=0.1,
+                dropatt=0.0,
+                tgt_len=100,
+                mem_len=100,
+            ),
+        ),
         # One GPU, ten minutes: the paper's 12 x 512 enwik8 shape on ~5M characters.
-        "gpu": ("ptb", dict(n_layers=12, n_heads=8, d_model=512, d_head=64, d_inner=2048,
-                            dropout=0.2, dropatt=0.1, tgt_len=150, mem_len=150,
-                            remat="none", dtype="bfloat16")),
+        "gpu": (
+            "ptb",
+            dict(
+                n_layers=12,
+                n_heads=8,
+                d_model=512,
+                d_head=64,
+                d_inner=2048,
+                dropout=0.2,
+                dropatt=0.1,
+                tgt_len=150,
+                mem_len=150,
+                remat="none",
+                dtype="bfloat16",
+            ),
+        ),
         "base": ("ptb", dict(dropout=0.2, tgt_len=150, mem_len=150)),
     },
 }
 
 PRESETS: dict[str, dict[str, Any]] = {
-    "tiny": dict(batch_size=8, steps=20, learning_rate=1e-2, log_every=5, checkpoint_every=10,
-                 eval_batch_size=8, eval_tgt_len=16, eval_mem_len=32, eval_tokens=2000),
+    "tiny": dict(
+        batch_size=8,
+        steps=20,
+        learning_rate=1e-2,
+        log_every=5,
+        checkpoint_every=10,
+        eval_batch_size=8,
+        eval_tgt_len=16,
+        eval_mem_len=32,
+        eval_tokens=2000,
+    ),
     # The CPU default: stops at `minutes`. Batch 16 (more updates), lr 1e-3 (2e-3 diverged),
     # a cosine horizon about twice the steps that fit (the rate is ~half its peak at the stop).
-    "cpu": dict(batch_size=16, steps=3500, minutes=8.0, learning_rate=1e-3, warmup_steps=100,
-                log_every=50, checkpoint_every=500, eval_batch_size=16, eval_tgt_len=70,
-                eval_mem_len=140),
+    "cpu": dict(
+        batch_size=16,
+        steps=3500,
+        minutes=8.0,
+        learning_rate=1e-3,
+        warmup_steps=100,
+        log_every=50,
+        checkpoint_every=500,
+        eval_batch_size=16,
+        eval_tgt_len=70,
+        eval_mem_len=140,
+    ),
     # One GPU, one ten-minute command: 7.5 minutes of training, Adam 5e-4 after a 1,000-step
     # warm-up, cosine over about the steps that fit, then evaluation.
-    "gpu": dict(batch_size=32, steps=12_000, minutes=7.5, learning_rate=5e-4,
-                warmup_steps=1000, log_every=200, checkpoint_every=4000, eval_batch_size=16,
-                eval_tgt_len=70, eval_mem_len=280),
+    "gpu": dict(
+        batch_size=32,
+        steps=12_000,
+        minutes=7.5,
+        learning_rate=5e-4,
+        warmup_steps=1000,
+        log_every=200,
+        checkpoint_every=4000,
+        eval_batch_size=16,
+        eval_tgt_len=70,
+        eval_mem_len=280,
+    ),
     # The reference's recipe (Adam 2.5e-4, no warm-up, cosine to 0, clip 0.25).
-    "base": dict(batch_size=32, steps=40_000, learning_rate=2.5e-4, log_every=200,
-                 eval_every=2000, checkpoint_every=2000, eval_batch_size=16, eval_tgt_len=70,
-                 eval_mem_len=280),
+    "base": dict(
+        batch_size=32,
+        steps=40_000,
+        learning_rate=2.5e-4,
+        log_every=200,
+        eval_every=2000,
+        checkpoint_every=2000,
+        eval_batch_size=16,
+        eval_tgt_len=70,
+        eval_mem_len=280,
+    ),
 }
 
 
-def make_config(dataset: str = "ptb", preset: str = "cpu", *,
-                model_overrides: Mapping[str, Any] = (), **run_overrides) -> LMConfig:
+def make_config(
+    dataset: str = "ptb",
+    preset: str = "cpu",
+    *,
+    model_overrides: Mapping[str, Any] = (),
+    **run_overrides,
+) -> LMConfig:
     if dataset not in DATASETS:
         raise ValueError(f"dataset: expected one of {sorted(DATASETS)}, got {dataset!r}")
     if preset not in PRESETS:
@@ -141,5 +245,9 @@ def make_config(dataset: str = "ptb", preset: str = "cpu", *,
     if dict(model_overrides).get("vocab_size", fields["vocab_size"]) != fields["vocab_size"]:
         raise ValueError(f"model.vocab_size: fixed by the dataset ({fields['vocab_size']})")
     model_config = getattr(TransformerXLConfig, base)(**fields)
-    return LMConfig(dataset=dataset, preset=preset, model_config=model_config,
-                    **{**PRESETS[preset], **run_overrides})
+    return LMConfig(
+        dataset=dataset,
+        preset=preset,
+        model_config=model_config,
+        **{**PRESETS[preset], **run_overrides},
+    )

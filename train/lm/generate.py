@@ -4,6 +4,7 @@ prompt into every generated segment (`xl_jax.generate`).
     python -m train.lm --workdir W --generate "the company said" --num_tokens 100 \\
         --top_k 40 --temperature 0.8 --seed 0
 """
+
 from __future__ import annotations
 
 import jax
@@ -46,17 +47,31 @@ def decode_text(vocab, ids, *, level: str) -> str:
     return "".join("\n" if s == vocab.EOS else (" " if s == SPACE else s) for s in symbols)
 
 
-def generate_text(workdir: str, prompt: str, *, num_tokens: int = 100, seed: int = 0,
-                  temperature: float = 1.0, top_k: int | None = None,
-                  top_p: float | None = None) -> str:
+def generate_text(
+    workdir: str,
+    prompt: str,
+    *,
+    num_tokens: int = 100,
+    seed: int = 0,
+    temperature: float = 1.0,
+    top_k: int | None = None,
+    top_p: float | None = None,
+) -> str:
     """The continuation of `prompt` sampled from `workdir`'s checkpoint (the best by
     validation loss, else the latest)."""
     config, model, state, dp = restore_for_inference(TASK, workdir)
     level = DATASETS[config.dataset]
     vocab = load_vocab(config)
-    ids = np.asarray([encode_prompt(vocab, prompt, level=level)], np.int32)   # [1, P]
+    ids = np.asarray([encode_prompt(vocab, prompt, level=level)], np.int32)  # [1, P]
     # replicate: a run with sharding='fsdp' may hold parts of the weights on other hosts.
-    out = generate(model, jax.device_get(dp.replicate(state.params)), ids, num_tokens=num_tokens,
-                   rng=jax.random.PRNGKey(seed), temperature=temperature, top_k=top_k,
-                   top_p=top_p)
+    out = generate(
+        model,
+        jax.device_get(dp.replicate(state.params)),
+        ids,
+        num_tokens=num_tokens,
+        rng=jax.random.PRNGKey(seed),
+        temperature=temperature,
+        top_k=top_k,
+        top_p=top_p,
+    )
     return decode_text(vocab, out[0], level=level)

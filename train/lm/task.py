@@ -6,13 +6,15 @@ with a fresh memory of its own length (eval_mem_len, longer than in training as 
 evaluates) and segments of eval_tgt_len. Word level reports perplexity, character level bits
 per character (nats / ln 2, over every symbol including the `<eos>` that ends each line).
 """
+
 from __future__ import annotations
 
 import dataclasses
 import math
 import os
 import time
-from typing import Any, Callable, Mapping
+from collections.abc import Callable, Mapping
+from typing import Any
 
 import jax
 import jax.numpy as jnp
@@ -38,9 +40,11 @@ def load_vocab(config: LMConfig):
 def load_stream(config: LMConfig, split: str) -> np.ndarray:
     """The int32 token stream of a PTB split, `<eos>` after every line."""
     from train.data.datasets import load_ptb  # lazy: importing TFDS is not free
+
     stream = load_vocab(config).encode_lines(
-        load_ptb(DATASETS[config.dataset], split, data_dir=config.data_dir))
-    return stream[:config.eval_tokens] if config.eval_tokens and split != "train" else stream
+        load_ptb(DATASETS[config.dataset], split, data_dir=config.data_dir)
+    )
+    return stream[: config.eval_tokens] if config.eval_tokens and split != "train" else stream
 
 
 def make_loss_fn(model: TransformerXL):
@@ -51,9 +55,14 @@ def make_loss_fn(model: TransformerXL):
         rngs = None if deterministic else {"dropout": rng}
         if "reset" in batch:  # the first batch of an epoch: the stream starts again
             extra = reset_rows(extra, batch["reset"])
-        nll, memory = model.apply({"params": params}, batch["inputs"], extra,
-                                  targets=batch["targets"], deterministic=deterministic,
-                                  rngs=rngs)
+        nll, memory = model.apply(
+            {"params": params},
+            batch["inputs"],
+            extra,
+            targets=batch["targets"],
+            deterministic=deterministic,
+            rngs=rngs,
+        )
         n_tokens = jnp.float32(nll.shape[0] * nll.shape[1])
         return nll.astype(jnp.float32).sum(), {"n_tokens": n_tokens}, memory
 
@@ -71,8 +80,9 @@ def train_batches(stream: np.ndarray, config: LMConfig):
     uninterrupted one would; `rows` (N -> a slice, `DataParallel.local_rows`) keeps this
     process's rows of each batch. With reset_memory_each_epoch each batch carries 'reset' [B],
     True on the first batch of every epoch after the first."""
-    batches = lm_batches(stream, batch_size=config.batch_size,
-                         tgt_len=config.model_config.tgt_len, drop_last=True)
+    batches = lm_batches(
+        stream, batch_size=config.batch_size, tgt_len=config.model_config.tgt_len, drop_last=True
+    )
 
     def from_step(start: int, rows: Callable[[int], slice] | None = None):
         # This process's rows of every batch (rows of the stream: each is a contiguous part).
@@ -82,26 +92,28 @@ def train_batches(stream: np.ndarray, config: LMConfig):
             inputs, targets = batches[step % len(batches)]
             batch = {"inputs": inputs[mine], "targets": targets[mine]}
             if config.reset_memory_each_epoch:
-                batch["reset"] = np.full((config.batch_size,),
-                                         step > 0 and step % len(batches) == 0)[mine]
+                batch["reset"] = np.full(
+                    (config.batch_size,), step > 0 and step % len(batches) == 0
+                )[mine]
             yield batch
             step += 1
 
     return batches, from_step
 
 
-def evaluate_stream(dp: DataParallel, eval_step, params, stream: np.ndarray,
-                    config: LMConfig) -> dict[str, float]:
+def evaluate_stream(
+    dp: DataParallel, eval_step, params, stream: np.ndarray, config: LMConfig
+) -> dict[str, float]:
     """Per-token nll over a whole stream, in order, memory carried from segment to segment."""
     rows = dp.round_rows(config.eval_batch_size)
-    memory = dp.put_global(jax.device_get(
-        init_memory(config.model_config, rows, mem_len=config.eval_mem_len)))
+    memory = dp.put_global(
+        jax.device_get(init_memory(config.model_config, rows, mem_len=config.eval_mem_len))
+    )
     total = None
     for pair in lm_batches(stream, batch_size=rows, tgt_len=config.eval_tgt_len):
         sums, memory = eval_step(params, dp.put_global(as_batch(pair)), memory)
         total = add_sums(total, sums)
-    return with_bpc(summarize({k: float(v) for k, v in jax.device_get(total).items()}),
-                    config)
+    return with_bpc(summarize({k: float(v) for k, v in jax.device_get(total).items()}), config)
 
 
 def with_bpc(values: dict[str, float], config: LMConfig) -> dict[str, float]:
@@ -131,9 +143,19 @@ class LMData:
     def evaluate(self, dp: DataParallel, eval_step: Callable, params) -> dict[str, float]:
         return evaluate_stream(dp, eval_step, params, self.valid, self.config)
 
-    def finish(self, *, workdir: str, dp: DataParallel, eval_step: Callable, model,
-               state: TrainState, params, validation: Mapping[str, float],
-               writer: MetricsWriter, start: float) -> dict[str, Any]:
+    def finish(
+        self,
+        *,
+        workdir: str,
+        dp: DataParallel,
+        eval_step: Callable,
+        model,
+        state: TrainState,
+        params,
+        validation: Mapping[str, float],
+        writer: MetricsWriter,
+        start: float,
+    ) -> dict[str, Any]:
         config, step = self.config, int(jax.device_get(state.step))
         test = evaluate_stream(dp, eval_step, params, self.test, config)
         test["total_seconds"] = time.monotonic() - start
@@ -141,12 +163,15 @@ class LMData:
         out = {f"val_{k}": v for k, v in validation.items()}
         out.update({f"test_{k}": v for k, v in test.items()})
         figure = "bpc" if "bpc" in test else "ppl"
-        self.log(f"test {figure} {test[figure]:.3f}, validation {figure} "
-                 f"{validation[figure]:.3f} (eval segments {config.eval_tgt_len}, memory "
-                 f"{config.eval_mem_len})")
+        self.log(
+            f"test {figure} {test[figure]:.3f}, validation {figure} "
+            f"{validation[figure]:.3f} (eval segments {config.eval_tgt_len}, memory "
+            f"{config.eval_mem_len})"
+        )
         if config.plots and jax.process_index() == 0:
-            path = plots.plot_losses(read_metrics(workdir),
-                                     os.path.join(workdir, plots.PLOTS_DIR, "loss.png"))
+            path = plots.plot_losses(
+                read_metrics(workdir), os.path.join(workdir, plots.PLOTS_DIR, "loss.png")
+            )
             self.log(f"plots: {path}")
         return out
 
@@ -166,8 +191,9 @@ class LMTask:
     def model_config_cls(self, choice: str) -> type:
         return TransformerXLConfig  # one model for every dataset
 
-    def make_config(self, choice: str, preset: str, *, model_overrides: Mapping[str, Any] = (),
-                    **run_overrides) -> LMConfig:
+    def make_config(
+        self, choice: str, preset: str, *, model_overrides: Mapping[str, Any] = (), **run_overrides
+    ) -> LMConfig:
         return make_config(choice, preset, model_overrides=model_overrides, **run_overrides)
 
     def build_model(self, config: LMConfig) -> TransformerXL:
@@ -189,20 +215,29 @@ class LMTask:
     def describe(self, config: LMConfig) -> str:
         return "Transformer-XL"
 
-    def prepare(self, config: LMConfig, workdir: str, dp: DataParallel,
-                log: Callable[[str], None]) -> LMData:
+    def prepare(
+        self, config: LMConfig, workdir: str, dp: DataParallel, log: Callable[[str], None]
+    ) -> LMData:
         if config.batch_size % dp.n_devices:
-            raise ValueError(f"batch_size: {config.batch_size} rows do not split over "
-                             f"{dp.n_devices} devices")
+            raise ValueError(
+                f"batch_size: {config.batch_size} rows do not split over {dp.n_devices} devices"
+            )
         train_stream = load_stream(config, "train")
         batches, from_step = train_batches(train_stream, config)
-        data = LMData(config=config, batches_per_epoch=len(batches), from_step=from_step,
-                      valid=load_stream(config, "valid"), test=load_stream(config, "test"),
-                      log=log)
-        log(f"data: {config.dataset}, {len(train_stream):,} training tokens, {len(batches)} "
+        data = LMData(
+            config=config,
+            batches_per_epoch=len(batches),
+            from_step=from_step,
+            valid=load_stream(config, "valid"),
+            test=load_stream(config, "test"),
+            log=log,
+        )
+        log(
+            f"data: {config.dataset}, {len(train_stream):,} training tokens, {len(batches)} "
             f"batches of {config.batch_size} x {config.model_config.tgt_len} an epoch (1 "
             f"compiled shape), {len(data.valid):,} valid / {len(data.test):,} test tokens; "
-            f"{dp.n_devices} device(s), {config.parallel}")
+            f"{dp.n_devices} device(s), {config.parallel}"
+        )
         return data
 
 

@@ -6,6 +6,7 @@ inference, as a library (`python -m train.translate` is its command line).
     final = translate.train_and_evaluate(config, "runs/tiny")     # test BLEU, ppl, ...
     translate.translate_text("runs/tiny", ["Ein Mann fährt Fahrrad."])
 """
+
 from __future__ import annotations
 
 from typing import Any
@@ -18,8 +19,14 @@ from train.translate.cli import config_from_args
 from train.translate.config import PRESETS, SPLITS, TranslateConfig, make_config
 from train.translate.evaluate import bleu, teacher_forced, translate_pairs, write_translations
 from train.translate.infer import translate_text
-from train.translate.task import (TASK, Split, encode_source, load_split, load_tokenizer,
-                                  make_loss_fn)
+from train.translate.task import (
+    TASK,
+    Split,
+    encode_source,
+    load_split,
+    load_tokenizer,
+    make_loss_fn,
+)
 
 
 def train_and_evaluate(config: TranslateConfig, workdir: str) -> dict[str, Any]:
@@ -33,8 +40,26 @@ def build_model(config: TranslateConfig):
     return TASK.build_model(config)
 
 
-__all__ = ["PRESETS", "SPLITS", "Split", "TASK", "TranslateConfig", "bleu", "build_model",
-           "config_from_args", "encode_source", "eval_params", "load_split", "load_tokenizer",
-           "make_config", "make_loss_fn", "registry", "replace",
-           "teacher_forced", "train_and_evaluate", "translate_pairs", "translate_text",
-           "write_translations"]
+__all__ = [
+    "PRESETS",
+    "SPLITS",
+    "Split",
+    "TASK",
+    "TranslateConfig",
+    "bleu",
+    "build_model",
+    "config_from_args",
+    "encode_source",
+    "eval_params",
+    "load_split",
+    "load_tokenizer",
+    "make_config",
+    "make_loss_fn",
+    "registry",
+    "replace",
+    "teacher_forced",
+    "train_and_evaluate",
+    "translate_pairs",
+    "translate_text",
+    "write_translations",
+]

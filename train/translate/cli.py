@@ -35,18 +35,31 @@ def make_parser() -> argparse.ArgumentParser:
     """Every flag of `python -m train.translate` (building it reads no file and starts
     nothing)."""
     parser = cli.task_parser(TASK, description=DESCRIPTION)
-    parser.add_argument("--translate", nargs="+", metavar="SENTENCE",
-                        help="translate with the checkpoint in --workdir (or --pretrained) "
-                             "and exit")
-    parser.add_argument("--translate_file", metavar="PATH",
-                        help="translate PATH's lines (one sentence a line) and exit")
-    parser.add_argument("--output", metavar="PATH",
-                        help="write the translations here (default: standard output)")
-    parser.add_argument("--pretrained", metavar="DIR",
-                        help="an OPUS-MT / Marian folder (config.json, model.safetensors, "
-                             "source.spm, target.spm, vocab.json) to translate or --eval with")
-    parser.add_argument("--eval", action="store_true",
-                        help="with --pretrained: sacreBLEU on the --test_split of Multi30k")
+    parser.add_argument(
+        "--translate",
+        nargs="+",
+        metavar="SENTENCE",
+        help="translate with the checkpoint in --workdir (or --pretrained) and exit",
+    )
+    parser.add_argument(
+        "--translate_file",
+        metavar="PATH",
+        help="translate PATH's lines (one sentence a line) and exit",
+    )
+    parser.add_argument(
+        "--output", metavar="PATH", help="write the translations here (default: standard output)"
+    )
+    parser.add_argument(
+        "--pretrained",
+        metavar="DIR",
+        help="an OPUS-MT / Marian folder (config.json, model.safetensors, "
+        "source.spm, target.spm, vocab.json) to translate or --eval with",
+    )
+    parser.add_argument(
+        "--eval",
+        action="store_true",
+        help="with --pretrained: sacreBLEU on the --test_split of Multi30k",
+    )
     return parser
 
 
@@ -61,8 +74,7 @@ def check_modes(parser: argparse.ArgumentParser, args: argparse.Namespace) -> No
         parser.error("--translate needs --workdir (a trained run) or --pretrained")
 
 
-def config_from_args(argv: Sequence[str] | None
-                     ) -> tuple[TranslateConfig, str, argparse.Namespace]:
+def config_from_args(argv: Sequence[str] | None) -> tuple[TranslateConfig, str, argparse.Namespace]:
     """-> (config, workdir, args) of a training command line, as `main` makes them."""
     return cli.config_from_args(TASK, make_parser(), argv)
 
@@ -83,18 +95,24 @@ def _run(parser: argparse.ArgumentParser, args: argparse.Namespace) -> int:
     check_modes(parser, args)
     saved = cli.start(args)
     if args.pretrained and args.eval:
-        result = evaluate_pretrained(args.pretrained, split=_given(args, "test_split"),
-                                     data_dir=_given(args, "data_dir"),
-                                     sentences=_given(args, "eval_sentences"),
-                                     # None: the checkpoint's own generation default
-                                     beam_size=getattr(args, "beam_size", None))
+        result = evaluate_pretrained(
+            args.pretrained,
+            split=_given(args, "test_split"),
+            data_dir=_given(args, "data_dir"),
+            sentences=_given(args, "eval_sentences"),
+            # None: the checkpoint's own generation default
+            beam_size=getattr(args, "beam_size", None),
+        )
         if jax.process_index() != 0:  # every process decoded its rows; one reports
             return cli.EXIT_OK
         if args.output:
             write_lines(args.output, result["hypotheses"])
-        print(f"{result['split']}: BLEU {result['bleu']:.2f} (sacreBLEU, cased, 13a) of "
-              f"{args.pretrained} on {result['sentences']} sentences, "
-              f"{result['seconds']:.0f}s", flush=True)
+        print(
+            f"{result['split']}: BLEU {result['bleu']:.2f} (sacreBLEU, cased, 13a) of "
+            f"{args.pretrained} on {result['sentences']} sentences, "
+            f"{result['seconds']:.0f}s",
+            flush=True,
+        )
         return cli.EXIT_OK
     if args.translate or args.translate_file:
         sentences = list(args.translate or [])
@@ -102,8 +120,9 @@ def _run(parser: argparse.ArgumentParser, args: argparse.Namespace) -> int:
             with open(args.translate_file, encoding="utf-8") as f:
                 sentences += f.read().splitlines()
         if args.pretrained:
-            lines = Pretrained(args.pretrained,
-                               beam_size=getattr(args, "beam_size", None)).translate(sentences)
+            lines = Pretrained(
+                args.pretrained, beam_size=getattr(args, "beam_size", None)
+            ).translate(sentences)
         else:
             lines = translate_text(args.workdir, sentences)
         # With several processes each holds every line (decoding gathers them); one writes,
@@ -120,6 +139,9 @@ def _run(parser: argparse.ArgumentParser, args: argparse.Namespace) -> int:
     print(f"workdir: {workdir}", flush=True)
     final = train_and_evaluate(TASK, config, workdir)
     if "test_bleu" in final:
-        print(f"final: step {final['step']}, test BLEU {final['test_bleu']:.2f}, "
-              f"test ppl {final['test_ppl']:.2f}", flush=True)
+        print(
+            f"final: step {final['step']}, test BLEU {final['test_bleu']:.2f}, "
+            f"test ppl {final['test_ppl']:.2f}",
+            flush=True,
+        )
     return cli.finished(final, "ppl")

@@ -25,6 +25,7 @@ A model whose row is already in W/<model>/compare_row.json is not trained again 
 must be the same), so an interrupted comparison continues where it stopped; a model whose run
 was interrupted resumes from its last checkpoint, with a fresh `minutes` budget.
 """
+
 from __future__ import annotations
 
 import argparse
@@ -34,25 +35,34 @@ import platform
 import shlex
 import sys
 import time
-from typing import Any, Callable, Mapping, Sequence
+from collections.abc import Callable, Mapping, Sequence
+from typing import Any
 
 import jax
 
 from train import plots
 from train.core import cli
 from train.core.config import config_to_dict
+from train.core.metrics import read_metrics
 from train.core.task import train_and_evaluate
 from train.translate import registry
 from train.translate.config import PRESETS, TranslateConfig, make_config
 from train.translate.evaluate import bleu
 from train.translate.infer import translate_text
 from train.translate.task import TASK, load_tokenizer
-from train.core.metrics import read_metrics
 
 # Oldest first, so the table reads as the history: no attention, additive, multiplicative,
 # local, convolutional, self-attention.
-ORDER = ("gru", "bahdanau", "luong", "luong_local", "luong_local_m", "hard_attention", "convs2s",
-         "transformer")
+ORDER = (
+    "gru",
+    "bahdanau",
+    "luong",
+    "luong_local",
+    "luong_local_m",
+    "hard_attention",
+    "convs2s",
+    "transformer",
+)
 # Validation every this many steps when the caller does not say: enough points for the curve
 # at a small cost (a teacher-forced pass over the validation split, and a checkpoint).
 EVAL_EVERY = {"tiny": 5, "cpu": 100, "base": 1000}
@@ -70,8 +80,9 @@ def default_models() -> list[str]:
     return [n for n in ORDER if n in names] + [n for n in names if n not in ORDER]
 
 
-def model_configs(models: Sequence[str], *, preset: str, workdir: str,
-                  overrides: Mapping[str, Any] = ()) -> dict[str, TranslateConfig]:
+def model_configs(
+    models: Sequence[str], *, preset: str, workdir: str, overrides: Mapping[str, Any] = ()
+) -> dict[str, TranslateConfig]:
     """{model: its translate config}: the preset's, with the shared run `overrides`, a shared
     tokenizer in W/tokenizer and validation every EVAL_EVERY[preset] steps by default."""
     if not models:
@@ -81,8 +92,11 @@ def model_configs(models: Sequence[str], *, preset: str, workdir: str,
     unknown = sorted(set(models) - set(registry.names()))
     if unknown:
         raise ValueError(f"models: {unknown} are not in the registry {registry.names()}")
-    fields = {"tokenizer_dir": os.path.join(workdir, "tokenizer"),
-              "eval_every": EVAL_EVERY.get(preset, 0), **dict(overrides)}
+    fields = {
+        "tokenizer_dir": os.path.join(workdir, "tokenizer"),
+        "eval_every": EVAL_EVERY.get(preset, 0),
+        **dict(overrides),
+    }
     return {m: make_config(m, preset, **fields) for m in models}
 
 
@@ -95,11 +109,11 @@ def val_curve(model_dir: str) -> dict[str, list[float]]:
     of the last one before it. -> {'steps', 'seconds', 'val_nll'}, in step order.
     """
     records = read_metrics(model_dir)
-    elapsed_at = {r["step"]: float(r["elapsed"]) for r in records
-                  if r["split"] == "train" and "elapsed" in r}
+    elapsed_at = {
+        r["step"]: float(r["elapsed"]) for r in records if r["split"] == "train" and "elapsed" in r
+    }
     curve: dict[str, list[float]] = {"steps": [], "seconds": [], "val_nll": []}
-    for r in sorted((r for r in records if r["split"] == "validation"),
-                    key=lambda r: r["step"]):
+    for r in sorted((r for r in records if r["split"] == "validation"), key=lambda r: r["step"]):
         logged = [s for s in elapsed_at if s <= r["step"]]
         if not logged:
             continue
@@ -124,8 +138,9 @@ def greedy_bleu(model_dir: str, config: TranslateConfig, step: int) -> float:
     references = _read_lines(os.path.join(directory, f"{split}.reference.en"))
     hypotheses = translate_text(model_dir, sources, step=step, greedy=True)
     if jax.process_index() == 0:
-        with open(os.path.join(directory, f"{split}.step{step}.greedy.en"), "w",
-                  encoding="utf-8") as f:
+        with open(
+            os.path.join(directory, f"{split}.step{step}.greedy.en"), "w", encoding="utf-8"
+        ) as f:
             f.writelines(h.replace("\n", " ") + "\n" for h in hypotheses)
     return bleu(hypotheses, references)
 
@@ -135,8 +150,9 @@ def _comparable(config: TranslateConfig) -> dict[str, Any]:
     return {k: v for k, v in values.items() if k not in IGNORED_FIELDS}
 
 
-def run_model(config: TranslateConfig, model_dir: str, *,
-              log: Callable[[str], None] = print) -> dict[str, Any] | None:
+def run_model(
+    config: TranslateConfig, model_dir: str, *, log: Callable[[str], None] = print
+) -> dict[str, Any] | None:
     """Trains and evaluates one model (or reuses its cached row) -> {'row', 'curve'}, or None
     when SIGTERM stopped the run (its checkpoint is saved; running again resumes it)."""
     row_path = os.path.join(model_dir, ROW_FILE)
@@ -144,9 +160,11 @@ def run_model(config: TranslateConfig, model_dir: str, *,
         with open(row_path) as f:
             cached = json.load(f)
         if cached["config"] != json.loads(json.dumps(_comparable(config))):
-            raise ValueError(f"{model_dir} holds a {config.model} run of another setting; "
-                             "use a new --workdir (or delete that directory) to compare under "
-                             "this one")
+            raise ValueError(
+                f"{model_dir} holds a {config.model} run of another setting; "
+                "use a new --workdir (or delete that directory) to compare under "
+                "this one"
+            )
         log(f"{config.model}: reusing the row in {row_path}")
         return {"row": cached["row"], "curve": cached["curve"]}
     final = train_and_evaluate(TASK, config, model_dir)
@@ -166,8 +184,10 @@ def run_model(config: TranslateConfig, model_dir: str, *,
         "bleu_beam": float(final["test_bleu"]),
         "test_sentences": int(final["test_sentences"]),
     }
-    log(f"{config.model}: test BLEU greedy {row['bleu_greedy']:.2f}, beam "
-        f"{config.beam_size} {row['bleu_beam']:.2f}")
+    log(
+        f"{config.model}: test BLEU greedy {row['bleu_greedy']:.2f}, beam "
+        f"{config.beam_size} {row['bleu_beam']:.2f}"
+    )
     result = {"row": row, "curve": val_curve(model_dir)}
     if jax.process_index() == 0:
         with open(row_path, "w") as f:
@@ -177,15 +197,30 @@ def run_model(config: TranslateConfig, model_dir: str, *,
 
 # ------------------------------------------------------------------------------ outputs
 def table_header(beam_size: int) -> list[str]:
-    return ["model", "parameters", "train min", "steps", "val ppl", "test ppl",
-            "test BLEU greedy", f"test BLEU beam {beam_size}"]
+    return [
+        "model",
+        "parameters",
+        "train min",
+        "steps",
+        "val ppl",
+        "test ppl",
+        "test BLEU greedy",
+        f"test BLEU beam {beam_size}",
+    ]
 
 
 def table_cells(row: Mapping[str, Any]) -> list[str]:
     """One row's cells, in table_header order."""
-    return [row["model"], f"{row['params']:,}", f"{row['train_seconds'] / 60:.1f}",
-            str(row["steps"]), f"{row['val_ppl']:.2f}", f"{row['test_ppl']:.2f}",
-            f"{row['bleu_greedy']:.2f}", f"{row['bleu_beam']:.2f}"]
+    return [
+        row["model"],
+        f"{row['params']:,}",
+        f"{row['train_seconds'] / 60:.1f}",
+        str(row["steps"]),
+        f"{row['val_ppl']:.2f}",
+        f"{row['test_ppl']:.2f}",
+        f"{row['bleu_greedy']:.2f}",
+        f"{row['bleu_beam']:.2f}",
+    ]
 
 
 def markdown_table(rows: Sequence[Mapping[str, Any]], *, beam_size: int) -> str:
@@ -202,8 +237,11 @@ def plot_val_loss(curves: Mapping[str, Mapping[str, Sequence[float]]], path: str
     for model, curve in curves.items():
         minutes = [s / 60 for s in curve["seconds"]]
         ax.plot(minutes, curve["val_nll"], "o-", markersize=3, label=model)
-    ax.set(xlabel="training time (minutes)", ylabel="validation nll (nats / token)",
-           title="Multi30k de-en: validation loss against training time")
+    ax.set(
+        xlabel="training time (minutes)",
+        ylabel="validation nll (nats / token)",
+        title="Multi30k de-en: validation loss against training time",
+    )
     ax.grid(alpha=0.3)
     ax.legend()
     return plots._save(fig, path)
@@ -214,27 +252,34 @@ def describe_machine() -> str:
     cpu = platform.processor() or platform.machine()
     if os.path.exists("/proc/cpuinfo"):  # Linux names the CPU model only here
         with open("/proc/cpuinfo") as f:
-            names = [line.split(":", 1)[1].strip() for line in f
-                     if line.startswith("model name")]
+            names = [line.split(":", 1)[1].strip() for line in f if line.startswith("model name")]
         cpu = names[0] if names else cpu
     devices = jax.devices()
-    return (f"{cpu}, {os.cpu_count()} CPU cores; JAX {jax.__version__} on {len(devices)} x "
-            f"{devices[0].device_kind} ({devices[0].platform})")
+    return (
+        f"{cpu}, {os.cpu_count()} CPU cores; JAX {jax.__version__} on {len(devices)} x "
+        f"{devices[0].device_kind} ({devices[0].platform})"
+    )
 
 
 def describe_budget(config: TranslateConfig) -> str:
     parts = []
     if config.minutes:
-        parts.append(f"{config.minutes:g} minutes of wall time (data loading, compilation and "
-                     "validation included)")
+        parts.append(
+            f"{config.minutes:g} minutes of wall time (data loading, compilation and "
+            "validation included)"
+        )
     parts.append(f"at most {config.steps} steps")
-    validation = (f"validation every {config.eval_every} steps and at the end"
-                  if config.eval_every else "validation at the end")
+    validation = (
+        f"validation every {config.eval_every} steps and at the end"
+        if config.eval_every
+        else "validation at the end"
+    )
     return f"preset {config.preset}, per model: {' or '.join(parts)}; {validation}"
 
 
-def write_outputs(workdir: str, results: Mapping[str, Mapping[str, Any]], *,
-                  setting: Mapping[str, Any]) -> dict[str, Any]:
+def write_outputs(
+    workdir: str, results: Mapping[str, Mapping[str, Any]], *, setting: Mapping[str, Any]
+) -> dict[str, Any]:
     """W/compare.md, W/compare.json and the plot from {model: {'row', 'curve'}}."""
     rows = [r["row"] for r in results.values()]
     curves = {m: r["curve"] for m, r in results.items()}
@@ -246,14 +291,18 @@ def write_outputs(workdir: str, results: Mapping[str, Mapping[str, Any]], *,
     lines = ["# Multi30k de-en: every translation model under one budget", ""]
     if setting.get("command"):
         lines.append(f"Command: `{setting['command']}`  ")
-    lines += [f"Machine: {setting['machine']}  ",
-              f"Budget: {setting['budget']}  ",
-              f"Test: {setting['test_split']} ({rows[0]['test_sentences'] if rows else 0} "
-              "sentences), sacreBLEU (cased, 13a) of detokenized output; beam search with "
-              f"length penalty {setting['length_penalty']}. Perplexities are exp of the "
-              "unsmoothed nll.", "",
-              markdown_table(rows, beam_size=setting["beam_size"]),
-              f"![validation loss against training time]({os.path.relpath(plot, workdir)})", ""]
+    lines += [
+        f"Machine: {setting['machine']}  ",
+        f"Budget: {setting['budget']}  ",
+        f"Test: {setting['test_split']} ({rows[0]['test_sentences'] if rows else 0} "
+        "sentences), sacreBLEU (cased, 13a) of detokenized output; beam search with "
+        f"length penalty {setting['length_penalty']}. Perplexities are exp of the "
+        "unsmoothed nll.",
+        "",
+        markdown_table(rows, beam_size=setting["beam_size"]),
+        f"![validation loss against training time]({os.path.relpath(plot, workdir)})",
+        "",
+    ]
     with open(os.path.join(workdir, TABLE_FILE), "w", encoding="utf-8") as f:
         f.write("\n".join(lines))
     with open(os.path.join(workdir, JSON_FILE), "w") as f:
@@ -262,9 +311,15 @@ def write_outputs(workdir: str, results: Mapping[str, Mapping[str, Any]], *,
 
 
 # ------------------------------------------------------------------------------ the run
-def compare(workdir: str, *, models: Sequence[str] | None = None, preset: str = "cpu",
-            overrides: Mapping[str, Any] = (), command: str | None = None,
-            log: Callable[[str], None] = print) -> dict[str, Any]:
+def compare(
+    workdir: str,
+    *,
+    models: Sequence[str] | None = None,
+    preset: str = "cpu",
+    overrides: Mapping[str, Any] = (),
+    command: str | None = None,
+    log: Callable[[str], None] = print,
+) -> dict[str, Any]:
     """Trains and evaluates `models` (default: all, in ORDER) under one budget, writes the
     table, json and plot to `workdir`, and returns the json's content.
 
@@ -278,11 +333,18 @@ def compare(workdir: str, *, models: Sequence[str] | None = None, preset: str = 
     # Train the shared SentencePiece model (and prepare the data set) before any clock starts.
     load_tokenizer(first, workdir)
     log(f"tokenizer ready in {time.monotonic() - t0:.1f}s; comparing {', '.join(models)}")
-    setting = {"preset": preset, "command": command, "machine": describe_machine(),
-               "budget": describe_budget(first), "minutes": first.minutes,
-               "steps": first.steps, "eval_every": first.eval_every,
-               "test_split": first.test_split, "beam_size": first.beam_size,
-               "length_penalty": first.length_penalty}
+    setting = {
+        "preset": preset,
+        "command": command,
+        "machine": describe_machine(),
+        "budget": describe_budget(first),
+        "minutes": first.minutes,
+        "steps": first.steps,
+        "eval_every": first.eval_every,
+        "test_split": first.test_split,
+        "beam_size": first.beam_size,
+        "length_penalty": first.length_penalty,
+    }
     results: dict[str, dict[str, Any]] = {}
     for name in models:
         log(f"=== {name}")
@@ -292,44 +354,76 @@ def compare(workdir: str, *, models: Sequence[str] | None = None, preset: str = 
             break
         results[name] = result
     summary = write_outputs(workdir, results, setting=setting)
-    log(f"table in {os.path.join(workdir, TABLE_FILE)}:\n"
-        + markdown_table(summary["rows"], beam_size=first.beam_size))
+    log(
+        f"table in {os.path.join(workdir, TABLE_FILE)}:\n"
+        + markdown_table(summary["rows"], beam_size=first.beam_size)
+    )
     return summary
 
 
 # ------------------------------------------------------------------------------ CLI
 def parse_args(argv: Sequence[str] | None) -> tuple[str, dict[str, Any]]:
     """-> (workdir, keyword arguments of `compare`)."""
-    parser = argparse.ArgumentParser(prog="python -m train.compare", description=__doc__,
-                                     formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--workdir", default=None,
-                        help="output directory (default: a new one under runs/)")
-    parser.add_argument("--models", nargs="+", choices=default_models(), default=None,
-                        help="a subset, in the order given (default: all)")
+    parser = argparse.ArgumentParser(
+        prog="python -m train.compare",
+        description=__doc__,
+        formatter_class=argparse.RawDescriptionHelpFormatter,
+    )
+    parser.add_argument(
+        "--workdir", default=None, help="output directory (default: a new one under runs/)"
+    )
+    parser.add_argument(
+        "--models",
+        nargs="+",
+        choices=default_models(),
+        default=None,
+        help="a subset, in the order given (default: all)",
+    )
     parser.add_argument("--preset", choices=list(PRESETS), default="cpu")
-    parser.add_argument("--minutes", type=float, default=None,
-                        help="wall-clock budget per model (default: the preset's; 0 = none)")
-    parser.add_argument("--steps", type=int, default=None,
-                        help="step budget per model (default: the preset's)")
-    parser.add_argument("--eval_every", type=int, default=None,
-                        help="validate every N steps (default: EVAL_EVERY of the preset)")
-    parser.add_argument("--set", action="append", default=[], metavar="FIELD=VALUE",
-                        help="any other train.translate run field, for every model")
+    parser.add_argument(
+        "--minutes",
+        type=float,
+        default=None,
+        help="wall-clock budget per model (default: the preset's; 0 = none)",
+    )
+    parser.add_argument(
+        "--steps", type=int, default=None, help="step budget per model (default: the preset's)"
+    )
+    parser.add_argument(
+        "--eval_every",
+        type=int,
+        default=None,
+        help="validate every N steps (default: EVAL_EVERY of the preset)",
+    )
+    parser.add_argument(
+        "--set",
+        action="append",
+        default=[],
+        metavar="FIELD=VALUE",
+        help="any other train.translate run field, for every model",
+    )
     args = parser.parse_args(argv)
     try:
-        overrides, _ = cli.split_given(argparse.Namespace(), run_cls=TranslateConfig,
-                                       model_cls=None, sets=args.set)
+        overrides, _ = cli.split_given(
+            argparse.Namespace(), run_cls=TranslateConfig, model_cls=None, sets=args.set
+        )
     except ValueError as e:
         parser.error(str(e))
     for name in ("minutes", "steps", "eval_every"):
         if getattr(args, name) is not None:
             overrides[name] = getattr(args, name)
     workdir = args.workdir or os.path.join(
-        "runs", f"compare-{args.preset}-{time.strftime('%Y%m%d-%H%M%S')}")
-    command = shlex.join(["python", "-m", "train.compare",
-                          *(sys.argv[1:] if argv is None else argv)])
-    return workdir, {"models": args.models, "preset": args.preset, "overrides": overrides,
-                     "command": command}
+        "runs", f"compare-{args.preset}-{time.strftime('%Y%m%d-%H%M%S')}"
+    )
+    command = shlex.join(
+        ["python", "-m", "train.compare", *(sys.argv[1:] if argv is None else argv)]
+    )
+    return workdir, {
+        "models": args.models,
+        "preset": args.preset,
+        "overrides": overrides,
+        "command": command,
+    }
 
 
 def main(argv: Sequence[str] | None = None) -> int:
@@ -337,4 +431,3 @@ def main(argv: Sequence[str] | None = None) -> int:
     print(f"workdir: {workdir}", flush=True)
     summary = compare(workdir, **kwargs)
     return 0 if len(summary["rows"]) == len(kwargs["models"] or default_models()) else 1
-

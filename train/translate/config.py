@@ -3,18 +3,25 @@
 The model's own sizes per preset are in `train.translate.registry`; how each preset was chosen
 is in benchmarks/README.md.
 """
+
 from __future__ import annotations
 
 import dataclasses
 import math
-from typing import Any, ClassVar, Mapping
+from collections.abc import Mapping
+from typing import Any, ClassVar
 
 from train.core.config import RunConfig, check_finite, check_positive
 from train.translate import registry
 from transformer_jax.optim import OptimizerConfig
 
-SPLITS = ("validation", "test_2016_flickr", "test_2017_flickr", "test_2017_mscoco",
-          "test_2018_flickr")
+SPLITS = (
+    "validation",
+    "test_2016_flickr",
+    "test_2017_flickr",
+    "test_2017_mscoco",
+    "test_2018_flickr",
+)
 OPTIMIZERS = ("noam", "adam")
 TEACHER_FORCING_SCHEDULES = ("constant", "inverse_sigmoid")
 # The fewest pieces SentencePiece can train the Multi30k tokenizer with: it keeps every
@@ -79,44 +86,61 @@ class TranslateConfig(RunConfig):
     teacher_forcing_k: float = 1000.0
 
     MAY_CHANGE: ClassVar[tuple[str, ...]] = RunConfig.MAY_CHANGE + (
-        "beam_size", "length_penalty", "decode_margin", "eval_batch_size", "eval_sentences",
-        "test_split", "tokenizer_dir",
+        "beam_size",
+        "length_penalty",
+        "decode_margin",
+        "eval_batch_size",
+        "eval_sentences",
+        "test_split",
+        "tokenizer_dir",
         # The rate may change (say, after a divergence); the optimizer state's tree does not.
-        "learning_rate", "lr_factor")
+        "learning_rate",
+        "lr_factor",
+    )
 
     def __post_init__(self):
         super().__post_init__()
         if self.optimizer not in OPTIMIZERS:
             raise ValueError(f"optimizer: expected one of {OPTIMIZERS}, got {self.optimizer!r}")
         if self.optimizer == "noam" and not hasattr(self.model_config, "d_model"):
-            raise ValueError(f"optimizer: 'noam' needs a model with d_model; {self.model} has "
-                             "none (use 'adam')")
+            raise ValueError(
+                f"optimizer: 'noam' needs a model with d_model; {self.model} has none (use 'adam')"
+            )
         if self.test_split not in SPLITS:
             raise ValueError(f"test_split: expected one of {SPLITS}, got {self.test_split!r}")
-        check_positive(self, ("vocab_size", "tokens_per_batch", "warmup_steps", "beam_size",
-                              "eval_batch_size"))
+        check_positive(
+            self, ("vocab_size", "tokens_per_batch", "warmup_steps", "beam_size", "eval_batch_size")
+        )
         check_positive(self, ("eval_sentences", "decode_margin"), minimum=0)
         if self.vocab_size < MIN_VOCAB_SIZE:
-            raise ValueError(f"vocab_size: the Multi30k tokenizer needs at least "
-                             f"{MIN_VOCAB_SIZE} pieces (4 special, 256 byte pieces and the 102 "
-                             f"characters of its training text), got {self.vocab_size}")
+            raise ValueError(
+                f"vocab_size: the Multi30k tokenizer needs at least "
+                f"{MIN_VOCAB_SIZE} pieces (4 special, 256 byte pieces and the 102 "
+                f"characters of its training text), got {self.vocab_size}"
+            )
         check_finite(self, ("learning_rate", "lr_factor"), positive=True)
         check_finite(self, ("length_penalty",), positive=False)
         if not 0.0 <= self.label_smoothing < 1.0:
             raise ValueError(f"label_smoothing: must be in [0, 1), got {self.label_smoothing}")
         if not self.buckets or any(not isinstance(b, int) or b < 2 for b in self.buckets):
-            raise ValueError(f"buckets: expected one or more lengths >= 2 (each a padded "
-                             f"length: BOS/EOS and at least one piece), got {self.buckets!r}")
+            raise ValueError(
+                f"buckets: expected one or more lengths >= 2 (each a padded "
+                f"length: BOS/EOS and at least one piece), got {self.buckets!r}"
+            )
         if not 0.0 <= self.teacher_forcing <= 1.0:
             raise ValueError(f"teacher_forcing: must be in [0, 1], got {self.teacher_forcing}")
         if self.teacher_forcing_schedule not in TEACHER_FORCING_SCHEDULES:
-            raise ValueError(f"teacher_forcing_schedule: expected one of "
-                             f"{TEACHER_FORCING_SCHEDULES}, got "
-                             f"{self.teacher_forcing_schedule!r}")
+            raise ValueError(
+                f"teacher_forcing_schedule: expected one of "
+                f"{TEACHER_FORCING_SCHEDULES}, got "
+                f"{self.teacher_forcing_schedule!r}"
+            )
         check_finite(self, ("teacher_forcing_k",), positive=True)
         if self.uses_teacher_forcing() and not registry.get(self.model).free_running:
-            raise ValueError(f"teacher_forcing: {self.model} always decodes from the reference "
-                             "in training (only the recurrent models feed their own output)")
+            raise ValueError(
+                f"teacher_forcing: {self.model} always decodes from the reference "
+                "in training (only the recurrent models feed their own output)"
+            )
         self.optimizer_config()  # clip_norm, ema_decay and the schedule, validated there
 
     def uses_teacher_forcing(self) -> bool:
@@ -132,11 +156,20 @@ class TranslateConfig(RunConfig):
 
     def optimizer_config(self) -> OptimizerConfig:
         if self.optimizer == "noam":
-            return OptimizerConfig(schedule="noam", d_model=self.model_config.d_model,
-                                   warmup_steps=self.warmup_steps, lr_factor=self.lr_factor,
-                                   clip_norm=self.clip_norm, ema_decay=self.ema_decay)
-        return OptimizerConfig(schedule="constant", learning_rate=self.learning_rate,
-                               clip_norm=self.clip_norm, ema_decay=self.ema_decay)
+            return OptimizerConfig(
+                schedule="noam",
+                d_model=self.model_config.d_model,
+                warmup_steps=self.warmup_steps,
+                lr_factor=self.lr_factor,
+                clip_norm=self.clip_norm,
+                ema_decay=self.ema_decay,
+            )
+        return OptimizerConfig(
+            schedule="constant",
+            learning_rate=self.learning_rate,
+            clip_norm=self.clip_norm,
+            ema_decay=self.ema_decay,
+        )
 
 
 # Run presets: TranslateConfig fields per preset (the model's own sizes are in registry.py).
@@ -144,31 +177,73 @@ class TranslateConfig(RunConfig):
 PRESETS: dict[str, dict[str, Any]] = {
     # Tests and smoke runs: seconds. One bucket: one compiled shape each for training,
     # evaluation and decoding.
-    "tiny": dict(vocab_size=1000, tokens_per_batch=1024, buckets=(64,), steps=20,
-                 warmup_steps=10, lr_factor=2.0, log_every=5, checkpoint_every=10,
-                 eval_sentences=64, eval_batch_size=32, decode_margin=8),
+    "tiny": dict(
+        vocab_size=1000,
+        tokens_per_batch=1024,
+        buckets=(64,),
+        steps=20,
+        warmup_steps=10,
+        lr_factor=2.0,
+        log_every=5,
+        checkpoint_every=10,
+        eval_sentences=64,
+        eval_batch_size=32,
+        decode_margin=8,
+    ),
     # The CPU default, under ten minutes on 2 cores: small batches (the number of updates
     # matters most in a run this short), constant Adam with clipping, an EMA of the
     # parameters for evaluation, no 96 bucket (it held one training pair). A length penalty
     # of 1.3, not the paper's 0.6: this short run's beams end early; 1.3 won a validation
     # sweep.
-    "cpu": dict(vocab_size=4000, tokens_per_batch=512, buckets=(12, 16, 20, 24, 32, 48, 64),
-                steps=100_000, minutes=8.0, optimizer="adam", learning_rate=1e-3,
-                clip_norm=1.0, ema_decay=0.99, log_every=100, checkpoint_every=1000,
-                length_penalty=1.3),
+    "cpu": dict(
+        vocab_size=4000,
+        tokens_per_batch=512,
+        buckets=(12, 16, 20, 24, 32, 48, 64),
+        steps=100_000,
+        minutes=8.0,
+        optimizer="adam",
+        learning_rate=1e-3,
+        clip_norm=1.0,
+        ema_decay=0.99,
+        log_every=100,
+        checkpoint_every=1000,
+        length_penalty=1.3,
+    ),
     # One GPU, one ten-minute command: 7 minutes of training in bf16, then evaluation. Few
     # buckets (each shape compiles in tens of seconds), 8k-token batches, Noam.
-    "gpu": dict(vocab_size=8000, tokens_per_batch=8192, buckets=(16, 32, 64), steps=100_000,
-                minutes=7.0, warmup_steps=2000, lr_factor=1.0,
-                clip_norm=1.0, log_every=200, checkpoint_every=5000),
+    "gpu": dict(
+        vocab_size=8000,
+        tokens_per_batch=8192,
+        buckets=(16, 32, 64),
+        steps=100_000,
+        minutes=7.0,
+        warmup_steps=2000,
+        lr_factor=1.0,
+        clip_norm=1.0,
+        log_every=200,
+        checkpoint_every=5000,
+    ),
     # The paper's base recipe (~25k target tokens a batch, Noam factor 1, warm-up 4000).
-    "base": dict(vocab_size=8000, tokens_per_batch=25_000, steps=100_000, warmup_steps=4000,
-                 lr_factor=1.0, log_every=100, eval_every=1000, checkpoint_every=1000),
+    "base": dict(
+        vocab_size=8000,
+        tokens_per_batch=25_000,
+        steps=100_000,
+        warmup_steps=4000,
+        lr_factor=1.0,
+        log_every=100,
+        eval_every=1000,
+        checkpoint_every=1000,
+    ),
 }
 
 
-def make_config(model: str = "transformer", preset: str = "cpu", *,
-                model_overrides: Mapping[str, Any] = (), **run_overrides) -> TranslateConfig:
+def make_config(
+    model: str = "transformer",
+    preset: str = "cpu",
+    *,
+    model_overrides: Mapping[str, Any] = (),
+    **run_overrides,
+) -> TranslateConfig:
     """The config of `preset` for `model`, with field overrides (validated)."""
     if preset not in PRESETS:  # the one list of run presets; the registry sizes each model
         raise ValueError(f"preset: expected one of {sorted(PRESETS)}, got {preset!r}")
@@ -176,9 +251,13 @@ def make_config(model: str = "transformer", preset: str = "cpu", *,
     fields = {**spec.run_defaults, **PRESETS[preset], **run_overrides}
     bad = {"model", "preset", "model_config"} & set(run_overrides)
     if bad:
-        raise ValueError(f"{sorted(bad)}: pass model/preset as arguments and model fields as "
-                         "model_overrides")
+        raise ValueError(
+            f"{sorted(bad)}: pass model/preset as arguments and model fields as model_overrides"
+        )
     model_config = registry.build_model_config(
-        model, preset, vocab_size=fields.get("vocab_size", TranslateConfig.vocab_size),
-        overrides=model_overrides)
+        model,
+        preset,
+        vocab_size=fields.get("vocab_size", TranslateConfig.vocab_size),
+        overrides=model_overrides,
+    )
     return TranslateConfig(model=model, preset=preset, model_config=model_config, **fields)

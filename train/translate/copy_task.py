@@ -9,6 +9,7 @@ Vocabulary: the Annotated Transformer's 11 ids (0 = pad, data symbols 1..10) plu
 EOS = 12, since the decoding protocol reserves BOS and EOS ids that are never data.
 The logic is `train_copy_task`, importable so a test can run a shortened version.
 """
+
 from __future__ import annotations
 
 import argparse
@@ -20,9 +21,9 @@ import numpy as np
 import optax
 
 from transformer_jax import (
+    OptimizerConfig,
     Transformer,
     TransformerConfig,
-    OptimizerConfig,
     greedy_decode,
     label_smoothed_cross_entropy,
     make_optimizer,
@@ -35,9 +36,20 @@ SEQ_LEN = 10
 
 def copy_config(**overrides) -> TransformerConfig:
     """The copy-task model: 2+2 layers, width 64 (small enough for a shared 2-core CPU)."""
-    fields = dict(src_vocab_size=13, tgt_vocab_size=13, d_model=64, n_heads=4, d_ff=256,
-                  n_encoder_layers=2, n_decoder_layers=2, dropout=0.1, max_len=SEQ_LEN + 1,
-                  pad_id=PAD, bos_id=BOS, eos_id=EOS)
+    fields = dict(
+        src_vocab_size=13,
+        tgt_vocab_size=13,
+        d_model=64,
+        n_heads=4,
+        d_ff=256,
+        n_encoder_layers=2,
+        n_decoder_layers=2,
+        dropout=0.1,
+        max_len=SEQ_LEN + 1,
+        pad_id=PAD,
+        bos_id=BOS,
+        eos_id=EOS,
+    )
     return TransformerConfig(**{**fields, **overrides})
 
 
@@ -68,17 +80,26 @@ def train_copy_task(
     init_rng, dropout_rng = jax.random.split(jax.random.PRNGKey(seed))
     src, tgt_in, _ = random_batch(data_rng, batch_size)
     params = model.init(init_rng, src, tgt_in)["params"]
-    tx, _ = make_optimizer(OptimizerConfig(schedule="noam", d_model=config.d_model,
-                                           warmup_steps=warmup_steps, lr_factor=factor))
+    tx, _ = make_optimizer(
+        OptimizerConfig(
+            schedule="noam", d_model=config.d_model, warmup_steps=warmup_steps, lr_factor=factor
+        )
+    )
     opt_state = tx.init(params)
 
     @jax.jit
     def train_step(params, opt_state, src, tgt_in, targets, step):
         def loss_fn(p):
-            logits = model.apply({"params": p}, src, tgt_in, deterministic=False,
-                                 rngs={"dropout": jax.random.fold_in(dropout_rng, step)})
+            logits = model.apply(
+                {"params": p},
+                src,
+                tgt_in,
+                deterministic=False,
+                rngs={"dropout": jax.random.fold_in(dropout_rng, step)},
+            )
             loss_sum, n_tokens = label_smoothed_cross_entropy(
-                logits, targets, smoothing=smoothing, pad_id=config.pad_id)
+                logits, targets, smoothing=smoothing, pad_id=config.pad_id
+            )
             return loss_sum / n_tokens
 
         loss, grads = jax.value_and_grad(loss_fn)(params)
@@ -87,8 +108,9 @@ def train_copy_task(
 
     loss = float("nan")
     for step in range(steps):
-        params, opt_state, loss = train_step(params, opt_state,
-                                             *random_batch(data_rng, batch_size), step)
+        params, opt_state, loss = train_step(
+            params, opt_state, *random_batch(data_rng, batch_size), step
+        )
         if log is not None and (step + 1) % log_every == 0:
             log(f"step {step + 1:4d}  loss {float(loss):.4f}")
     return float(loss), params
@@ -96,8 +118,9 @@ def train_copy_task(
 
 def decode_copy(config: TransformerConfig, params, src: np.ndarray) -> np.ndarray:
     """Greedy copy of src [B, 10] -> [B, 11] (10 symbols then EOS, if it learned)."""
-    return np.asarray(greedy_decode(Transformer(config), params, jnp.asarray(src),
-                                    max_len=SEQ_LEN + 1))
+    return np.asarray(
+        greedy_decode(Transformer(config), params, jnp.asarray(src), max_len=SEQ_LEN + 1)
+    )
 
 
 def main(argv=None) -> None:
@@ -113,6 +136,4 @@ def main(argv=None) -> None:
     decoded = [int(t) for t in out if t not in (EOS, PAD)]
     print("source: ", " ".join(map(str, src[0])))
     print("decoded:", " ".join(map(str, decoded)))
-    print(f"final loss {loss:.4f}, copied: {decoded == list(src[0])}, "
-          f"{time.time() - start:.1f} s")
-
+    print(f"final loss {loss:.4f}, copied: {decoded == list(src[0])}, {time.time() - start:.1f} s")

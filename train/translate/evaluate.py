@@ -1,10 +1,12 @@
 """Evaluating a translation model: teacher-forced loss and perplexity, decoding a set of
 sentences in length order (beam search or greedy), corpus sacreBLEU, and the files a run
 writes to W/translations/."""
+
 from __future__ import annotations
 
 import os
-from typing import Any, Callable, Mapping, Sequence
+from collections.abc import Callable, Mapping, Sequence
+from typing import Any
 
 import jax
 import numpy as np
@@ -22,8 +24,7 @@ def model_batch(batch: Mapping[str, np.ndarray]) -> dict[str, np.ndarray]:
     return {k: v for k, v in batch.items() if k in MODEL_INPUTS}
 
 
-def teacher_forced(dp: DataParallel, eval_step: Callable, params: Any,
-                   batches) -> dict[str, float]:
+def teacher_forced(dp: DataParallel, eval_step: Callable, params: Any, batches) -> dict[str, float]:
     """Summed loss / nll over `batches` (summed on device, fetched once) -> loss, nll, ppl."""
     total = None
     for batch in batches:
@@ -32,8 +33,9 @@ def teacher_forced(dp: DataParallel, eval_step: Callable, params: Any,
     return summarize({k: float(v) for k, v in jax.device_get(total).items()})
 
 
-def translate_pairs(model, params, dp: DataParallel, config, tokenizer, pairs, *,
-                    greedy: bool = False) -> list[str]:
+def translate_pairs(
+    model, params, dp: DataParallel, config, tokenizer, pairs, *, greedy: bool = False
+) -> list[str]:
     """Beam search (or greedy decoding) over `pairs` (their sources), in order ->
     detokenized hypotheses. `config` supplies eval_batch_size, buckets, decode_margin,
     beam_size, length_penalty and model_config's special ids (a TranslateConfig, or
@@ -43,23 +45,35 @@ def translate_pairs(model, params, dp: DataParallel, config, tokenizer, pairs, *
     # Decoded shortest source first, so no batch runs as long as its longest sentence. Only
     # the sources are batched: the reference's length has no say in the output budget.
     mc = config.model_config
-    batches = eval_batches([(src, []) for src, _ in pairs],
-                           batch_size=dp.round_rows(config.eval_batch_size),
-                           buckets=config.buckets, num_devices=dp.n_devices,
-                           pad_id=mc.pad_id, bos_id=mc.bos_id, eos_id=mc.eos_id,
-                           sort_by_length=True)
+    batches = eval_batches(
+        [(src, []) for src, _ in pairs],
+        batch_size=dp.round_rows(config.eval_batch_size),
+        buckets=config.buckets,
+        num_devices=dp.n_devices,
+        pad_id=mc.pad_id,
+        bos_id=mc.bos_id,
+        eos_id=mc.eos_id,
+        sort_by_length=True,
+    )
     for batch in batches:
         src = batch["src"]
         max_len = src.shape[1] + config.decode_margin
         if greedy:
-            best = decode.greedy_decode(model, params, dp.put_global(src), max_len=max_len)  # [N, L]
+            best = decode.greedy_decode(
+                model, params, dp.put_global(src), max_len=max_len
+            )  # [N, L]
         else:
             # Only the best beam is kept, so the search may stop once every sentence's best
             # is final: the same output as the full search, in fewer steps.
-            tokens, _ = decode.beam_search(model, params, dp.put_global(src),
-                                           beam_size=config.beam_size, max_len=max_len,
-                                           length_penalty=config.length_penalty,
-                                           best_only=True)
+            tokens, _ = decode.beam_search(
+                model,
+                params,
+                dp.put_global(src),
+                beam_size=config.beam_size,
+                max_len=max_len,
+                length_penalty=config.length_penalty,
+                best_only=True,
+            )
             best = tokens[:, 0]  # [N, L], best beam first
         best = dp.fetch_rows(best)
         for row, i in enumerate(batch["index"]):
@@ -71,20 +85,30 @@ def translate_pairs(model, params, dp: DataParallel, config, tokenizer, pairs, *
 def bleu(hypotheses: Sequence[str], references: Sequence[str]) -> float:
     """Corpus sacreBLEU: cased, 13a tokenization, detokenized input (sacrebleu's defaults)."""
     import sacrebleu  # lazy: slow to import, and only evaluation needs it
+
     return float(sacrebleu.corpus_bleu(list(hypotheses), [list(references)]).score)
 
 
-def write_translations(workdir: str, split: str, step: int, *, sources: Sequence[str],
-                       references: Sequence[str], hypotheses: Sequence[str]) -> str:
+def write_translations(
+    workdir: str,
+    split: str,
+    step: int,
+    *,
+    sources: Sequence[str],
+    references: Sequence[str],
+    hypotheses: Sequence[str],
+) -> str:
     """W/translations/<split>.step<N>.en (one hypothesis a line, in test order); also the
     source and reference next to it once. Process 0 writes; every process returns the path."""
     directory = os.path.join(workdir, "translations")
     path = os.path.join(directory, f"{split}.step{step}.en")
     if jax.process_index() == 0:
         os.makedirs(directory, exist_ok=True)
-        for name, lines in ((path, hypotheses),
-                            (os.path.join(directory, f"{split}.source.de"), sources),
-                            (os.path.join(directory, f"{split}.reference.en"), references)):
+        for name, lines in (
+            (path, hypotheses),
+            (os.path.join(directory, f"{split}.source.de"), sources),
+            (os.path.join(directory, f"{split}.reference.en"), references),
+        ):
             write_lines(name, lines)
     return path
 

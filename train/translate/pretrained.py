@@ -6,11 +6,13 @@ length-sorted batches as the evaluation of a trained run.
     python -m train.translate --pretrained DIR --translate_file de.txt --output en.txt
     python -m train.translate --pretrained DIR --eval      # sacreBLEU on Multi30k's test set
 """
+
 from __future__ import annotations
 
 import dataclasses
 import time
-from typing import Any, Sequence
+from collections.abc import Sequence
+from typing import Any
 
 from train.core.parallel import DataParallel
 from train.translate.config import SPLITS
@@ -36,33 +38,58 @@ class DecodeSettings:
 class Pretrained:
     """A loaded folder: model, params, tokenizer and its decoding settings."""
 
-    def __init__(self, folder: str, *, beam_size: int | None = None, greedy: bool = False,
-                 length_penalty: float = 0.6, batch_size: int = 64):
+    def __init__(
+        self,
+        folder: str,
+        *,
+        beam_size: int | None = None,
+        greedy: bool = False,
+        length_penalty: float = 0.6,
+        batch_size: int = 64,
+    ):
         self.model, self.params, self.tokenizer = load_marian(folder)
         if self.tokenizer is None:
-            raise FileNotFoundError(f"{folder} has no tokenizer (source.spm, target.spm, "
-                                    "vocab.json): it can be loaded as a model, not translate")
+            raise FileNotFoundError(
+                f"{folder} has no tokenizer (source.spm, target.spm, "
+                "vocab.json): it can be loaded as a model, not translate"
+            )
         shipped = marian_generation_defaults(folder)
         limit = min(shipped.max_len, self.model.config.max_len)
         self.greedy = greedy
         self.settings = DecodeSettings(
-            model_config=self.model.config, beam_size=beam_size or shipped.beam_size,
-            length_penalty=length_penalty, eval_batch_size=batch_size,
+            model_config=self.model.config,
+            beam_size=beam_size or shipped.beam_size,
+            length_penalty=length_penalty,
+            eval_batch_size=batch_size,
             decode_margin=max(1, min(64, limit // 2)),
-            buckets=tuple(b for b in DecodeSettings.buckets if b < limit) + (limit,))
+            buckets=tuple(b for b in DecodeSettings.buckets if b < limit) + (limit,),
+        )
         self.dp = DataParallel("jit")
 
     def translate(self, sentences: Sequence[str]) -> list[str]:
         """Source sentences -> translations, in input order."""
-        pairs = [(self.tokenizer.encode_one(s, max_len=self.settings.buckets[-1]), [])
-                 for s in sentences]
-        return translate_pairs(self.model, self.params, self.dp, self.settings,
-                               self.tokenizer, pairs, greedy=self.greedy)
+        pairs = [
+            (self.tokenizer.encode_one(s, max_len=self.settings.buckets[-1]), []) for s in sentences
+        ]
+        return translate_pairs(
+            self.model,
+            self.params,
+            self.dp,
+            self.settings,
+            self.tokenizer,
+            pairs,
+            greedy=self.greedy,
+        )
 
 
-def evaluate_pretrained(folder: str, *, split: str = "test_2016_flickr",
-                        data_dir: str | None = None, sentences: int = 0,
-                        **options) -> dict[str, Any]:
+def evaluate_pretrained(
+    folder: str,
+    *,
+    split: str = "test_2016_flickr",
+    data_dir: str | None = None,
+    sentences: int = 0,
+    **options,
+) -> dict[str, Any]:
     """Corpus sacreBLEU (cased, 13a) of the folder's model on a shipped Multi30k split, German
     to English -> {'bleu', 'sentences', 'split', 'seconds', 'hypotheses'}."""
     from train.data.datasets import load_multi30k  # lazy: importing TFDS is not free
@@ -75,5 +102,10 @@ def evaluate_pretrained(folder: str, *, split: str = "test_2016_flickr",
     start = time.monotonic()
     model = Pretrained(folder, **options)
     hypotheses = model.translate([de for de, _ in pairs])
-    return {"bleu": bleu(hypotheses, [en for _, en in pairs]), "sentences": len(pairs),
-            "split": split, "seconds": time.monotonic() - start, "hypotheses": hypotheses}
+    return {
+        "bleu": bleu(hypotheses, [en for _, en in pairs]),
+        "sentences": len(pairs),
+        "split": split,
+        "seconds": time.monotonic() - start,
+        "hypotheses": hypotheses,
+    }

@@ -6,10 +6,12 @@ one); `get(name).module_cls(config)` builds the flax module. Every model follows
 translation-model protocol of `transformer_jax.decode`. Source and target share one joint
 SentencePiece vocabulary, so both vocabulary sizes are V.
 """
+
 from __future__ import annotations
 
 import dataclasses
-from typing import Any, Callable, Mapping
+from collections.abc import Callable, Mapping
+from typing import Any
 
 from transformer_jax.baselines import BASELINES
 from transformer_jax.config import TransformerConfig
@@ -40,26 +42,44 @@ def _transformer() -> TranslationModel:
         def make(vocab_size: int, **overrides):
             kw = dict(fields, src_vocab_size=vocab_size, tgt_vocab_size=vocab_size)
             return base(**{**kw, **overrides})
+
         return make
 
     return TranslationModel(
-        name="transformer", config_cls=TransformerConfig, module_cls=Transformer,
+        name="transformer",
+        config_cls=TransformerConfig,
+        module_cls=Transformer,
         presets={
             "tiny": sized(TransformerConfig.tiny, dropout=0.0),
             # Small enough for a 2-core CPU to see about two epochs of Multi30k in 8 minutes;
             # pre-LN trains stably at a constant 1e-3 from step 0; no dropout: in under two
             # epochs it only slows learning (benchmarks/README.md).
-            "cpu": sized(TransformerConfig.base, d_model=256, n_heads=4, d_ff=512,
-                         n_encoder_layers=3, n_decoder_layers=3, dropout=0.0,
-                         norm_first=True),
+            "cpu": sized(
+                TransformerConfig.base,
+                d_model=256,
+                n_heads=4,
+                d_ff=512,
+                n_encoder_layers=3,
+                n_decoder_layers=3,
+                dropout=0.0,
+                norm_first=True,
+            ),
             # One GPU, ten minutes: IWSLT widths for a corpus of 29k pairs, dropout 0.3 (a GPU
             # sees ~100 epochs in the time), pre-LN, bf16; XLA attention (cuDNN's fused kernel
             # gains nothing at these lengths: benchmarks/README.md).
-            "gpu": sized(TransformerConfig.base, d_ff=1024, n_heads=4, dropout=0.3,
-                         norm_first=True, dtype="bfloat16", attention_impl="xla"),
+            "gpu": sized(
+                TransformerConfig.base,
+                d_ff=1024,
+                n_heads=4,
+                dropout=0.3,
+                norm_first=True,
+                dtype="bfloat16",
+                attention_impl="xla",
+            ),
             "base": sized(TransformerConfig.base),
         },
-        run_defaults={"optimizer": "noam", "label_smoothing": 0.1})
+        run_defaults={"optimizer": "noam", "label_smoothing": 0.1},
+    )
 
 
 def _baseline(name: str) -> TranslationModel:
@@ -71,19 +91,33 @@ def _baseline(name: str) -> TranslationModel:
     def sized(preset: str):
         def make(vocab_size: int, **overrides):
             return getattr(entry.config_cls, preset)(
-                src_vocab_size=vocab_size, tgt_vocab_size=vocab_size,
-                **{**entry.defaults, **run_sizes.get(preset, {}), **overrides})
+                src_vocab_size=vocab_size,
+                tgt_vocab_size=vocab_size,
+                **{**entry.defaults, **run_sizes.get(preset, {}), **overrides},
+            )
+
         return make
 
     # The tutorials these baselines come from: Adam 1e-3, clip 1, plain cross-entropy.
     return TranslationModel(
-        name=name, config_cls=entry.config_cls, module_cls=entry.model_cls,
-        presets={"tiny": sized("tiny"), "cpu": sized("tutorial"), "gpu": sized("tutorial"),
-                 "base": sized("tutorial")},
-        run_defaults={"optimizer": "adam", "learning_rate": 1e-3, "clip_norm": 1.0,
-                      "label_smoothing": 0.0},
+        name=name,
+        config_cls=entry.config_cls,
+        module_cls=entry.model_cls,
+        presets={
+            "tiny": sized("tiny"),
+            "cpu": sized("tutorial"),
+            "gpu": sized("tutorial"),
+            "base": sized("tutorial"),
+        },
+        run_defaults={
+            "optimizer": "adam",
+            "learning_rate": 1e-3,
+            "clip_norm": 1.0,
+            "label_smoothing": 0.0,
+        },
         aux_loss="hard_attention_surrogate" if name == "hard_attention" else None,
-        free_running=entry.config_cls is RNNSeq2SeqConfig)
+        free_running=entry.config_cls is RNNSeq2SeqConfig,
+    )
 
 
 def names() -> list[str]:
@@ -98,15 +132,18 @@ def get(name: str) -> TranslationModel:
     return _baseline(name)
 
 
-def build_model_config(name: str, preset: str, *, vocab_size: int,
-                       overrides: Mapping[str, Any] = ()) -> Any:
+def build_model_config(
+    name: str, preset: str, *, vocab_size: int, overrides: Mapping[str, Any] = ()
+) -> Any:
     """The model config for `preset` (a run preset of `train.translate.config.PRESETS`, which
     checks the name), with the joint vocabulary size and field overrides."""
     overrides = dict(overrides)
     for key in ("src_vocab_size", "tgt_vocab_size"):
         if key in overrides and overrides[key] != vocab_size:
-            raise ValueError(f"model.{key}: set by the tokenizer's vocab_size ({vocab_size}); "
-                             f"change --vocab_size instead")
+            raise ValueError(
+                f"model.{key}: set by the tokenizer's vocab_size ({vocab_size}); "
+                f"change --vocab_size instead"
+            )
         overrides.pop(key, None)
     spec = get(name)
     fields = {f.name for f in dataclasses.fields(spec.config_cls)}
@@ -114,6 +151,8 @@ def build_model_config(name: str, preset: str, *, vocab_size: int,
     if unknown:
         raise ValueError(f"model {name!r} has no config field(s) {unknown}")
     if preset not in spec.presets:
-        raise ValueError(f"preset: model {name!r} has no sizes for preset {preset!r} (it has "
-                         f"{sorted(spec.presets)})")
+        raise ValueError(
+            f"preset: model {name!r} has no sizes for preset {preset!r} (it has "
+            f"{sorted(spec.presets)})"
+        )
     return spec.presets[preset](vocab_size, **overrides)

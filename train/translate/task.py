@@ -4,12 +4,14 @@ splits; loss: label-smoothed cross-entropy; evaluation: teacher-forced perplexit
 validation, then on the test split perplexity and the sacreBLEU of beam search, with the
 translations written to W/translations/ and plots to W/plots/.
 """
+
 from __future__ import annotations
 
 import dataclasses
 import os
 import time
-from typing import Any, Callable, Mapping, Sequence
+from collections.abc import Callable, Mapping, Sequence
+from typing import Any
 
 import flax.linen as nn
 import jax
@@ -26,8 +28,11 @@ from train.data.tokenizers import multi30k_tokenizer
 from train.translate import registry
 from train.translate.config import PRESETS, TranslateConfig, make_config
 from train.translate.evaluate import bleu, teacher_forced, translate_pairs, write_translations
-from transformer_jax.losses import (hard_attention_surrogate, init_reinforce_baseline,
-                                     label_smoothed_cross_entropy)
+from transformer_jax.losses import (
+    hard_attention_surrogate,
+    init_reinforce_baseline,
+    label_smoothed_cross_entropy,
+)
 from transformer_jax.optim import make_schedule
 
 
@@ -42,9 +47,11 @@ class Split:
 
 
 def load_tokenizer(config: TranslateConfig, workdir: str):
-    return multi30k_tokenizer(config.tokenizer_dir or os.path.join(local_dir(workdir),
-                                                                   "tokenizer"),
-                              vocab_size=config.vocab_size, data_dir=config.data_dir)
+    return multi30k_tokenizer(
+        config.tokenizer_dir or os.path.join(local_dir(workdir), "tokenizer"),
+        vocab_size=config.vocab_size,
+        data_dir=config.data_dir,
+    )
 
 
 def encode_source(tokenizer, sentences: Sequence[str]) -> list[list[int]]:
@@ -52,23 +59,32 @@ def encode_source(tokenizer, sentences: Sequence[str]) -> list[list[int]]:
     return [ids + [tokenizer.eos_id] for ids in tokenizer.encode_batch(list(sentences))]
 
 
-def encode_pairs(tokenizer, pairs: Sequence[tuple[str, str]]) -> list[tuple[list[int],
-                                                                         list[int]]]:
-    return list(zip(encode_source(tokenizer, [p[0] for p in pairs]),
-                    tokenizer.encode_batch([p[1] for p in pairs])))
+def encode_pairs(tokenizer, pairs: Sequence[tuple[str, str]]) -> list[tuple[list[int], list[int]]]:
+    return list(
+        zip(
+            encode_source(tokenizer, [p[0] for p in pairs]),
+            tokenizer.encode_batch([p[1] for p in pairs]),
+        )
+    )
 
 
 def load_split(config: TranslateConfig, tokenizer, name: str) -> Split:
     from train.data.datasets import load_multi30k  # lazy: importing TFDS is not free
+
     pairs = load_multi30k(name, data_dir=config.data_dir)
     if config.eval_sentences:
-        pairs = pairs[:config.eval_sentences]
-    return Split(name, [p[0] for p in pairs], [p[1] for p in pairs],
-                 encode_pairs(tokenizer, pairs))
+        pairs = pairs[: config.eval_sentences]
+    return Split(name, [p[0] for p in pairs], [p[1] for p in pairs], encode_pairs(tokenizer, pairs))
 
 
-def make_loss_fn(model: nn.Module, *, smoothing: float, pad_id: int,
-                 aux_loss: str | None = None, free_running: bool = False):
+def make_loss_fn(
+    model: nn.Module,
+    *,
+    smoothing: float,
+    pad_id: int,
+    aux_loss: str | None = None,
+    free_running: bool = False,
+):
     """The train.core.step loss protocol for a translation model on {'src','tgt_in','tgt_out'}
     (and 'teacher_forcing' [B], the step's ratio, when free_running): label-smoothed
     cross-entropy summed over real target tokens, plus the unsmoothed nll.
@@ -87,23 +103,41 @@ def make_loss_fn(model: nn.Module, *, smoothing: float, pad_id: int,
             if free_running:
                 kwargs["teacher_forcing"] = batch["teacher_forcing"][0]
         if aux_loss and not deterministic:
-            logits, aux = model.apply({"params": params}, batch["src"], batch["tgt_in"],
-                                      deterministic=False, rngs=rngs,
-                                      method="logits_and_attention", **kwargs)
+            logits, aux = model.apply(
+                {"params": params},
+                batch["src"],
+                batch["tgt_in"],
+                deterministic=False,
+                rngs=rngs,
+                method="logits_and_attention",
+                **kwargs,
+            )
         else:
-            logits, aux = model.apply({"params": params}, batch["src"], batch["tgt_in"],
-                                      deterministic=deterministic, rngs=rngs, **kwargs), None
+            logits, aux = (
+                model.apply(
+                    {"params": params},
+                    batch["src"],
+                    batch["tgt_in"],
+                    deterministic=deterministic,
+                    rngs=rngs,
+                    **kwargs,
+                ),
+                None,
+            )
         loss_sum, n_tokens = label_smoothed_cross_entropy(
-            logits, batch["tgt_out"], smoothing=smoothing, pad_id=pad_id)
+            logits, batch["tgt_out"], smoothing=smoothing, pad_id=pad_id
+        )
         if smoothing:
-            nll_sum, _ = label_smoothed_cross_entropy(logits, batch["tgt_out"], smoothing=0.0,
-                                                      pad_id=pad_id)
+            nll_sum, _ = label_smoothed_cross_entropy(
+                logits, batch["tgt_out"], smoothing=0.0, pad_id=pad_id
+            )
         else:
             nll_sum = loss_sum
         sums = {"n_tokens": n_tokens.astype(jnp.float32), "nll_sum": nll_sum}
         if aux is not None:
-            surrogate, extra = hard_attention_surrogate(logits, batch["tgt_out"], aux, extra,
-                                                        pad_id=pad_id)
+            surrogate, extra = hard_attention_surrogate(
+                logits, batch["tgt_out"], aux, extra, pad_id=pad_id
+            )
             sums["loss_sum"] = loss_sum  # reported; the surrogate is there for its gradient
             loss_sum = loss_sum + surrogate
         return loss_sum, sums, extra
@@ -140,19 +174,37 @@ class TranslationData:
     def _with_ratio(self, batch, step: int):
         # The step's teacher-forcing ratio rides with its batch (one copy per row, so it
         # shards like one).
-        return dict(batch, teacher_forcing=np.full(
-            (batch["src"].shape[0],), self.config.teacher_forcing_at(step), np.float32))
+        return dict(
+            batch,
+            teacher_forcing=np.full(
+                (batch["src"].shape[0],), self.config.teacher_forcing_at(step), np.float32
+            ),
+        )
 
     def _eval_batches(self, split: Split, dp: DataParallel):
-        return eval_batches(split.pairs, batch_size=self.eval_rows, buckets=self.config.buckets,
-                            num_devices=dp.n_devices)
+        return eval_batches(
+            split.pairs,
+            batch_size=self.eval_rows,
+            buckets=self.config.buckets,
+            num_devices=dp.n_devices,
+        )
 
     def evaluate(self, dp: DataParallel, eval_step: Callable, params) -> dict[str, float]:
         return teacher_forced(dp, eval_step, params, self._eval_batches(self.validation, dp))
 
-    def finish(self, *, workdir: str, dp: DataParallel, eval_step: Callable, model: nn.Module,
-               state: TrainState, params, validation: Mapping[str, float],
-               writer: MetricsWriter, start: float) -> dict[str, Any]:
+    def finish(
+        self,
+        *,
+        workdir: str,
+        dp: DataParallel,
+        eval_step: Callable,
+        model: nn.Module,
+        state: TrainState,
+        params,
+        validation: Mapping[str, float],
+        writer: MetricsWriter,
+        start: float,
+    ) -> dict[str, Any]:
         config, test, log = self.config, self.test, self.log
         step = int(jax.device_get(state.step))
         out = {f"val_{k}": v for k, v in validation.items() if k in ("loss", "nll", "ppl")}
@@ -160,30 +212,58 @@ class TranslationData:
         test_tf = teacher_forced(dp, eval_step, params, self._eval_batches(test, dp))
         hypotheses = translate_pairs(model, params, dp, config, self.tokenizer, test.pairs)
         score = bleu(hypotheses, test.references)
-        path = write_translations(workdir, config.test_split, step, sources=test.sources,
-                                  references=test.references, hypotheses=hypotheses)
-        record = {"loss": test_tf["loss"], "nll": test_tf["nll"], "ppl": test_tf["ppl"],
-                  "bleu": score, "sentences": len(hypotheses), "beam_size": config.beam_size,
-                  "eval_seconds": time.monotonic() - t_eval,
-                  "total_seconds": time.monotonic() - start}
+        path = write_translations(
+            workdir,
+            config.test_split,
+            step,
+            sources=test.sources,
+            references=test.references,
+            hypotheses=hypotheses,
+        )
+        record = {
+            "loss": test_tf["loss"],
+            "nll": test_tf["nll"],
+            "ppl": test_tf["ppl"],
+            "bleu": score,
+            "sentences": len(hypotheses),
+            "beam_size": config.beam_size,
+            "eval_seconds": time.monotonic() - t_eval,
+            "total_seconds": time.monotonic() - start,
+        }
         writer.write_final(step, config.test_split, record)
         out.update({f"test_{k}": v for k, v in record.items()})
         out["hypotheses"] = path
-        log(f"{config.test_split}: BLEU {score:.2f} (sacreBLEU, cased, 13a, beam "
+        log(
+            f"{config.test_split}: BLEU {score:.2f} (sacreBLEU, cased, 13a, beam "
             f"{config.beam_size}), ppl {test_tf['ppl']:.2f}; validation ppl "
-            f"{validation['ppl']:.2f}; translations in {path}")
+            f"{validation['ppl']:.2f}; translations in {path}"
+        )
         if config.plots and jax.process_index() == 0:
-            made = plots.make_translation_plots(workdir, model, params, self.tokenizer,
-                                                source=test.sources[0],
-                                                hypothesis=hypotheses[0])
+            made = plots.make_translation_plots(
+                workdir,
+                model,
+                params,
+                self.tokenizer,
+                source=test.sources[0],
+                hypothesis=hypotheses[0],
+            )
             first = next(iter(self._eval_batches(self.validation, dp)))
-            made += [d.path for d in plots.make_annotated_transformer_plots(
-                os.path.join(workdir, plots.PLOTS_DIR), src=first["src"][:8],
-                tgt_in=first["tgt_in"][:8], pad_id=config.model_config.pad_id,
-                schedules={config.optimizer: make_schedule(config.optimizer_config())},
-                steps=max(step, 1), smoothing=config.label_smoothing)]
-            log(f"plots: {', '.join(os.path.basename(p) for p in made)} in "
-                f"{os.path.join(workdir, plots.PLOTS_DIR)}")
+            made += [
+                d.path
+                for d in plots.make_annotated_transformer_plots(
+                    os.path.join(workdir, plots.PLOTS_DIR),
+                    src=first["src"][:8],
+                    tgt_in=first["tgt_in"][:8],
+                    pad_id=config.model_config.pad_id,
+                    schedules={config.optimizer: make_schedule(config.optimizer_config())},
+                    steps=max(step, 1),
+                    smoothing=config.label_smoothing,
+                )
+            ]
+            log(
+                f"plots: {', '.join(os.path.basename(p) for p in made)} in "
+                f"{os.path.join(workdir, plots.PLOTS_DIR)}"
+            )
         return out
 
 
@@ -202,8 +282,9 @@ class TranslationTask:
     def model_config_cls(self, choice: str) -> type:
         return registry.get(choice).config_cls
 
-    def make_config(self, choice: str, preset: str, *, model_overrides: Mapping[str, Any] = (),
-                    **run_overrides) -> TranslateConfig:
+    def make_config(
+        self, choice: str, preset: str, *, model_overrides: Mapping[str, Any] = (), **run_overrides
+    ) -> TranslateConfig:
         return make_config(choice, preset, model_overrides=model_overrides, **run_overrides)
 
     def build_model(self, config: TranslateConfig) -> nn.Module:
@@ -218,30 +299,46 @@ class TranslationTask:
         return model.init({"params": rng}, dummy, dummy)["params"], extra
 
     def loss_fn(self, config: TranslateConfig, model: nn.Module):
-        return make_loss_fn(model, smoothing=config.label_smoothing,
-                            pad_id=config.model_config.pad_id,
-                            aux_loss=registry.get(config.model).aux_loss,
-                            free_running=config.uses_teacher_forcing())
+        return make_loss_fn(
+            model,
+            smoothing=config.label_smoothing,
+            pad_id=config.model_config.pad_id,
+            aux_loss=registry.get(config.model).aux_loss,
+            free_running=config.uses_teacher_forcing(),
+        )
 
     def describe(self, config: TranslateConfig) -> str:
         return config.model
 
-    def prepare(self, config: TranslateConfig, workdir: str, dp: DataParallel,
-                log: Callable[[str], None]) -> TranslationData:
+    def prepare(
+        self, config: TranslateConfig, workdir: str, dp: DataParallel, log: Callable[[str], None]
+    ) -> TranslationData:
         from train.data.datasets import load_multi30k  # lazy: importing TFDS is not free
+
         tokenizer = load_tokenizer(config, workdir)
         train_pairs = encode_pairs(tokenizer, load_multi30k("train", data_dir=config.data_dir))
-        batcher = TokenBatcher(train_pairs, tokens_per_batch=config.tokens_per_batch,
-                               buckets=config.buckets, num_devices=dp.n_devices,
-                               seed=config.seed)
-        data = TranslationData(config=config, tokenizer=tokenizer, batcher=batcher,
-                               validation=load_split(config, tokenizer, "validation"),
-                               test=load_split(config, tokenizer, config.test_split),
-                               eval_rows=dp.round_rows(config.eval_batch_size), log=log)
-        log(f"data: {batcher.num_examples} training pairs ({batcher.num_dropped} too long), "
+        batcher = TokenBatcher(
+            train_pairs,
+            tokens_per_batch=config.tokens_per_batch,
+            buckets=config.buckets,
+            num_devices=dp.n_devices,
+            seed=config.seed,
+        )
+        data = TranslationData(
+            config=config,
+            tokenizer=tokenizer,
+            batcher=batcher,
+            validation=load_split(config, tokenizer, "validation"),
+            test=load_split(config, tokenizer, config.test_split),
+            eval_rows=dp.round_rows(config.eval_batch_size),
+            log=log,
+        )
+        log(
+            f"data: {batcher.num_examples} training pairs ({batcher.num_dropped} too long), "
             f"{batcher.num_batches} batches an epoch; vocabulary {tokenizer.vocab_size}; "
             f"{len(batcher.shape_set())} batch shapes to compile: {batcher.shape_set()}; "
-            f"{dp.n_devices} device(s), {config.parallel}")
+            f"{dp.n_devices} device(s), {config.parallel}"
+        )
         return data
 
 

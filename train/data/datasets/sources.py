@@ -18,15 +18,16 @@ import gzip
 import hashlib
 import os
 import zlib
+from collections.abc import Mapping, Sequence
 from pathlib import Path
-from typing import Any, Mapping, Sequence
+from typing import Any
 
 import tensorflow_datasets as tfds
 from etils import epath
 
 # Where a builder reads its files from; any other value is a directory (see `read_sources`).
-SHIPPED = 'shipped'
-DOWNLOAD = 'download'
+SHIPPED = "shipped"
+DOWNLOAD = "download"
 
 
 class DatasetSourceError(ValueError):
@@ -52,21 +53,23 @@ class SourceFile:
     url_gzipped: bool = True
 
     def __post_init__(self):
-        for field in ('sha256', 'url_sha256'):
+        for field in ("sha256", "url_sha256"):
             value = getattr(self, field)
-            if len(value) != 64 or any(c not in '0123456789abcdef' for c in value):
-                raise ValueError(f'SourceFile.{field} of {self.name} must be 64 lowercase hex digits')
+            if len(value) != 64 or any(c not in "0123456789abcdef" for c in value):
+                raise ValueError(
+                    f"SourceFile.{field} of {self.name} must be 64 lowercase hex digits"
+                )
 
 
 def shipped_dir(dataset: str) -> Path:
     """The directory holding the package's copies of `dataset`'s files (package data)."""
-    return Path(__file__).resolve().parent / 'data' / dataset
+    return Path(__file__).resolve().parent / "data" / dataset
 
 
 def sha256_of(path: Path) -> str:
     digest = hashlib.sha256()
-    with open(path, 'rb') as f:
-        for chunk in iter(lambda: f.read(1 << 20), b''):
+    with open(path, "rb") as f:
+        for chunk in iter(lambda: f.read(1 << 20), b""):
             digest.update(chunk)
     return digest.hexdigest()
 
@@ -75,25 +78,25 @@ def _read_verified(path: Path, *, name: str, expected_sha256: str | None, gzippe
     """Returns the decoded text of `path` after checking it exists and has the expected hash."""
     if not path.is_file():
         raise DatasetSourceError(
-            f'missing source file {name!r}: {path} does not exist (restore the file, e.g. from '
+            f"missing source file {name!r}: {path} does not exist (restore the file, e.g. from "
             f"a fresh checkout, or prepare with source='download')"
         )
     if expected_sha256 is not None:
         actual = sha256_of(path)
         if actual != expected_sha256:
             raise DatasetSourceError(
-                f'checksum mismatch for source file {name!r} ({path}): expected sha256 '
-                f'{expected_sha256}, got {actual}. The file is truncated, corrupt or not the '
-                'upstream version; restore it (the dataset README lists the sums).'
+                f"checksum mismatch for source file {name!r} ({path}): expected sha256 "
+                f"{expected_sha256}, got {actual}. The file is truncated, corrupt or not the "
+                "upstream version; restore it (the dataset README lists the sums)."
             )
     try:
         raw = path.read_bytes()
         if gzipped:
             raw = gzip.decompress(raw)
-        return raw.decode('utf-8')
+        return raw.decode("utf-8")
     except (OSError, EOFError, zlib.error, UnicodeDecodeError) as e:
         # Reached only with verify_checksums=False: a corrupt file with an unknown hash.
-        raise DatasetSourceError(f'cannot read source file {name!r} ({path}): {e}') from e
+        raise DatasetSourceError(f"cannot read source file {name!r} ({path}): {e}") from e
 
 
 def split_lines(text: str) -> list[str]:
@@ -103,7 +106,7 @@ def split_lines(text: str) -> list[str]:
     files end with '\\n ' (a lone space), which is not a sentence, and the line counts the
     READMEs give are '\\n' counts.
     """
-    lines = text.split('\n')
+    lines = text.split("\n")
     if not lines[-1].strip():
         lines.pop()
     return lines
@@ -136,15 +139,17 @@ def read_sources(
         if dl_manager is None:
             raise ValueError("source='download' needs a TFDS download manager")
         paths: Mapping[str, Any] = dl_manager.download({f.name: f.url for f in files})
-        located = {f.name: (Path(os.fspath(paths[f.name])), f.url_sha256, f.url_gzipped)
-                   for f in files}
+        located = {
+            f.name: (Path(os.fspath(paths[f.name])), f.url_sha256, f.url_gzipped) for f in files
+        }
     else:
         directory = shipped_dir(dataset) if os.fspath(source) == SHIPPED else Path(source)
         located = {f.name: (directory / f.name, f.sha256, True) for f in files}
     lines = {}
     for name, (path, sha, gzipped) in located.items():
-        text = _read_verified(path, name=name, expected_sha256=sha if verify_checksums else None,
-                              gzipped=gzipped)
+        text = _read_verified(
+            path, name=name, expected_sha256=sha if verify_checksums else None, gzipped=gzipped
+        )
         lines[name] = split_lines(text)
     return lines
 
@@ -176,21 +181,27 @@ class SourceBuilder(tfds.core.GeneratorBasedBuilder):
         *,
         source: str | os.PathLike = SHIPPED,
         verify_checksums: bool = True,
-        file_format: str | None = 'array_record',
+        file_format: str | None = "array_record",
         **kwargs: Any,
     ):
         """Args:
-          source: where the raw files come from: 'shipped' (default, offline), 'download'
-            (the upstream URLs) or a directory with files named like the shipped ones (gzipped).
-          verify_checksums: check every file's SHA-256 before reading it.
-          file_format: TFDS file format; array_record needs no TensorFlow.
-          **kwargs: `data_dir`, `config`, `version`, ... as for any TFDS builder.
+        source: where the raw files come from: 'shipped' (default, offline), 'download'
+          (the upstream URLs) or a directory with files named like the shipped ones (gzipped).
+        verify_checksums: check every file's SHA-256 before reading it.
+        file_format: TFDS file format; array_record needs no TensorFlow.
+        **kwargs: `data_dir`, `config`, `version`, ... as for any TFDS builder.
         """
         self._source = check_source(source)
         self._verify_checksums = verify_checksums
         super().__init__(file_format=file_format, **kwargs)
 
-    def _read_sources(self, files: Sequence[SourceFile], *, dataset: str,
-                      dl_manager: Any) -> dict[str, list[str]]:
-        return read_sources(files, source=self._source, dataset=dataset, dl_manager=dl_manager,
-                            verify_checksums=self._verify_checksums)
+    def _read_sources(
+        self, files: Sequence[SourceFile], *, dataset: str, dl_manager: Any
+    ) -> dict[str, list[str]]:
+        return read_sources(
+            files,
+            source=self._source,
+            dataset=dataset,
+            dl_manager=dl_manager,
+            verify_checksums=self._verify_checksums,
+        )

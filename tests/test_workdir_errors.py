@@ -20,8 +20,18 @@ from train.core.checkpoint import CONFIG_FILE
 from train.data.datasets import DatasetError, load_ptb
 from train.lm import cli as lm_cli
 
-FRESH = ["--preset", "tiny", "--decay_steps", "20", "--eval_tokens", "300", "--plots", "false",
-         "--progress", "false"]
+FRESH = [
+    "--preset",
+    "tiny",
+    "--decay_steps",
+    "20",
+    "--eval_tokens",
+    "300",
+    "--plots",
+    "false",
+    "--progress",
+    "false",
+]
 
 
 def files_of(directory) -> dict[str, bytes]:
@@ -43,10 +53,13 @@ def assert_one_line_error(code, captured, *needles):
     assert "data:" not in captured.out  # refused before the data was prepared
 
 
-@pytest.mark.parametrize("content, problem", [
-    ('{"preset": "tiny", "steps": 20, "model_con', "is unreadable"),
-    ('["preset", "tiny"]', "is not a JSON object (it holds a list)"),
-])
+@pytest.mark.parametrize(
+    "content, problem",
+    [
+        ('{"preset": "tiny", "steps": 20, "model_con', "is unreadable"),
+        ('["preset", "tiny"]', "is not a JSON object (it holds a list)"),
+    ],
+)
 def test_a_damaged_config_json_is_one_line_naming_it(tmp_path, capsys, content, problem):
     workdir = tmp_path / "run"
     workdir.mkdir()
@@ -69,8 +82,12 @@ def test_a_damaged_dataset_info_json_names_the_prepared_directory(tmp_path, caps
     capsys.readouterr()  # TFDS's progress lines while preparing
     workdir = tmp_path / "run"
     code = lm_cli.main([*FRESH, "--workdir", str(workdir), "--data_dir", str(data_dir)])
-    assert_one_line_error(code, capsys.readouterr(), f"{data_dir}/ptb/word cannot be read",
-                          "delete that directory and run again")
+    assert_one_line_error(
+        code,
+        capsys.readouterr(),
+        f"{data_dir}/ptb/word cannot be read",
+        "delete that directory and run again",
+    )
 
 
 @pytest.fixture
@@ -90,17 +107,17 @@ def immutable(tmp_path):
         subprocess.run(["chattr", "-i", str(path)], check=False)
 
 
-def test_an_unwritable_checkpoint_directory_is_refused_before_the_run(tmp_path, capsys,
-                                                                      immutable):
+def test_an_unwritable_checkpoint_directory_is_refused_before_the_run(tmp_path, capsys, immutable):
     workdir = tmp_path / "run"
     checkpoints = workdir / "checkpoints"
     checkpoints.mkdir(parents=True)
     immutable(checkpoints)
-    code = lm_cli.main([*FRESH, "--workdir", str(workdir), "--data_dir",
-                        str(tmp_path / "tfds")])
-    assert_one_line_error(code, capsys.readouterr(),
-                          f"checkpoint directory {os.path.abspath(checkpoints)} is not "
-                          "writable")
+    code = lm_cli.main([*FRESH, "--workdir", str(workdir), "--data_dir", str(tmp_path / "tfds")])
+    assert_one_line_error(
+        code,
+        capsys.readouterr(),
+        f"checkpoint directory {os.path.abspath(checkpoints)} is not writable",
+    )
     assert not (tmp_path / "tfds").exists()  # nothing prepared
     assert not (workdir / CONFIG_FILE).exists()
 
@@ -110,5 +127,6 @@ def test_a_config_json_that_is_not_a_run_config_is_one_line(tmp_path, capsys):
     workdir.mkdir()
     (workdir / CONFIG_FILE).write_text(json.dumps({"preset": "tiny", "no_such_field": 1}))
     code = lm_cli.main(["--workdir", str(workdir)])
-    assert_one_line_error(code, capsys.readouterr(), str(workdir / CONFIG_FILE),
-                          "does not describe a run")
+    assert_one_line_error(
+        code, capsys.readouterr(), str(workdir / CONFIG_FILE), "does not describe a run"
+    )

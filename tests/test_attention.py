@@ -7,6 +7,7 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
+from helpers import needs_gpu, np_multi_head_attention
 from transformer_jax import (
     MultiHeadAttention,
     TransformerConfig,
@@ -85,12 +86,6 @@ def test_attention_dropout_only_when_not_deterministic():
     np.testing.assert_allclose(w_drop[kept], 2.0 * ref_w[kept], rtol=1e-5)
 
 
-# The fused cuDNN kernel needs a GPU; under tests/conftest.py that takes
-# JAX_PLATFORMS=cuda,cpu (the default is the 8 fake CPU devices).
-needs_gpu = pytest.mark.skipif(jax.default_backend() != "gpu",
-                               reason="the fused cuDNN kernel needs a GPU")
-
-
 @needs_gpu
 def test_cudnn_and_xla_paths_agree_in_bf16():
     q, k, v = (jnp.asarray(x, jnp.bfloat16) for x in _qkv(seed=3, b=2, t=16, s=16, h=2, k=64))
@@ -99,32 +94,6 @@ def test_cudnn_and_xla_paths_agree_in_bf16():
     xla = dot_product_attention(q, k, v, mask=mask, implementation="xla")
     chex.assert_trees_all_close(np.asarray(fused, np.float32), np.asarray(xla, np.float32),
                                 atol=2e-2, rtol=2e-2)
-
-
-def _np_dense(x, p):
-    return x @ np.asarray(p["kernel"], np.float64) + np.asarray(p["bias"], np.float64)
-
-
-def np_multi_head_attention(xq, xkv, p, mask, n_heads):
-    """The obvious way: project, then per example and head softmax(q k^T / sqrt(K)) v.
-
-    xq [B, T, D], xkv [B, S, D], mask broadcastable to [B, 1, T, S]; head h is columns
-    h*K .. (h+1)*K of the projections.
-    """
-    q, k, v = (_np_dense(x, p[name]) for x, name in ((xq, "query"), (xkv, "key"),
-                                                      (xkv, "value")))
-    b_, t_, d = q.shape
-    hk = d // n_heads
-    mask = np.broadcast_to(mask, (b_, 1, t_, xkv.shape[1]))
-    out = np.zeros_like(q)
-    for b in range(b_):
-        for h in range(n_heads):
-            cols = slice(h * hk, (h + 1) * hk)
-            scores = q[b, :, cols] @ k[b, :, cols].T / np.sqrt(hk)
-            scores = np.where(mask[b, 0], scores, -np.inf)
-            w = np.exp(scores - scores.max(-1, keepdims=True))
-            out[b, :, cols] = (w / w.sum(-1, keepdims=True)) @ v[b, :, cols]
-    return _np_dense(out, p["out"])
 
 
 def test_multi_head_attention_matches_numpy_einsum_reference():

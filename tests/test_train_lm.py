@@ -13,11 +13,11 @@ import sys
 import numpy as np
 import pytest
 
+from helpers import REPO, train_losses
 from train import lm
 from train.core.metrics import read_metrics
 from transformer_jax.optim import make_schedule
 
-REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
 
 def tiny_config(data_dir, dataset="ptb", **overrides):
@@ -25,10 +25,6 @@ def tiny_config(data_dir, dataset="ptb", **overrides):
                   eval_tokens=600, plots=False, progress=False, data_dir=str(data_dir))
     fields.update(overrides)
     return lm.make_config(dataset, "tiny", **fields)
-
-
-def train_losses(workdir):
-    return [(r["step"], r["loss"]) for r in read_metrics(str(workdir)) if r["split"] == "train"]
 
 
 @pytest.fixture(scope="module")

@@ -6,7 +6,6 @@ the best by validation loss.
 """
 from __future__ import annotations
 
-import hashlib
 import os
 import signal
 
@@ -17,9 +16,10 @@ import numpy as np
 import optax
 import pytest
 
+from helpers import file_hashes, train_losses
 from train.core.checkpoint import CheckpointError, Checkpoints
 from train.core.loop import LoopConfig, StopFlag, TrainingDiverged, stop_on_sigterm, train_loop
-from train.core.metrics import MetricsWriter, read_metrics
+from train.core.metrics import MetricsWriter
 from train.core.parallel import DataParallel
 from train.core.state import TrainState
 
@@ -80,21 +80,6 @@ def run(workdir, *, steps, nan_at=None, eval_every=0, checkpoint_every=0, keep=3
         writer=MetricsWriter(str(workdir)), checkpoints=ckpt, evaluate=toy_eval,
         elapsed=elapsed, stop=stop, on_log=on_log)
     return result, ckpt
-
-
-def train_losses(workdir):
-    return [(r["step"], r["loss"]) for r in read_metrics(str(workdir)) if r["split"] == "train"]
-
-
-def tree_of_files(directory):
-    """{relative path: sha256} of every file below `directory`."""
-    out = {}
-    for root, _, files in os.walk(directory):
-        for name in files:
-            path = os.path.join(root, name)
-            with open(path, "rb") as f:
-                out[os.path.relpath(path, directory)] = hashlib.sha256(f.read()).hexdigest()
-    return out
 
 
 def test_a_few_steps_lower_the_loss(tmp_path):
@@ -173,10 +158,10 @@ def test_corrupt_checkpoint_is_a_clear_error_and_changes_nothing(tmp_path):
     for path in data_files:
         with open(path, "r+b") as f:
             f.truncate(3)
-    before = tree_of_files(tmp_path)
+    before = file_hashes(tmp_path)
     with pytest.raises(CheckpointError, match=str(ckpt.path(4))):
         run(tmp_path, steps=6)
-    assert tree_of_files(tmp_path) == before
+    assert file_hashes(tmp_path) == before
 
 
 def test_stop_flag_by_hand_before_any_step_still_runs_one_step(tmp_path):

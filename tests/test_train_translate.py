@@ -5,7 +5,6 @@ that leaves the checkpoints alone, and the command line works (flags, SIGTERM, -
 """
 from __future__ import annotations
 
-import hashlib
 import math
 import os
 import re
@@ -18,11 +17,11 @@ import jax
 import numpy as np
 import pytest
 
+from helpers import REPO, file_hashes, train_losses
 from train import translate
 from train.core.checkpoint import CheckpointError, Checkpoints
 from train.core.metrics import read_metrics
 
-REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 SMALL_MODEL = dict(d_model=32, n_heads=2, d_ff=64, n_encoder_layers=1, n_decoder_layers=1)
 
 
@@ -31,20 +30,6 @@ def tiny_config(data_dir, **overrides):
                   eval_batch_size=16, beam_size=2, progress=False, data_dir=str(data_dir))
     fields.update(overrides)
     return translate.make_config("transformer", "tiny", model_overrides=SMALL_MODEL, **fields)
-
-
-def train_losses(workdir):
-    return [(r["step"], r["loss"]) for r in read_metrics(str(workdir)) if r["split"] == "train"]
-
-
-def file_hashes(directory):
-    out = {}
-    for root, _, files in os.walk(directory):
-        for name in files:
-            with open(os.path.join(root, name), "rb") as f:
-                out[os.path.relpath(os.path.join(root, name), directory)] = \
-                    hashlib.sha256(f.read()).hexdigest()
-    return out
 
 
 @pytest.fixture(scope="module")

@@ -14,7 +14,7 @@ import pytest
 pytest.importorskip("transformers")
 pytest.importorskip("torch")
 
-from test_marian import SOURCE_TEXT, _save_marian, _save_tokenizer  # noqa: E402
+from helpers import SOURCE_TEXT, save_marian, save_tokenizer  # noqa: E402
 
 from train.translate import cli  # noqa: E402
 from train.translate.pretrained import Pretrained, evaluate_pretrained  # noqa: E402
@@ -24,8 +24,8 @@ from transformer_jax import greedy_decode, load_marian  # noqa: E402
 @pytest.fixture(scope="module")
 def folder(tmp_path_factory):
     path = tmp_path_factory.mktemp("opus")
-    _save_tokenizer(path)
-    _save_marian(path, vocab_size=len(json.loads((path / "vocab.json").read_text())))
+    save_tokenizer(path)
+    save_marian(path, vocab_size=len(json.loads((path / "vocab.json").read_text())))
     return path
 
 
@@ -64,6 +64,6 @@ def test_the_command_line_translates_a_file_and_scores_multi30k(folder, tmp_path
 
 
 def test_a_folder_without_tokenizer_cannot_translate(tmp_path):
-    _save_marian(tmp_path)
+    save_marian(tmp_path)
     with pytest.raises(FileNotFoundError, match="no tokenizer"):
         Pretrained(str(tmp_path))

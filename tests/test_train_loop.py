@@ -130,7 +130,7 @@ def test_nan_stops_with_a_message_and_keeps_the_last_good_checkpoint(tmp_path):
         DataParallel("jit").put_state(TrainState.create(
             params={"w": jnp.zeros(D), "b": jnp.zeros(())}, tx=optax.sgd(0.1),
             rng=jax.random.PRNGKey(0))))
-    assert all(np.isfinite(x).all() for x in jax.tree.leaves(jax.device_get(restored.params)))
+    chex.assert_tree_all_finite(jax.device_get(restored.params))
 
 
 def test_keeps_the_last_n_and_the_best_by_validation_loss(tmp_path):

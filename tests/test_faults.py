@@ -32,6 +32,9 @@ from helpers import REPO, file_hashes, train_losses
 from train.core import cli
 from train.core.checkpoint import Checkpoints
 from train.core.metrics import read_metrics
+# Every test here runs the command line in subprocesses.
+pytestmark = pytest.mark.slow
+
 TIMEOUT = 300  # seconds for any one run
 
 # A fresh run: tiny, and a fixed cosine horizon (decay_steps), so runs given different --steps

@@ -55,6 +55,7 @@ def _config(data_dir, steps):
                           progress=False, data_dir=str(data_dir))
 
 
+@pytest.mark.slow
 def test_a_bucket_workdir_holds_the_run_and_resumes_on_a_fresh_machine(
         bucket, tmp_path, monkeypatch):
     data_dir = tmp_path / "tfds"

@@ -68,6 +68,7 @@ def _partial_memory(cfg, seed=0):
 TOLERANCE = {jnp.float32: dict(rtol=1e-5, atol=1e-6), jnp.float64: dict(rtol=1e-12, atol=1e-14)}
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("overrides,dropout,dtype", [
     # Another dropout or dropatt mask in the recomputation would move the loss by far more
     # than float32 rounding.

@@ -1,12 +1,15 @@
 """The attention core and the Transformer's multi-head attention against slow NumPy references."""
 from __future__ import annotations
 
+import functools
+
 import chex
 import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
 
+from helpers import needs_gpu, np_multi_head_attention
 from transformer_jax import (
     MultiHeadAttention,
     TransformerConfig,
@@ -46,29 +49,34 @@ def _qkv(seed=0, b=2, t=3, s=5, h=2, k=4):
                  for shape in ((b, t, h, k), (b, s, h, k), (b, s, h, k)))
 
 
-def test_dot_product_attention_matches_numpy_with_mask_bias_and_scale():
-    q, k, v = _qkv()
-    rng = np.random.default_rng(1)
-    mask = rng.random((2, 1, 3, 5)) > 0.3
-    mask[0, 0, 1] = False  # one query with every key masked
-    bias = rng.normal(size=(1, 2, 3, 5)).astype(np.float32)
-    out, weights = dot_product_attention(q, k, v, mask=jnp.asarray(mask), bias=bias,
-                                         scale=0.3, return_weights=True)
-    ref_out, ref_w = _np_attention(q, k, v, mask, bias, scale=0.3)
-    chex.assert_shape(out, (2, 3, 2, 4))
-    chex.assert_trees_all_close(np.asarray(out), ref_out.astype(np.float32), atol=1e-5)
-    chex.assert_trees_all_close(np.asarray(weights), ref_w.astype(np.float32), atol=1e-6)
+class DotProductAttentionTest(chex.TestCase):
+    """The attention core is a pure function: the same numbers eager and under jit."""
 
+    @chex.variants(with_jit=True, without_jit=True)
+    def test_dot_product_attention_matches_numpy_with_mask_bias_and_scale(self):
+        q, k, v = _qkv()
+        rng = np.random.default_rng(1)
+        mask = rng.random((2, 1, 3, 5)) > 0.3
+        mask[0, 0, 1] = False  # one query with every key masked
+        bias = rng.normal(size=(1, 2, 3, 5)).astype(np.float32)
+        attend = self.variant(functools.partial(dot_product_attention, scale=0.3,
+                                                return_weights=True))
+        out, weights = attend(q, k, v, mask=jnp.asarray(mask), bias=bias)
+        ref_out, ref_w = _np_attention(q, k, v, mask, bias, scale=0.3)
+        chex.assert_shape(out, (2, 3, 2, 4))
+        chex.assert_trees_all_close(np.asarray(out), ref_out.astype(np.float32), atol=1e-5)
+        chex.assert_trees_all_close(np.asarray(weights), ref_w.astype(np.float32), atol=1e-6)
 
-def test_masks_have_the_documented_shapes_and_meaning():
-    tokens = jnp.array([[5, 6, 0], [7, 0, 0]])
-    pad = make_padding_mask(tokens, 0)
-    chex.assert_shape(pad, (2, 1, 1, 3))
-    np.testing.assert_array_equal(np.asarray(pad[:, 0, 0]), [[1, 1, 0], [1, 0, 0]])
-    causal = make_causal_mask(4)
-    chex.assert_shape(causal, (1, 1, 4, 4))
-    np.testing.assert_array_equal(np.asarray(causal[0, 0]),
-                                  np.array([[s <= t for s in range(4)] for t in range(4)]))
+    @chex.variants(with_jit=True, without_jit=True)
+    def test_masks_have_the_documented_shapes_and_meaning(self):
+        tokens = jnp.array([[5, 6, 0], [7, 0, 0]])
+        pad = self.variant(functools.partial(make_padding_mask, pad_id=0))(tokens)
+        chex.assert_shape(pad, (2, 1, 1, 3))
+        np.testing.assert_array_equal(np.asarray(pad[:, 0, 0]), [[1, 1, 0], [1, 0, 0]])
+        causal = make_causal_mask(4)
+        chex.assert_shape(causal, (1, 1, 4, 4))
+        np.testing.assert_array_equal(np.asarray(causal[0, 0]),
+                                      np.array([[s <= t for s in range(4)] for t in range(4)]))
 
 
 def test_attention_dropout_only_when_not_deterministic():
@@ -85,12 +93,6 @@ def test_attention_dropout_only_when_not_deterministic():
     np.testing.assert_allclose(w_drop[kept], 2.0 * ref_w[kept], rtol=1e-5)
 
 
-# The fused cuDNN kernel needs a GPU; under tests/conftest.py that takes
-# JAX_PLATFORMS=cuda,cpu (the default is the 8 fake CPU devices).
-needs_gpu = pytest.mark.skipif(jax.default_backend() != "gpu",
-                               reason="the fused cuDNN kernel needs a GPU")
-
-
 @needs_gpu
 def test_cudnn_and_xla_paths_agree_in_bf16():
     q, k, v = (jnp.asarray(x, jnp.bfloat16) for x in _qkv(seed=3, b=2, t=16, s=16, h=2, k=64))
@@ -99,32 +101,6 @@ def test_cudnn_and_xla_paths_agree_in_bf16():
     xla = dot_product_attention(q, k, v, mask=mask, implementation="xla")
     chex.assert_trees_all_close(np.asarray(fused, np.float32), np.asarray(xla, np.float32),
                                 atol=2e-2, rtol=2e-2)
-
-
-def _np_dense(x, p):
-    return x @ np.asarray(p["kernel"], np.float64) + np.asarray(p["bias"], np.float64)
-
-
-def np_multi_head_attention(xq, xkv, p, mask, n_heads):
-    """The obvious way: project, then per example and head softmax(q k^T / sqrt(K)) v.
-
-    xq [B, T, D], xkv [B, S, D], mask broadcastable to [B, 1, T, S]; head h is columns
-    h*K .. (h+1)*K of the projections.
-    """
-    q, k, v = (_np_dense(x, p[name]) for x, name in ((xq, "query"), (xkv, "key"),
-                                                      (xkv, "value")))
-    b_, t_, d = q.shape
-    hk = d // n_heads
-    mask = np.broadcast_to(mask, (b_, 1, t_, xkv.shape[1]))
-    out = np.zeros_like(q)
-    for b in range(b_):
-        for h in range(n_heads):
-            cols = slice(h * hk, (h + 1) * hk)
-            scores = q[b, :, cols] @ k[b, :, cols].T / np.sqrt(hk)
-            scores = np.where(mask[b, 0], scores, -np.inf)
-            w = np.exp(scores - scores.max(-1, keepdims=True))
-            out[b, :, cols] = (w / w.sum(-1, keepdims=True)) @ v[b, :, cols]
-    return _np_dense(out, p["out"])
 
 
 def test_multi_head_attention_matches_numpy_einsum_reference():
@@ -199,8 +175,7 @@ def test_cudnn_with_fully_masked_rows_stays_finite_and_agrees_on_the_others():
         return jax.value_and_grad(f, argnums=(0, 1, 2))(q, k, v)
 
     (l_fused, g_fused), (l_xla, g_xla) = run("cudnn"), run("xla")
-    assert np.isfinite(float(l_fused))
-    assert all(np.isfinite(np.asarray(g, np.float32)).all() for g in g_fused)
+    chex.assert_tree_all_finite((l_fused, g_fused))
     np.testing.assert_allclose(float(l_fused), float(l_xla), rtol=2e-2)
     for fused, xla in zip(g_fused, g_xla):
         chex.assert_trees_all_close(np.asarray(fused, np.float32), np.asarray(xla, np.float32),

@@ -343,6 +343,7 @@ def _tiny_bench_config() -> BenchConfig:
         xl_eval_tgt_len=4, xl_eval_batch=2, vanilla_batch=2, eval_repeats=2)
 
 
+@pytest.mark.slow
 def test_run_writes_every_training_figure_and_the_xl_eval_table(tmp_path):
     config = _tiny_bench_config()
     results = run_benchmarks(
@@ -404,6 +405,7 @@ def test_full_size_train_steps_trace_and_hold_exactly_the_formulas_products(whic
                                   "wt103_base": 9_000}[which]
 
 
+@pytest.mark.slow
 def test_a_failing_section_is_recorded_and_the_run_goes_on(tmp_path, monkeypatch):
     def broken(*args, **kwargs):
         raise RuntimeError("out of memory (simulated)")
@@ -538,6 +540,7 @@ def test_cpu_vs_torch_compares_the_cpu_presets_at_equal_parameter_counts():
     del torch
 
 
+@pytest.mark.slow
 def test_cpu_vs_torch_section_reports_every_field_and_a_failed_compile(tmp_path, monkeypatch):
     torch = pytest.importorskip("torch")
     import os
@@ -557,6 +560,7 @@ def test_cpu_vs_torch_section_reports_every_field_and_a_failed_compile(tmp_path,
                              profile=False, raise_errors=True, log=lambda m: None)
     assert "matmul" not in results and results["meta"]["sections"] == ["cpu_vs_torch"]
     cmp = results["cpu_vs_torch"]
+    xl_vocab = config.torch_xl.vocab_size
     threads = len(os.sched_getaffinity(0))
     assert cmp["threads"] == threads == torch.get_num_threads()
     assert [r["model"] for r in cmp["rows"]] == ["transformer", "transformer_xl"]
@@ -572,8 +576,18 @@ def test_cpu_vs_torch_section_reports_every_field_and_a_failed_compile(tmp_path,
             assert arm["tokens_per_s"] == pytest.approx(r["tokens_per_step"] / arm["median_s"])
             assert math.isfinite(arm["final_loss"])
         assert r["project_over_eager"] == pytest.approx(eager["median_s"] / project["median_s"])
-        # The same model and loss on both sides (different random weights): near log V alike.
-        assert abs(project["final_loss"] - eager["final_loss"]) < 0.5
+        # The same model and loss on both sides, from different random weights, on uniformly
+        # random tokens: nothing to learn in five steps, so each loss stays where its
+        # initialisation puts it. XL: both at the official init (std 0.02, logits ~ 0), so
+        # both at log V (4.14 and 4.17 measured, log 64 = 4.16). The Transformer's two
+        # initialisations differ (4.46 and 4.04 measured, log 32 = 3.47): only their
+        # closeness.
+        if r["model"] == "transformer_xl":
+            for arm in (project, eager):
+                assert abs(arm["final_loss"] - math.log(xl_vocab)) < 0.1, arm["final_loss"]
+            assert abs(project["final_loss"] - eager["final_loss"]) < 0.1
+        else:
+            assert abs(project["final_loss"] - eager["final_loss"]) < 0.5
     assert cmp["rows"][0]["tokens_per_step"] == 2 * 8
     assert cmp["rows"][1]["tokens_per_step"] == 2 * 8 and cmp["rows"][1]["mem_len"] == 8
     md = (tmp_path / "bench.md").read_text()

@@ -24,6 +24,7 @@ from translation_checks import (
     run_cached,
 )
 
+from helpers import matmul_dtypes
 from transformer_jax.baselines import make_baseline
 from transformer_jax.convs2s import ConvS2S, ConvS2SConfig
 
@@ -214,9 +215,18 @@ def test_dropout_and_bfloat16():
                          rngs={"dropout": jax.random.key(key)})
 
     assert not np.allclose(run(1), forward("k3")[0])
-    chex.assert_trees_all_close(run(1), run(1))
+    assert not np.allclose(run(1), run(2))              # the masks come from the key
     chex.assert_trees_all_close(jit_apply(noisy, params, SRC, TGT), forward("k3")[0])
 
-    half = jit_apply(build("k3", dtype=jnp.bfloat16), params, SRC, TGT)
+    half_model = build("k3", dtype=jnp.bfloat16)
+    half = jit_apply(half_model, params, SRC, TGT)
     assert half.dtype == jnp.float32
     chex.assert_trees_all_close(half, forward("k3")[0], atol=0.1, rtol=0.05)
+    # The closeness above would also pass a model that ignored `dtype`: every product of the
+    # bf16 program must take bf16 operands, as many as the float32 program has.
+    full_dots = matmul_dtypes(lambda p: model.apply({"params": p}, SRC, TGT), params)
+    half_dots = matmul_dtypes(lambda p: half_model.apply({"params": p}, SRC, TGT), params)
+    assert {d[:2] for d in full_dots} == {("float32", "float32")}
+    assert len(half_dots) == len(full_dots)
+    assert {d[:2] for d in half_dots} == {("bfloat16", "bfloat16")}
+    assert not np.array_equal(half, forward("k3")[0])   # and the rounding shows

@@ -28,12 +28,13 @@ import numpy as np
 import orbax.checkpoint as ocp
 import pytest
 
+from helpers import REPO, file_hashes, train_losses
 from train.core import cli
 from train.core.checkpoint import Checkpoints
 from train.core.metrics import read_metrics
-from test_train_translate import file_hashes, train_losses
+# Every test here runs the command line in subprocesses.
+pytestmark = pytest.mark.slow
 
-REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 TIMEOUT = 300  # seconds for any one run
 
 # A fresh run: tiny, and a fixed cosine horizon (decay_steps), so runs given different --steps

@@ -1,12 +1,15 @@
 """Label-smoothed cross-entropy, the Noam schedule and the paper's Adam, against their formulas."""
 from __future__ import annotations
 
+import functools
+
 import chex
 import jax
 import jax.numpy as jnp
 import numpy as np
 import optax
 import pytest
+from absl.testing import parameterized
 
 from transformer_jax import (OptimizerConfig, label_smoothed_cross_entropy, make_optimizer,
                              noam_schedule, smoothed_target_distribution, token_cross_entropy)
@@ -36,48 +39,55 @@ def _explicit_smoothed_ce(logits, targets, smoothing, pad_id):
     return total, count
 
 
-@pytest.mark.parametrize("smoothing", [0.0, 0.1, 0.4])
-def test_label_smoothing_equals_explicit_distribution(smoothing):
-    rng = np.random.default_rng(0)
-    logits = rng.normal(size=(3, 4, 7)).astype(np.float32) * 3
-    targets = rng.integers(1, 7, size=(3, 4)).astype(np.int32)
-    targets[0, 2:] = 0
-    targets[2, 3] = 0
-    loss_sum, n_tokens = label_smoothed_cross_entropy(jnp.asarray(logits), jnp.asarray(targets),
-                                                      smoothing=smoothing, pad_id=0)
-    ref_sum, ref_count = _explicit_smoothed_ce(logits, targets, smoothing, 0)
-    assert int(n_tokens) == ref_count == 9
-    np.testing.assert_allclose(float(loss_sum), ref_sum, rtol=1e-5)
+class LabelSmoothingTest(chex.TestCase):
+    """The loss is a pure function: the same numbers eager and under jit (chex.variants)."""
 
+    @chex.variants(with_jit=True, without_jit=True)
+    @parameterized.parameters(0.0, 0.1, 0.4)
+    def test_label_smoothing_equals_explicit_distribution(self, smoothing):
+        rng = np.random.default_rng(0)
+        logits = rng.normal(size=(3, 4, 7)).astype(np.float32) * 3
+        targets = rng.integers(1, 7, size=(3, 4)).astype(np.int32)
+        targets[0, 2:] = 0
+        targets[2, 3] = 0
+        loss = self.variant(functools.partial(label_smoothed_cross_entropy,
+                                              smoothing=smoothing, pad_id=0))
+        loss_sum, n_tokens = loss(jnp.asarray(logits), jnp.asarray(targets))
+        ref_sum, ref_count = _explicit_smoothed_ce(logits, targets, smoothing, 0)
+        assert int(n_tokens) == ref_count == 9
+        np.testing.assert_allclose(float(loss_sum), ref_sum, rtol=1e-5)
 
-@pytest.mark.parametrize("smoothing", [0.0, 0.1])
-def test_label_smoothing_gradient_is_autodiffs_of_the_explicit_distribution(smoothing):
-    # The loss has a closed-form VJP ((softmax - q) per real position); it must be the
-    # gradient autodiff takes through log_softmax against the written-out q, pad rows zero.
-    rng = np.random.default_rng(2)
-    logits = jnp.asarray(rng.normal(size=(3, 4, 7)) * 3, jnp.float32)
-    targets = np.asarray(rng.integers(1, 7, size=(3, 4)), np.int32)
-    targets[0, 2:] = 0
-    targets = jnp.asarray(targets)
-    scale = jnp.float32(0.7)   # a cotangent other than 1
+    @chex.variants(with_jit=True, without_jit=True)
+    @parameterized.parameters(0.0, 0.1)
+    def test_label_smoothing_gradient_is_autodiffs_of_the_explicit_distribution(self,
+                                                                               smoothing):
+        # The loss has a closed-form VJP ((softmax - q) per real position); it must be the
+        # gradient autodiff takes through log_softmax against the written-out q, pad rows
+        # zero.
+        rng = np.random.default_rng(2)
+        logits = jnp.asarray(rng.normal(size=(3, 4, 7)) * 3, jnp.float32)
+        targets = np.asarray(rng.integers(1, 7, size=(3, 4)), np.int32)
+        targets[0, 2:] = 0
+        targets = jnp.asarray(targets)
+        scale = jnp.float32(0.7)   # a cotangent other than 1
 
-    def ours(x):
-        return scale * label_smoothed_cross_entropy(x, targets, smoothing=smoothing,
-                                                     pad_id=0)[0]
+        def ours(x):
+            return scale * label_smoothed_cross_entropy(x, targets, smoothing=smoothing,
+                                                         pad_id=0)[0]
 
-    def explicit(x):
-        q = smoothed_target_distribution(targets, 7, smoothing=smoothing, pad_id=0)
-        return scale * -jnp.sum(q * jax.nn.log_softmax(x, axis=-1))
+        def explicit(x):
+            q = smoothed_target_distribution(targets, 7, smoothing=smoothing, pad_id=0)
+            return scale * -jnp.sum(q * jax.nn.log_softmax(x, axis=-1))
 
-    chex.assert_trees_all_close(ours(logits), explicit(logits), rtol=1e-5)
-    got, want = jax.grad(ours)(logits), jax.grad(explicit)(logits)
-    chex.assert_trees_all_close(got, want, rtol=1e-5, atol=1e-6)
-    assert float(jnp.abs(got[0, 2:]).max()) == 0.0          # pad targets: no gradient
-    # The unsmoothed per-position form without an excluded id is the plain NLL.
-    nll = jax.grad(lambda x: jnp.sum(token_cross_entropy(x, targets)))(logits)
-    want = jax.grad(lambda x: -jnp.sum(jnp.take_along_axis(
-        jax.nn.log_softmax(x), targets[..., None], axis=-1)))(logits)
-    chex.assert_trees_all_close(nll, want, rtol=1e-5, atol=1e-6)
+        chex.assert_trees_all_close(self.variant(ours)(logits), explicit(logits), rtol=1e-5)
+        got, want = self.variant(jax.grad(ours))(logits), jax.grad(explicit)(logits)
+        chex.assert_trees_all_close(got, want, rtol=1e-5, atol=1e-6)
+        assert float(jnp.abs(got[0, 2:]).max()) == 0.0          # pad targets: no gradient
+        # The unsmoothed per-position form without an excluded id is the plain NLL.
+        nll = self.variant(jax.grad(lambda x: jnp.sum(token_cross_entropy(x, targets))))(logits)
+        want = jax.grad(lambda x: -jnp.sum(jnp.take_along_axis(
+            jax.nn.log_softmax(x), targets[..., None], axis=-1)))(logits)
+        chex.assert_trees_all_close(nll, want, rtol=1e-5, atol=1e-6)
 
 
 def test_label_smoothing_differs_from_kl_by_the_entropy_of_q():

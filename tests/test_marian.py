@@ -7,7 +7,6 @@ models trained here.
 """
 from __future__ import annotations
 
-import io
 import json
 import shutil
 import sys
@@ -16,8 +15,15 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
-import sentencepiece
 
+from helpers import (
+    LANGUAGE_CODE,
+    MARIAN_EOS,
+    SOURCE_TEXT,
+    TARGET_TEXT,
+    save_marian,
+    save_tokenizer,
+)
 from transformer_jax import (
     GenerationDefaults,
     MarianTokenizer,
@@ -32,45 +38,12 @@ torch = pytest.importorskip("torch")
 # transformers' MarianTokenizer asks for sacremoses, which it does not use to tokenize.
 pytestmark = pytest.mark.filterwarnings("ignore:Recommended. pip install sacremoses")
 
-EOS = 0
+EOS = MARIAN_EOS
 MAX_LEN = 12   # greedy output positions after the start token
 
 
 def _relative_error(ours, ref) -> float:
     return float(np.abs(np.asarray(ours) - ref).max() / np.abs(ref).max())
-
-
-def _save_marian(folder, *, vocab_size=40, decoder_vocab_size=None, share=True,
-                 activation="swish", tie=True, seed=0):
-    """A random MarianMTModel (2 + 3 layers, D 32) saved to `folder`; returns it."""
-    pad = (decoder_vocab_size or vocab_size) - 1
-    config = transformers.MarianConfig(
-        vocab_size=vocab_size, decoder_vocab_size=decoder_vocab_size, d_model=32,
-        encoder_layers=2, decoder_layers=3, encoder_attention_heads=4,
-        decoder_attention_heads=4, encoder_ffn_dim=64, decoder_ffn_dim=64,
-        activation_function=activation, max_position_embeddings=64, scale_embedding=True,
-        pad_token_id=pad, decoder_start_token_id=pad, eos_token_id=EOS,
-        share_encoder_decoder_embeddings=share, tie_word_embeddings=tie)
-    torch.manual_seed(seed)
-    model = transformers.MarianMTModel(config).eval()
-    # transformers initialises biases, LayerNorms and final_logits_bias to constants; random
-    # values make a mix-up of any two of them visible.
-    with torch.no_grad():
-        for name, p in model.named_parameters():
-            if "embed_positions" in name:   # the sinusoid, not saved
-                continue
-            if "layer_norm" in name:
-                p.copy_(torch.randn_like(p) * 0.1 + (1.0 if name.endswith("weight") else 0.0))
-            elif "embed_tokens" in name or "shared" in name:
-                p.normal_()
-            else:
-                p.copy_(torch.randn_like(p) * p.shape[-1] ** -0.5
-                        * (1.0 if name.endswith("weight") else 0.1))
-        model.final_logits_bias.normal_()
-        # Pad is the likeliest token: only its exclusion keeps it out of greedy output.
-        model.final_logits_bias[0, pad] += 10.0
-    model.save_pretrained(folder)
-    return model
 
 
 def _source_batch(pad, *, high):
@@ -89,8 +62,8 @@ def _source_batch(pad, *, high):
     (True, "gelu", False),     # an untied output projection (lm_head)
 ])
 def test_logits_equal_transformers_on_padded_batches(tmp_path, share, activation, tie):
-    hf = _save_marian(tmp_path, decoder_vocab_size=None if share else 33, share=share,
-                      activation=activation, tie=tie)
+    hf = save_marian(tmp_path, decoder_vocab_size=None if share else 33, share=share,
+                     activation=activation, tie=tie)
     model, params, tokenizer = load_marian(tmp_path)
     assert tokenizer is None   # no tokenizer files in the folder
     cfg = model.config
@@ -111,62 +84,13 @@ def test_logits_equal_transformers_on_padded_batches(tmp_path, share, activation
 
 # ------------------------------------------------------------------ tokenizer
 
-SOURCE_TEXT = ["Ein Mann fährt Fahrrad.", "Zwei Hunde spielen im Schnee.",
-               "Eine Frau liest ein Buch im Park.", "Kinder spielen Fußball auf der Straße.",
-               "Der Hund läuft über die grüne Wiese.", "Ein Mann und eine Frau lachen."]
-TARGET_TEXT = ["A man rides a bicycle.", "Two dogs play in the snow.",
-               "A woman reads a book in the park.", "Children play football on the street.",
-               "The dog runs across the green meadow.", "A man and a woman laugh."]
-LANGUAGE_CODE = ">>fra<<"
-
-
-def _train_spm(path, lines):
-    model = io.BytesIO()
-    sentencepiece.SentencePieceTrainer.train(
-        sentence_iterator=iter(lines * 4), model_writer=model, vocab_size=60,
-        character_coverage=1.0, hard_vocab_limit=False, minloglevel=2)
-    path.write_bytes(model.getvalue())
-    processor = sentencepiece.SentencePieceProcessor(model_file=str(path))
-    return [processor.id_to_piece(i) for i in range(processor.get_piece_size())
-            if not (processor.is_control(i) or processor.is_unknown(i))]
-
-
-def _vocab(pieces, *, pad_last=True):
-    """Marian's layout: </s> 0, <unk> 1, the pieces, <pad> last (or 2)."""
-    words = ["</s>", "<unk>"] + ([] if pad_last else ["<pad>"])
-    words += [p for p in dict.fromkeys(pieces) if p not in words]
-    return {w: i for i, w in enumerate(words + (["<pad>"] if pad_last else []))}
-
-
-def _save_tokenizer(folder, *, separate=False):
-    """Trains source/target SentencePiece models, saves them as transformers'
-    MarianTokenizer does, and returns that tokenizer."""
-    source = _train_spm(folder / "train_source.spm", SOURCE_TEXT)
-    target = _train_spm(folder / "train_target.spm", TARGET_TEXT)
-    kwargs = {}
-    if separate:
-        (folder / "train_vocab.json").write_text(json.dumps(_vocab(source, pad_last=False)))
-        (folder / "train_target_vocab.json").write_text(
-            json.dumps(_vocab(target, pad_last=False)))
-        kwargs = dict(separate_vocabs=True,
-                      target_vocab_file=str(folder / "train_target_vocab.json"))
-    else:
-        vocab = _vocab(source + target + [LANGUAGE_CODE])
-        (folder / "train_vocab.json").write_text(json.dumps(vocab))
-    hf = transformers.MarianTokenizer(
-        source_spm=str(folder / "train_source.spm"), target_spm=str(folder / "train_target.spm"),
-        vocab=str(folder / "train_vocab.json"), **kwargs)
-    hf.save_pretrained(folder)
-    return hf
-
-
 ODD_TEXT = ["", "  Zwei Hunde  spielen im Schnee ", f"{LANGUAGE_CODE} Ein Kind lacht.",
             ">>xyz<< Ein Kind", "Ein Mann </s> lacht <unk>", "Käse 漢字 ✓ Qq"]
 
 
 @pytest.mark.parametrize("separate", [False, True])
 def test_tokenizer_equals_transformers(tmp_path, separate):
-    hf = _save_tokenizer(tmp_path, separate=separate)
+    hf = save_tokenizer(tmp_path, separate=separate)
     ours = MarianTokenizer.from_folder(tmp_path)
     texts = SOURCE_TEXT + ODD_TEXT
     ids = ours.encode(texts)
@@ -191,9 +115,9 @@ def test_tokenizer_equals_transformers(tmp_path, separate):
 def test_translation_recipe_equals_transformers_greedy_generate(tmp_path):
     """The README's recipe, load_marian -> encode -> greedy -> decode, as transformers runs it;
     and at every step transformers' cached logits equal our full forward pass."""
-    hf_tokenizer = _save_tokenizer(tmp_path)
+    hf_tokenizer = save_tokenizer(tmp_path)
     vocab_size = len(json.loads((tmp_path / "vocab.json").read_text()))
-    hf = _save_marian(tmp_path, vocab_size=vocab_size)
+    hf = save_marian(tmp_path, vocab_size=vocab_size)
     model, params, tokenizer = load_marian(tmp_path)
     assert isinstance(tokenizer, MarianTokenizer)
     pad = model.config.pad_id
@@ -219,7 +143,7 @@ def test_translation_recipe_equals_transformers_greedy_generate(tmp_path):
 
 
 def test_generation_defaults(tmp_path):
-    _save_marian(tmp_path)
+    save_marian(tmp_path)
     assert marian_generation_defaults(tmp_path) == GenerationDefaults(beam_size=1, max_len=19)
     config = json.loads((tmp_path / "config.json").read_text())
     (tmp_path / "config.json").write_text(json.dumps({**config, "num_beams": 6,
@@ -234,7 +158,7 @@ def test_generation_defaults(tmp_path):
 @pytest.fixture(scope="module")
 def saved(tmp_path_factory):
     folder = tmp_path_factory.mktemp("marian")
-    _save_marian(folder)
+    save_marian(folder)
     return folder
 
 
@@ -316,6 +240,6 @@ def test_missing_and_unexpected_files_are_errors_naming_them(saved, tmp_path):
 
 def test_tokenizer_that_disagrees_with_the_config_is_an_error(saved, tmp_path):
     folder = _copy(saved, tmp_path)
-    _save_tokenizer(folder)     # its <pad> is not the model's id 39
+    save_tokenizer(folder)     # its <pad> is not the model's id 39
     with pytest.raises(ValueError, match="pad_token_id"):
         load_marian(folder)

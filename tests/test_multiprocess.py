@@ -88,6 +88,7 @@ def test_two_processes_train_evaluate_and_resume_as_one(tmp_path, data_dir):
             assert code == 0, out[-3000:]
     one_train, two_train = _records(tmp_path / "one", "train"), _records(two, "train")
     assert [r["step"] for r in two_train] == [1, 2, 3, 4, 5, 6]
+    assert len(one_train) == len(two_train) == 6   # zip below compares every step
     assert all(_close(a["loss"], b["loss"]) for a, b in zip(one_train, two_train))
     for split in ("validation", "test"):
         a, b = _records(tmp_path / "one", split)[-1], _records(two, split)[-1]

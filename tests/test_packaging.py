@@ -12,6 +12,8 @@ import zipfile
 import pytest
 
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+# Every test here builds a wheel or starts a Python of its own.
+pytestmark = pytest.mark.slow
 
 
 @pytest.fixture(scope="module")

@@ -103,5 +103,22 @@ def test_make_annotated_transformer_plots_writes_the_three_files(tmp_path):
         schedules={"noam": noam_schedule(64, warmup_steps=100)}, steps=400, smoothing=0.1)
     assert [d.path.rsplit("/", 1)[-1] for d in drawn] == ["masks.png", "lr_schedule.png",
                                                           "label_smoothing.png"]
-    for d in drawn:
-        assert matplotlib_image.imread(d.path).shape[-1] in (3, 4)
+    masks, lr, smoothing = drawn
+    # Each file shows what it was given: this batch's masks, white where a query attends...
+    want = plots.decoder_masks(SRC, TGT_IN, pad_id=0)
+    assert set(masks.data) == set(want)
+    for name, mask in want.items():
+        np.testing.assert_array_equal(masks.data[name], mask)
+        np.testing.assert_array_equal(_read(masks, name).mean(-1) > 0.5, mask)
+    # ... the schedule at every one of the 400 steps...
+    np.testing.assert_allclose(lr.data["noam"],
+                               np.asarray(noam_schedule(64, warmup_steps=100)(np.arange(400))),
+                               rtol=1e-6)
+    # ... and the Annotated Transformer's targets smoothed by 0.1: 0.9 on the target, 0.1 / 3
+    # on the other non-pad ids, nothing for the pad target 0.
+    q = np.full((5, 5), 0.1 / 3)
+    q[:, 0] = 0.0
+    q[np.arange(5), [2, 1, 0, 3, 3]] = 0.9
+    q[2] = 0.0
+    np.testing.assert_allclose(smoothing.data["target_distribution"], q, rtol=1e-6)
+    np.testing.assert_allclose(_read(smoothing, "target_distribution").mean(-1), q, atol=0.02)

@@ -15,11 +15,11 @@ import os
 import pytest
 from etils import epath
 from etils.epath import testing as epath_testing
+from helpers import train_losses
 
 from train import lm
 from train.core import checkpoint as checkpoint_module
 from train.core import workdir as workdir_module
-from train.core.metrics import read_metrics
 
 BACKEND_CALLS = ("open", "exists", "isdir", "listdir", "glob", "walk", "makedirs", "mkdir",
                  "rmtree", "remove", "rename", "replace", "stat", "copy")
@@ -55,10 +55,7 @@ def _config(data_dir, steps):
                           progress=False, data_dir=str(data_dir))
 
 
-def _train_losses(records):
-    return [(r["step"], r["loss"]) for r in records if r["split"] == "train"]
-
-
+@pytest.mark.slow
 def test_a_bucket_workdir_holds_the_run_and_resumes_on_a_fresh_machine(
         bucket, tmp_path, monkeypatch):
     data_dir = tmp_path / "tfds"
@@ -67,7 +64,7 @@ def test_a_bucket_workdir_holds_the_run_and_resumes_on_a_fresh_machine(
     run = bucket / "runs-bucket" / "lm"
     assert (run / "config.json").exists() and (run / "checkpoints" / "3").is_dir()
     assert json.loads((run / "checksums" / "3.json").read_text())  # the checksums went up
-    assert [s for s, _ in _train_losses(read_metrics(str(run)))] == [1, 2, 3]
+    assert [s for s, _ in train_losses(run)] == [1, 2, 3]
     assert list((run / "tensorboard").iterdir())
     assert not (run / ".lock").exists()  # the lock is the local mirror's, not the bucket's
 
@@ -75,11 +72,11 @@ def test_a_bucket_workdir_holds_the_run_and_resumes_on_a_fresh_machine(
     monkeypatch.setenv(workdir_module.MIRROR_ENV, str(tmp_path / "machine-2"))
     monkeypatch.setattr(workdir_module, "_pushed", {})
     assert lm.train_and_evaluate(_config(data_dir, 6), uri)["step"] == 6
-    resumed = _train_losses(read_metrics(str(run)))
+    resumed = train_losses(run)
 
     straight = tmp_path / "straight"
     lm.train_and_evaluate(_config(data_dir, 6), str(straight))
-    expected = _train_losses(read_metrics(str(straight)))
+    expected = train_losses(straight)
     assert [s for s, _ in resumed] == [s for s, _ in expected] == list(range(1, 7))
     for (_, a), (_, b) in zip(resumed, expected):
         assert a == pytest.approx(b, rel=1e-6)

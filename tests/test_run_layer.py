@@ -68,6 +68,7 @@ def _curve(directory, tag):
     return points
 
 
+@pytest.mark.slow
 def test_tensorboard_shows_each_step_once_after_a_resume(tmp_path):
     data_dir = tmp_path / "tfds"
     fields = dict(steps=6, decay_steps=6, log_every=1, checkpoint_every=3, eval_tokens=300,

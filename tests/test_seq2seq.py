@@ -339,6 +339,7 @@ def test_decode_step_matches_teacher_forcing(case):
                                 atol=1e-5)
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("case", MAIN_CASES)
 def test_greedy_and_beam_agree_with_teacher_forcing(case):
     model, params = model_and_params(case)
@@ -359,7 +360,9 @@ def test_teacher_forcing_ratio_draws_from_rng(case):
         return jit_apply(model, params, SRC, TGT, teacher_forcing=ratio,
                          rngs={"sample": jax.random.key(key)})
 
-    chex.assert_trees_all_close(run(3), run(3))                     # same key, same output
+    # Ratio 1 feeds the target at every step whatever the coins: the teacher-forced output.
+    chex.assert_trees_all_close(run(3, ratio=1.0), forward(case)[0], atol=1e-6)
+    assert not np.allclose(run(3), forward(case)[0])                # some steps fed a guess
     assert any(not np.allclose(run(3), run(k)) for k in (4, 5, 6))  # other keys differ
     with pytest.raises(InvalidRngError):  # a ratio below 1 without the rng stream fails
         model.apply({"params": params}, SRC, TGT, teacher_forcing=0.5)
@@ -385,7 +388,9 @@ def test_dropout_needs_rng_and_is_off_when_deterministic():
                          rngs={"dropout": jax.random.key(key)})
 
     assert not np.allclose(noisy(1), forward("bahdanau")[0])
-    chex.assert_trees_all_close(noisy(1), noisy(1))
+    assert not np.allclose(noisy(1), noisy(2))   # the masks come from the key
+    with pytest.raises(InvalidRngError, match="dropout"):
+        model.apply({"params": params}, SRC, TGT, deterministic=False)
 
 
 def test_local_window_is_around_the_predicted_centre():
@@ -439,16 +444,36 @@ def build_named(name, **overrides):
                          **overrides)
 
 
+def _encoder_outputs(module, src, *, deterministic):
+    return module.encoder(src, deterministic=deterministic)[0]             # [B, S, enc_out]
+
+
+def _first_decoder_step(module, src, tgt, *, deterministic):
+    """Logits [B, V] of one decoder step after a deterministic encoder."""
+    memory, state = module.encode(src)
+    return module.decoder(state, tgt[:, 0], memory, deterministic=deterministic)[1]
+
+
 def test_dropout_between_layers_only_when_stacked():
-    def noisy(n_layers, key):
+    """With every embedding zero the embeddings' dropout has nothing to drop (0 / keep = 0), so
+    what dropout changes is the dropout between stacked layers: in the encoder, in the decoder,
+    and nowhere with one layer."""
+    rngs = {"dropout": jax.random.key(1)}
+    for n_layers in (1, 2):
         model = build_named("luong", n_layers=n_layers, dropout=0.5)
         params = random_params(model, SRC, TGT)
-        return jit_apply(model, params, SRC, TGT, deterministic=False,
-                         rngs={"dropout": jax.random.key(key)}), params, model
-
-    out, params, model = noisy(2, 1)
-    assert not np.allclose(out, jit_apply(model, params, SRC, TGT))
-    chex.assert_trees_all_close(out, noisy(2, 1)[0])
+        for side in ("encoder", "decoder"):
+            params[side]["embed"]["embedding"] = jnp.zeros_like(
+                params[side]["embed"]["embedding"])
+        for method, args in ((_encoder_outputs, (SRC,)), (_first_decoder_step, (SRC, TGT)),
+                             (None, (SRC, TGT))):
+            clean = jit_apply(model, params, *args, method=method, deterministic=True)
+            noisy = jit_apply(model, params, *args, method=method, deterministic=False,
+                              rngs=rngs)
+            if n_layers == 1:
+                chex.assert_trees_all_close(noisy, clean, atol=1e-6)
+            else:
+                assert not np.allclose(noisy, clean, atol=1e-3), method
 
 
 def test_local_m_window_is_centred_on_the_decoder_step():

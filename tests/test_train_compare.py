@@ -14,6 +14,7 @@ import numpy as np
 import pytest
 import sacrebleu
 
+from train.data.datasets import load_multi30k
 from train.translate import compare
 
 MODELS = ["gru", "transformer"]
@@ -88,7 +89,7 @@ def test_the_json_matches_the_table(compared):
 
 
 def test_the_numbers_are_the_ones_the_runs_logged(compared):
-    workdir, summary, _ = compared
+    workdir, summary, fields = compared
     for row in summary["rows"]:
         model_dir = workdir / row["model"]
         records = metrics_lines(model_dir)
@@ -102,9 +103,12 @@ def test_the_numbers_are_the_ones_the_runs_logged(compared):
                       test[-1]["bleu"]]), rtol=1e-9)
         assert train[-1]["elapsed"] <= row["train_seconds"] < train[-1]["elapsed"] + 60
         assert row["test_sentences"] == SENTENCES
-        # sacreBLEU recomputed from the translations each decoder wrote, against the references.
+        # sacreBLEU recomputed from the translations each decoder wrote, against the shipped
+        # references (the Multi30k test split), which the run also wrote beside them.
         directory = model_dir / "translations"
-        references = read_lines(directory / "test_2016_flickr.reference.en")
+        references = [en for _, en in load_multi30k("test_2016_flickr",
+                                                    data_dir=fields["data_dir"])[:SENTENCES]]
+        assert read_lines(directory / "test_2016_flickr.reference.en") == references
         for key, name in (("bleu_beam", f"test_2016_flickr.step{STEPS}.en"),
                           ("bleu_greedy", f"test_2016_flickr.step{STEPS}.greedy.en")):
             hypotheses = read_lines(directory / name)

@@ -6,7 +6,6 @@ the best by validation loss.
 """
 from __future__ import annotations
 
-import hashlib
 import os
 import signal
 
@@ -17,9 +16,10 @@ import numpy as np
 import optax
 import pytest
 
+from helpers import file_hashes, train_losses
 from train.core.checkpoint import CheckpointError, Checkpoints
 from train.core.loop import LoopConfig, StopFlag, TrainingDiverged, stop_on_sigterm, train_loop
-from train.core.metrics import MetricsWriter, read_metrics
+from train.core.metrics import MetricsWriter
 from train.core.parallel import DataParallel
 from train.core.state import TrainState
 
@@ -82,21 +82,6 @@ def run(workdir, *, steps, nan_at=None, eval_every=0, checkpoint_every=0, keep=3
     return result, ckpt
 
 
-def train_losses(workdir):
-    return [(r["step"], r["loss"]) for r in read_metrics(str(workdir)) if r["split"] == "train"]
-
-
-def tree_of_files(directory):
-    """{relative path: sha256} of every file below `directory`."""
-    out = {}
-    for root, _, files in os.walk(directory):
-        for name in files:
-            path = os.path.join(root, name)
-            with open(path, "rb") as f:
-                out[os.path.relpath(path, directory)] = hashlib.sha256(f.read()).hexdigest()
-    return out
-
-
 def test_a_few_steps_lower_the_loss(tmp_path):
     result, _ = run(tmp_path, steps=8)
     losses = [loss for _, loss in train_losses(tmp_path)]
@@ -145,7 +130,7 @@ def test_nan_stops_with_a_message_and_keeps_the_last_good_checkpoint(tmp_path):
         DataParallel("jit").put_state(TrainState.create(
             params={"w": jnp.zeros(D), "b": jnp.zeros(())}, tx=optax.sgd(0.1),
             rng=jax.random.PRNGKey(0))))
-    assert all(np.isfinite(x).all() for x in jax.tree.leaves(jax.device_get(restored.params)))
+    chex.assert_tree_all_finite(jax.device_get(restored.params))
 
 
 def test_keeps_the_last_n_and_the_best_by_validation_loss(tmp_path):
@@ -173,10 +158,10 @@ def test_corrupt_checkpoint_is_a_clear_error_and_changes_nothing(tmp_path):
     for path in data_files:
         with open(path, "r+b") as f:
             f.truncate(3)
-    before = tree_of_files(tmp_path)
+    before = file_hashes(tmp_path)
     with pytest.raises(CheckpointError, match=str(ckpt.path(4))):
         run(tmp_path, steps=6)
-    assert tree_of_files(tmp_path) == before
+    assert file_hashes(tmp_path) == before
 
 
 def test_stop_flag_by_hand_before_any_step_still_runs_one_step(tmp_path):

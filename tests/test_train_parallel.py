@@ -115,12 +115,20 @@ def test_bfloat16_runs_with_float32_params_and_a_close_loss(setup, single_device
         loss_sum, sums, _ = make_loss_fn(model, smoothing=0.1, pad_id=0)(
             params, batch, rng=None, extra=None, deterministic=True)
         losses[name] = float(loss_sum / sums["n_tokens"])
-    assert np.isfinite(losses["bf16"])
+    chex.assert_tree_all_finite(losses)
     np.testing.assert_allclose(losses["bf16"], losses["f32"], rtol=2e-2)
     new_params, metrics = one_step(bf16, params, batch, mode="jit")
-    assert np.isfinite(metrics["loss_sum"]) and np.isfinite(metrics["grad_norm"])
+    chex.assert_tree_all_finite(metrics)
     assert all(x.dtype == np.float32 for x in jax.tree.leaves(new_params))
-    chex.assert_trees_all_close(new_params, single_device[2], atol=5e-2)
+    # The float32 step moves the params by up to ~0.11; bf16 keeps 8 significant bits (2^-8 =
+    # 0.4%), and a few roundings per layer put its update within ~1.5% of float32's (1.6e-3 at
+    # most, measured): 4e-3 leaves room, and is far below how far the step moves.
+    expected = single_device[2]
+    tolerance = 4e-3
+    moved = max(float(np.abs(np.asarray(a) - np.asarray(b)).max())
+                for a, b in zip(jax.tree.leaves(expected), jax.tree.leaves(params)))
+    assert moved > 25 * tolerance, moved
+    chex.assert_trees_all_close(new_params, expected, atol=tolerance)
 
 
 def test_batch_rows_must_divide_over_the_devices(setup):

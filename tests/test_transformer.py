@@ -9,7 +9,7 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from test_attention import _np_dense, np_multi_head_attention
+from helpers import matmul_dtypes, np_dense, np_multi_head_attention
 from transformer_jax import (
     Transformer,
     TransformerConfig,
@@ -60,7 +60,7 @@ _NP_ACTIVATIONS = {"relu": lambda x: np.maximum(x, 0.0), "swish": lambda x: x / 
 
 
 def _np_ffn(x, p, activation="relu"):
-    return _np_dense(_NP_ACTIVATIONS[activation](_np_dense(x, p["inner"])), p["outer"])
+    return np_dense(_NP_ACTIVATIONS[activation](np_dense(x, p["inner"])), p["outer"])
 
 
 def _np_positions(length, d, layout="interleaved"):
@@ -114,6 +114,7 @@ def np_transformer(params, cfg, src, tgt):
     return y @ emb.T + (np.asarray(params["output_bias"]) if cfg.output_bias else 0.0)
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("norm_first", [False, True])
 def test_forward_matches_numpy_reference(norm_first):
     cfg = _config(norm_first=norm_first)
@@ -171,6 +172,7 @@ def test_causality(norm_first):
         assert not np.allclose(out[:, t + 1:], base[:, t + 1:], atol=1e-3)
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("norm_first", [False, True])
 def test_padding_invariance(norm_first):
     model, params = _init(_config(norm_first=norm_first))
@@ -238,6 +240,16 @@ def test_bfloat16_compute_keeps_float32_params_and_logits():
     chex.assert_type(logits16, jnp.float32)
     logits32 = Transformer(cfg32).apply({"params": params}, src, tgt)
     chex.assert_trees_all_close(logits16, logits32, atol=0.15, rtol=0.05)
+    # The closeness above would also pass a model that ignored `dtype`: every product of the
+    # bf16 program must take bf16 operands (attention logits and the output projection
+    # accumulate in float32), as many as the float32 program has.
+    full_dots = matmul_dtypes(lambda p: Transformer(cfg32).apply({"params": p}, src, tgt),
+                              params)
+    half_dots = matmul_dtypes(lambda p: model16.apply({"params": p}, src, tgt), params)
+    assert {d[:2] for d in full_dots} == {("float32", "float32")}
+    assert len(half_dots) == len(full_dots)
+    assert {d[:2] for d in half_dots} == {("bfloat16", "bfloat16")}
+    assert not np.array_equal(logits16, logits32)     # and the rounding shows
 
 
 def test_half_output_projection_multiplies_in_bf16_and_returns_float32():

@@ -2,10 +2,12 @@
 from __future__ import annotations
 
 import numpy as np
+import pytest
 
 from train.translate.copy_task import EOS, copy_config, decode_copy, random_batch, train_copy_task
 
 
+@pytest.mark.slow
 def test_copy_task_converges():
     # Narrower and shorter than the real job, to spare the shared CPU.
     config = copy_config(d_model=32, d_ff=128, dropout=0.0)

@@ -10,7 +10,7 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from test_attention import needs_gpu
+from helpers import needs_gpu
 from xl_jax import TransformerXL, TransformerXLConfig, init_memory, update_memory
 
 
@@ -36,6 +36,7 @@ def _run_segments(model, params, tokens, memory, seg_len, targets=None):
     return jnp.concatenate(outs, axis=1), memory
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("overrides", [
     dict(),
     dict(norm_first=True),
@@ -57,6 +58,7 @@ def test_segments_with_memory_equal_one_pass(overrides):
     chex.assert_trees_all_close(seg_nll, want_nll, rtol=1e-5, atol=1e-5)
 
 
+@pytest.mark.slow
 def test_evaluation_memory_and_segment_length_differ_from_training():
     cfg = TransformerXLConfig.tiny(tgt_len=4, mem_len=4)
     model, params, tokens = _setup(cfg)
@@ -92,6 +94,7 @@ def test_update_memory_slides_and_counts():
         np.testing.assert_array_equal(mem.hidden[0][0, 3 - n:, 0], seen[-n:])
 
 
+@pytest.mark.slow
 def test_no_gradient_through_memory_into_previous_segment():
     cfg = TransformerXLConfig.tiny()
     model, params, tokens = _setup(cfg, length=8)
@@ -130,6 +133,7 @@ def test_causal_across_segments(p):
     assert np.abs(np.asarray(a[:, p] - b[:, p])).max() > 1e-4
 
 
+@pytest.mark.slow
 def test_same_length_changes_only_queries_with_more_than_mem_len_keys():
     # Empty memory of M = 4 slots: query i has i + 1 causal keys, all at distance < M for
     # i < M, so same_length must leave exactly those positions unchanged (in every layer).
@@ -141,6 +145,7 @@ def test_same_length_changes_only_queries_with_more_than_mem_len_keys():
     assert np.abs(np.asarray(a[:, 4:] - b[:, 4:])).max(axis=(0, 2)).min() > 1e-4
 
 
+@pytest.mark.slow
 def test_clamp_len_changes_only_positions_that_see_longer_distances():
     cfg = TransformerXLConfig.tiny()
     model, params, tokens = _setup(cfg, length=8)
@@ -157,40 +162,49 @@ def test_clamp_len_changes_only_positions_that_see_longer_distances():
     chex.assert_trees_all_close(a, c, rtol=0, atol=0)
 
 
+@pytest.mark.slow
 def test_jitted_step_traces_once_across_segments():
     cfg = TransformerXLConfig.tiny()
     model, params, tokens = _setup(cfg, length=16)
-    traces = []
+    chex.clear_trace_counter()
 
+    # Two traces in all: one for the training memory, one for the longer evaluation memory.
+    # A memory whose shape or dtype changed from segment to segment would trace a third time.
     @jax.jit
+    @chex.assert_max_traces(n=2)
     def step(params, tokens, memory):
-        traces.append(1)
         return model.apply({"params": params}, tokens, memory)
 
-    mem = init_memory(cfg, 2)
-    for s in range(0, 16, 4):
-        _, mem = step(params, tokens[:, s:s + 4], mem)
-    assert len(traces) == 1
-    # A longer evaluation memory is one more compilation, then reused.
-    mem = init_memory(cfg, 2, mem_len=12)
-    for s in range(0, 16, 4):
-        _, mem = step(params, tokens[:, s:s + 4], mem)
-    assert len(traces) == 2
+    for mem_len in (cfg.mem_len, 12):
+        mem = init_memory(cfg, 2, mem_len=mem_len)
+        for s in range(0, 16, 4):
+            _, mem = step(params, tokens[:, s:s + 4], mem)
 
 
+@pytest.mark.slow
 def test_dropout_needs_rng_and_is_reproducible():
     cfg = TransformerXLConfig.tiny(dropout=0.3, dropatt=0.3)
     model, params, tokens = _setup(cfg, length=4)
     mem = init_memory(cfg, 2)
-    run = lambda k: model.apply({"params": params}, tokens, mem, deterministic=False,
-                                rngs={"dropout": jax.random.key(k)})[0]
-    chex.assert_trees_all_close(run(3), run(3))
-    assert np.abs(np.asarray(run(3) - run(4))).max() > 1e-4
-    det, _ = model.apply({"params": params}, tokens, mem)
-    det2, _ = model.apply({"params": params}, tokens, mem)
-    chex.assert_trees_all_close(det, det2)
+
+    def run(key):
+        return model.apply({"params": params}, tokens, mem, deterministic=False,
+                           rngs={"dropout": key})[0]
+
+    with pytest.raises(flax.errors.InvalidRngError, match="dropout"):
+        model.apply({"params": params}, tokens, mem, deterministic=False)
+    # The masks are a function of the key alone: the compiled program draws the eager ones.
+    noisy = jax.jit(run)(jax.random.key(3))
+    chex.assert_trees_all_close(noisy, run(jax.random.key(3)), atol=1e-6)
+    assert np.abs(np.asarray(noisy - jax.jit(run)(jax.random.key(4)))).max() > 1e-4
+    # Deterministic: no dropout at all, the output of the same model built without it.
+    det, _ = _apply(cfg, params, tokens, mem)
+    plain, _ = _apply(cfg.replace(dropout=0.0, dropatt=0.0), params, tokens, mem)
+    chex.assert_trees_all_close(det, plain, atol=1e-6)
+    assert np.abs(np.asarray(noisy - det)).max() > 1e-4
 
 
+@pytest.mark.slow
 def test_float64_under_x64():
     cfg32 = TransformerXLConfig.tiny()
     model32, params, tokens = _setup(cfg32, length=8)

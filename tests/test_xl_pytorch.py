@@ -8,10 +8,10 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
+from helpers import torch_xl_model
 from xl_jax import TransformerXL, TransformerXLConfig, init_memory, load_pytorch_state_dict
 
 torch = pytest.importorskip("torch")
-from train.bench.xl_torch_reference import MemTransformerLM  # noqa: E402  (after importorskip)
 
 B, T, N_SEGMENTS = 2, 4, 4
 
@@ -31,23 +31,6 @@ def _config(overrides, dtype=jnp.float32):
     # mem_len 6 with T 4: the memory is partly filled in segment 2, then slides.
     return TransformerXLConfig.tiny(n_heads=2, d_head=8, mem_len=6, tgt_len=T, dtype=dtype,
                                     **overrides)
-
-
-def _torch_model(cfg, seed=0):
-    torch.manual_seed(seed)
-    model = MemTransformerLM(
-        n_token=cfg.vocab_size, n_layer=cfg.n_layers, n_head=cfg.n_heads, d_model=cfg.d_model,
-        d_head=cfg.d_head, d_inner=cfg.d_inner, tie_weight=cfg.tie_weights,
-        d_embed=cfg.d_embed, div_val=cfg.div_val, tie_projs=cfg.tie_projs,
-        pre_lnorm=cfg.norm_first, mem_len=cfg.mem_len, cutoffs=cfg.cutoffs,
-        same_length=cfg.same_length, clamp_len=cfg.clamp_len, untie_r=cfg.untie_r)
-    with torch.no_grad():
-        for name, p in model.named_parameters():
-            if name.endswith("layer_norm.weight"):
-                p.copy_(1.0 + 0.2 * torch.randn_like(p))
-            else:
-                p.normal_(0.0, 0.2)
-    return model.eval()
 
 
 def _data(cfg, seed=0):
@@ -78,7 +61,7 @@ def _jax_nll(cfg, params, data):
 @pytest.mark.parametrize("variant", sorted(VARIANTS))
 def test_nll_matches_reference_float32(variant):
     cfg = _config(VARIANTS[variant])
-    model = _torch_model(cfg)
+    model = torch_xl_model(cfg)
     data = _data(cfg)
     params = load_pytorch_state_dict(model.state_dict(), cfg)
     want = _torch_nll(model, data)
@@ -93,7 +76,7 @@ def test_nll_matches_reference_float32(variant):
 def test_nll_matches_reference_float64(variant):
     with jax.enable_x64(True):
         cfg = _config(VARIANTS[variant], dtype=jnp.float64)
-        model = _torch_model(cfg).double()
+        model = torch_xl_model(cfg).double()
         data = _data(cfg, seed=1)
         params = load_pytorch_state_dict(model.state_dict(), cfg)
         assert jax.tree.leaves(params)[0].dtype == jnp.float64
@@ -106,7 +89,7 @@ def test_nll_matches_reference_float64(variant):
 def test_eval_with_other_memory_length_matches_reference_reset_length():
     # The reference's reset_length: the same weights, evaluated with mem_len 9 instead of 6.
     cfg = _config({})
-    model = _torch_model(cfg)
+    model = torch_xl_model(cfg)
     model.mem_len = 9
     data = _data(cfg, seed=2)
     want = _torch_nll(model, data)
@@ -117,7 +100,7 @@ def test_eval_with_other_memory_length_matches_reference_reset_length():
 
 def test_loader_accepts_official_extras_and_prefix():
     cfg = _config({})
-    sd = {k: v.numpy() for k, v in _torch_model(cfg).state_dict().items()}
+    sd = {k: v.numpy() for k, v in torch_xl_model(cfg).state_dict().items()}
     sd["pos_emb.inv_freq"] = np.zeros(cfg.d_model // 2)          # the official buffer
     plain = load_pytorch_state_dict(sd, cfg)
     prefixed = load_pytorch_state_dict({"transformer." + k: v for k, v in sd.items()}, cfg)
@@ -126,7 +109,7 @@ def test_loader_accepts_official_extras_and_prefix():
 
 def test_loader_rejects_mismatches():
     cfg = _config({})
-    sd = dict(_torch_model(cfg).state_dict())
+    sd = dict(torch_xl_model(cfg).state_dict())
     with pytest.raises(KeyError, match="r_net"):
         load_pytorch_state_dict({k: v for k, v in sd.items() if "1.dec_attn.r_net" not in k},
                                 cfg)
@@ -139,7 +122,7 @@ def test_loader_rejects_mismatches():
 def test_untie_r_accepts_stacked_biases():
     # TensorFlow-converted checkpoints keep u and v as one [L, H, K] tensor each.
     cfg = _config(VARIANTS["untie_r_pre_ln"])
-    sd = {k: v.numpy() for k, v in _torch_model(cfg).state_dict().items()}
+    sd = {k: v.numpy() for k, v in torch_xl_model(cfg).state_dict().items()}
     per_layer = load_pytorch_state_dict(sd, cfg)
     stacked = {k: v for k, v in sd.items() if not k.endswith(("r_w_bias", "r_r_bias"))}
     for b in ("r_w_bias", "r_r_bias"):

@@ -12,6 +12,7 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
+from helpers import torch_xl_model
 from xl_jax import (Memory, TransformerXL, TransformerXLConfig, init_memory,
                     load_pytorch_state_dict)
 
@@ -67,6 +68,7 @@ def _partial_memory(cfg, seed=0):
 TOLERANCE = {jnp.float32: dict(rtol=1e-5, atol=1e-6), jnp.float64: dict(rtol=1e-12, atol=1e-14)}
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("overrides,dropout,dtype", [
     # Another dropout or dropatt mask in the recomputation would move the loss by far more
     # than float32 rounding.
@@ -99,13 +101,12 @@ def test_gradients_match_pytorch_autograd_float64(overrides):
     equal it, above) against an independent one: PyTorch autograd through the reference
     model, the same weights, two segments with memory."""
     torch = pytest.importorskip("torch")
-    from test_xl_pytorch import _torch_model
 
     with jax.enable_x64(True):
         cfg = TransformerXLConfig.tiny(n_heads=2, d_head=8, mem_len=6, tgt_len=T,
                                        dtype=jnp.float64, **overrides)
         assert cfg.remat != "none"
-        model = _torch_model(cfg).double()
+        model = torch_xl_model(cfg).double()
         segments = _segments(cfg, 2, seed=3)
         mems, total = None, 0.0
         for inputs, targets in segments:

@@ -1,0 +1,217 @@
+"""Helpers shared by several test modules: one home, so no test imports another test's names.
+
+The PyTorch, transformers and SentencePiece imports are lazy, inside the helpers that need
+them: they are optional test dependencies, and a module that never calls those helpers must
+still import this one without them.
+"""
+from __future__ import annotations
+
+import hashlib
+import io
+import json
+import os
+
+import jax
+import numpy as np
+import pytest
+from jax.extend import core as jax_core
+
+from train.core.metrics import read_metrics
+
+REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+
+# The fused cuDNN kernel needs a GPU; under tests/conftest.py that takes
+# JAX_PLATFORMS=cuda,cpu (the default is the 8 fake CPU devices).
+needs_gpu = pytest.mark.skipif(jax.default_backend() != "gpu",
+                               reason="the fused cuDNN kernel needs a GPU")
+
+
+# ---------------------------------------------------------------------------- work directories
+
+
+def train_losses(workdir) -> list[tuple[int, float]]:
+    """(step, loss) of every train record in a work directory's metrics.jsonl."""
+    return [(r["step"], r["loss"]) for r in read_metrics(str(workdir)) if r["split"] == "train"]
+
+
+def file_hashes(directory) -> dict[str, str]:
+    """{path relative to `directory`: sha256} of every file below it."""
+    out = {}
+    for root, _, files in os.walk(directory):
+        for name in files:
+            with open(os.path.join(root, name), "rb") as f:
+                out[os.path.relpath(os.path.join(root, name), directory)] = \
+                    hashlib.sha256(f.read()).hexdigest()
+    return out
+
+
+# ---------------------------------------------------------------------------- compute dtypes
+
+
+def matmul_dtypes(fn, *args) -> list[tuple[str, str, str]]:
+    """(lhs, rhs, result) dtype names of every dot_general in the program fn(*args) traces,
+    scans, custom VJPs and nested jits included: which dtype a model really multiplies in."""
+    found = []
+
+    def walk(jaxpr):
+        for eqn in jaxpr.eqns:
+            if eqn.primitive.name == "dot_general":
+                found.append(tuple(str(v.aval.dtype) for v in (*eqn.invars, eqn.outvars[0])))
+            for param in eqn.params.values():
+                for sub in param if isinstance(param, (list, tuple)) else (param,):
+                    if isinstance(sub, jax_core.ClosedJaxpr):
+                        walk(sub.jaxpr)
+                    elif isinstance(sub, jax_core.Jaxpr):
+                        walk(sub)
+
+    walk(jax.make_jaxpr(fn)(*args).jaxpr)
+    return found
+
+
+# ---------------------------------------------------------------------------- NumPy references
+
+
+def np_dense(x, p):
+    return x @ np.asarray(p["kernel"], np.float64) + np.asarray(p["bias"], np.float64)
+
+
+def np_multi_head_attention(xq, xkv, p, mask, n_heads):
+    """The obvious way: project, then per example and head softmax(q k^T / sqrt(K)) v.
+
+    xq [B, T, D], xkv [B, S, D], mask broadcastable to [B, 1, T, S]; head h is columns
+    h*K .. (h+1)*K of the projections.
+    """
+    q, k, v = (np_dense(x, p[name]) for x, name in ((xq, "query"), (xkv, "key"),
+                                                     (xkv, "value")))
+    b_, t_, d = q.shape
+    hk = d // n_heads
+    mask = np.broadcast_to(mask, (b_, 1, t_, xkv.shape[1]))
+    out = np.zeros_like(q)
+    for b in range(b_):
+        for h in range(n_heads):
+            cols = slice(h * hk, (h + 1) * hk)
+            scores = q[b, :, cols] @ k[b, :, cols].T / np.sqrt(hk)
+            scores = np.where(mask[b, 0], scores, -np.inf)
+            w = np.exp(scores - scores.max(-1, keepdims=True))
+            out[b, :, cols] = (w / w.sum(-1, keepdims=True)) @ v[b, :, cols]
+    return np_dense(out, p["out"])
+
+
+# ---------------------------------------------------------------------------- PyTorch models
+
+
+def torch_xl_model(cfg, seed=0):
+    """train/bench/xl_torch_reference.py's MemTransformerLM shaped as `cfg`, with random weights
+    large enough (std 0.2, LayerNorm scales around 1) that every term matters."""
+    import torch
+    from train.bench.xl_torch_reference import MemTransformerLM
+
+    torch.manual_seed(seed)
+    model = MemTransformerLM(
+        n_token=cfg.vocab_size, n_layer=cfg.n_layers, n_head=cfg.n_heads, d_model=cfg.d_model,
+        d_head=cfg.d_head, d_inner=cfg.d_inner, tie_weight=cfg.tie_weights,
+        d_embed=cfg.d_embed, div_val=cfg.div_val, tie_projs=cfg.tie_projs,
+        pre_lnorm=cfg.norm_first, mem_len=cfg.mem_len, cutoffs=cfg.cutoffs,
+        same_length=cfg.same_length, clamp_len=cfg.clamp_len, untie_r=cfg.untie_r)
+    with torch.no_grad():
+        for name, p in model.named_parameters():
+            if name.endswith("layer_norm.weight"):
+                p.copy_(1.0 + 0.2 * torch.randn_like(p))
+            else:
+                p.normal_(0.0, 0.2)
+    return model.eval()
+
+
+# ---------------------------------------------------------------------------- Marian folders
+
+MARIAN_EOS = 0   # Marian's </s>
+
+SOURCE_TEXT = ["Ein Mann fährt Fahrrad.", "Zwei Hunde spielen im Schnee.",
+               "Eine Frau liest ein Buch im Park.", "Kinder spielen Fußball auf der Straße.",
+               "Der Hund läuft über die grüne Wiese.", "Ein Mann und eine Frau lachen."]
+TARGET_TEXT = ["A man rides a bicycle.", "Two dogs play in the snow.",
+               "A woman reads a book in the park.", "Children play football on the street.",
+               "The dog runs across the green meadow.", "A man and a woman laugh."]
+LANGUAGE_CODE = ">>fra<<"
+
+
+def save_marian(folder, *, vocab_size=40, decoder_vocab_size=None, share=True,
+                activation="swish", tie=True, seed=0):
+    """A random MarianMTModel (2 + 3 layers, D 32) saved to `folder`; returns it."""
+    import torch
+    import transformers
+
+    pad = (decoder_vocab_size or vocab_size) - 1
+    config = transformers.MarianConfig(
+        vocab_size=vocab_size, decoder_vocab_size=decoder_vocab_size, d_model=32,
+        encoder_layers=2, decoder_layers=3, encoder_attention_heads=4,
+        decoder_attention_heads=4, encoder_ffn_dim=64, decoder_ffn_dim=64,
+        activation_function=activation, max_position_embeddings=64, scale_embedding=True,
+        pad_token_id=pad, decoder_start_token_id=pad, eos_token_id=MARIAN_EOS,
+        share_encoder_decoder_embeddings=share, tie_word_embeddings=tie)
+    torch.manual_seed(seed)
+    model = transformers.MarianMTModel(config).eval()
+    # transformers initialises biases, LayerNorms and final_logits_bias to constants; random
+    # values make a mix-up of any two of them visible.
+    with torch.no_grad():
+        for name, p in model.named_parameters():
+            if "embed_positions" in name:   # the sinusoid, not saved
+                continue
+            if "layer_norm" in name:
+                p.copy_(torch.randn_like(p) * 0.1 + (1.0 if name.endswith("weight") else 0.0))
+            elif "embed_tokens" in name or "shared" in name:
+                p.normal_()
+            else:
+                p.copy_(torch.randn_like(p) * p.shape[-1] ** -0.5
+                        * (1.0 if name.endswith("weight") else 0.1))
+        model.final_logits_bias.normal_()
+        # Pad is the likeliest token: only its exclusion keeps it out of greedy output.
+        model.final_logits_bias[0, pad] += 10.0
+    model.save_pretrained(folder)
+    return model
+
+
+def train_spm(path, lines):
+    """A SentencePiece model of `lines` written to `path`; -> its pieces."""
+    import sentencepiece
+
+    model = io.BytesIO()
+    sentencepiece.SentencePieceTrainer.train(
+        sentence_iterator=iter(lines * 4), model_writer=model, vocab_size=60,
+        character_coverage=1.0, hard_vocab_limit=False, minloglevel=2)
+    path.write_bytes(model.getvalue())
+    processor = sentencepiece.SentencePieceProcessor(model_file=str(path))
+    return [processor.id_to_piece(i) for i in range(processor.get_piece_size())
+            if not (processor.is_control(i) or processor.is_unknown(i))]
+
+
+def marian_vocab(pieces, *, pad_last=True):
+    """Marian's layout: </s> 0, <unk> 1, the pieces, <pad> last (or 2)."""
+    words = ["</s>", "<unk>"] + ([] if pad_last else ["<pad>"])
+    words += [p for p in dict.fromkeys(pieces) if p not in words]
+    return {w: i for i, w in enumerate(words + (["<pad>"] if pad_last else []))}
+
+
+def save_tokenizer(folder, *, separate=False):
+    """Trains source/target SentencePiece models, saves them as transformers'
+    MarianTokenizer does, and returns that tokenizer."""
+    import transformers
+
+    source = train_spm(folder / "train_source.spm", SOURCE_TEXT)
+    target = train_spm(folder / "train_target.spm", TARGET_TEXT)
+    kwargs = {}
+    if separate:
+        (folder / "train_vocab.json").write_text(json.dumps(marian_vocab(source,
+                                                                          pad_last=False)))
+        (folder / "train_target_vocab.json").write_text(
+            json.dumps(marian_vocab(target, pad_last=False)))
+        kwargs = dict(separate_vocabs=True,
+                      target_vocab_file=str(folder / "train_target_vocab.json"))
+    else:
+        vocab = marian_vocab(source + target + [LANGUAGE_CODE])
+        (folder / "train_vocab.json").write_text(json.dumps(vocab))
+    hf = transformers.MarianTokenizer(
+        source_spm=str(folder / "train_source.spm"), target_spm=str(folder / "train_target.spm"),
+        vocab=str(folder / "train_vocab.json"), **kwargs)
+    hf.save_pretrained(folder)
+    return hf

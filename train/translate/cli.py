@@ -15,7 +15,7 @@ from train.translate.infer import translate_text
 from train.translate.pretrained import Pretrained, evaluate_pretrained
 from train.translate.task import TASK
 
-DESCRIPTION = """Train and evaluate a translation model on Multi30k German -> English, or on your files.
+DESCRIPTION = """Train and evaluate a translation model: Multi30k German -> English, or your files.
 
     python -m train.translate                          # Transformer: preset cpu, or gpu on a GPU
     python -m train.translate --preset base --workdir runs/base --dtype bfloat16

@@ -11,8 +11,11 @@ from __future__ import annotations
 
 import gzip
 import hashlib
+import json
 import os
-from collections.abc import Iterator
+from collections.abc import Iterator, Mapping
+
+import jax
 
 from train.core.config import UsageError
 
@@ -98,3 +101,29 @@ def set_name(path: str) -> str:
         name = name.removesuffix(suffix)
     stem, dot, _ = name.rpartition(".")
     return stem if dot and stem else name
+
+
+FINGERPRINT_FILE = "data.json"
+
+
+def check_fingerprint(workdir: str, files: Mapping[str, str]) -> None:
+    """A resumed run must train on the bytes it started with: the sha256 of the training
+    files ({field: path}) is kept in W/data.json (written by process 0 the first time);
+    other bytes, under the same names or others, are a DataError naming the fields."""
+    digest = files_sha256(*files.values())
+    path = os.path.join(workdir, FINGERPRINT_FILE)
+    fields = ", ".join(files)
+    if os.path.exists(path):
+        with open(path) as f:
+            saved = json.load(f).get("train_sha256")
+        if saved != digest:
+            raise DataError(
+                f"{fields}: {', '.join(files.values())} are not the files this run "
+                f"started with (sha256 {saved}, now {digest}); resume with the "
+                "original files, or use a new --workdir"
+            )
+    elif jax.process_index() == 0:
+        os.makedirs(workdir, exist_ok=True)
+        with open(path + ".tmp", "w") as f:
+            json.dump({"train_sha256": digest, **files}, f, indent=2)
+        os.replace(path + ".tmp", path)

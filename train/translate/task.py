@@ -9,7 +9,6 @@ W/translations/ and plots to W/plots/.
 from __future__ import annotations
 
 import dataclasses
-import json
 import os
 import time
 from collections.abc import Callable, Mapping, Sequence
@@ -26,7 +25,7 @@ from train.core.parallel import DataParallel
 from train.core.state import TrainState
 from train.core.workdir import local_dir
 from train.data.batching import TokenBatcher, eval_batches
-from train.data.text_files import DataError, files_sha256, read_parallel, set_name
+from train.data.text_files import DataError, check_fingerprint, read_parallel, set_name
 from train.data.tokenizers import SentencePieceTokenizer, multi30k_tokenizer
 from train.translate import registry
 from train.translate.config import PRESETS, TranslateConfig, make_config
@@ -395,7 +394,9 @@ class TranslationTask:
     ) -> TranslationData:
         pairs = training_pairs(config, log)
         if config.uses_files():
-            check_same_files(config, workdir)
+            check_fingerprint(
+                workdir, {"train_src": config.train_src, "train_tgt": config.train_tgt}
+            )
         tokenizer = load_tokenizer(config, workdir, train_pairs=pairs)
         batcher = TokenBatcher(
             encode_pairs(tokenizer, pairs),
@@ -441,39 +442,6 @@ def unique_names(names: Sequence[str]) -> list[str]:
         seen[name] = seen.get(name, 0) + 1
         out.append(name if seen[name] == 1 else f"{name}.{seen[name]}")
     return out
-
-
-DATA_FILE = "data.json"
-
-
-def check_same_files(config: TranslateConfig, workdir: str) -> None:
-    """The training files of a resumed run must be the bytes it started with: their sha256 is
-    kept in W/data.json (written by process 0 the first time). Changed bytes behind the same
-    names are a DataError naming the fields."""
-    digest = files_sha256(config.train_src, config.train_tgt)
-    path = os.path.join(workdir, DATA_FILE)
-    if os.path.exists(path):
-        with open(path) as f:
-            saved = json.load(f).get("train_sha256")
-        if saved != digest:
-            raise DataError(
-                f"train_src, train_tgt: {config.train_src} and {config.train_tgt} "
-                f"are not the files this run started with (sha256 {saved}, now "
-                f"{digest}); resume with the original files, or use a new --workdir"
-            )
-    elif jax.process_index() == 0:
-        os.makedirs(workdir, exist_ok=True)
-        with open(path + ".tmp", "w") as f:
-            json.dump(
-                {
-                    "train_sha256": digest,
-                    "train_src": config.train_src,
-                    "train_tgt": config.train_tgt,
-                },
-                f,
-                indent=2,
-            )
-        os.replace(path + ".tmp", path)
 
 
 TASK = TranslationTask()

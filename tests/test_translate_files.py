@@ -195,3 +195,28 @@ def test_changed_training_files_on_resume_are_refused(straight, files, tmp_path,
     assert code == cli.EXIT_USAGE, err
     assert "train_src, train_tgt" in err and "not the files this run started with" in err
     assert max(r["step"] for r in read_metrics(str(workdir))) == 6  # nothing trained
+
+
+def test_a_vocabulary_the_files_cannot_give_is_a_usage_error(files, tmp_path, capsys):
+    (src, tgt), (vsrc, vtgt) = files["train"], files["valid"]
+    code = translate_cli.main(
+        [
+            "--preset",
+            "tiny",
+            "--workdir",
+            str(tmp_path / "run"),
+            "--train_src",
+            src,
+            "--train_tgt",
+            tgt,
+            "--valid_src",
+            vsrc,
+            "--valid_tgt",
+            vtgt,
+            "--vocab_size",
+            "2000",
+        ]
+    )
+    err = capsys.readouterr().err
+    assert code == cli.EXIT_USAGE, err
+    assert "vocab_size" in err and "Vocabulary size too high" in err

@@ -33,7 +33,7 @@ from typing import Any, Literal
 import jax
 
 from train.core.checkpoint import CONFIG_FILE, load_run_config
-from train.core.config import RunConfig, field_hints, replace
+from train.core.config import RunConfig, UsageError, field_hints, replace
 from train.core.loop import TrainingDiverged
 from train.core.parallel import maybe_initialize_distributed
 from train.core.task import Task, config_from_saved, default_workdir
@@ -339,10 +339,6 @@ EXIT_INTERRUPTED = 75  # stopped by SIGTERM / SIGINT after saving (EX_TEMPFAIL: 
 ERROR_LOG = "error.log"
 # What these mean is known: one message says what went wrong and where.
 EXPECTED_ERRORS = (ValueError, OSError, RuntimeError)
-
-
-class UsageError(ValueError):
-    """A bad flag or value found once the run has started (exit EXIT_USAGE)."""
 
 
 def finished(final: Mapping[str, Any], figure: str) -> int:

@@ -22,6 +22,11 @@ SHARDINGS = ("replicated", "fsdp")
 NONFINITE_POLICIES = ("stop", "skip")
 
 
+class UsageError(ValueError):
+    """A bad flag, value or input file, found once the run has started (exit 2: fix the
+    command)."""
+
+
 def check_choice(name: str, value: Any, choices: tuple[str, ...]) -> None:
     """`value` must be one of `choices` (ValueError naming the field)."""
     if value not in choices:

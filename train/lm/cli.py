@@ -13,10 +13,12 @@ from train.lm.config import LMConfig
 from train.lm.generate import generate_text
 from train.lm.task import TASK
 
-DESCRIPTION = """Train and evaluate Transformer-XL on Penn Treebank (word or character level).
+DESCRIPTION = """Train and evaluate Transformer-XL on Penn Treebank (word, char) or on your text.
 
     python -m train.lm                                   # word-level PTB: cpu, or gpu on a GPU
     python -m train.lm --dataset ptb_char --preset base --workdir runs/ptb_char
+    python -m train.lm --train_text T --valid_text V --test_text E --level word   # your text
+    python -m train.lm --train_text enwik8 --level byte --split_bytes 90000000,5000000,5000000
     python -m train.lm --workdir W                       # resume W with its saved config
     python -m train.lm --workdir W --generate "the company said" --top_k 40 --temperature 0.8
 

@@ -1,5 +1,5 @@
-"""LMConfig: one Transformer-XL language-model run on Penn Treebank, its presets and how it is
-made. How each preset was chosen is in benchmarks/README.md."""
+"""LMConfig: one Transformer-XL language-model run on Penn Treebank or the user's text, its
+presets and how it is made. How each preset was chosen is in benchmarks/README.md."""
 
 from __future__ import annotations
 
@@ -8,11 +8,17 @@ from collections.abc import Mapping
 from typing import Any, ClassVar
 
 from train.core.config import RunConfig, check_finite, check_positive
+from train.lm.text import BYTE_VOCAB, TextVocab, text_lines
 from transformer_jax.optim import OptimizerConfig
 from xl_jax.config import TransformerXLConfig
 
-DATASETS = {"ptb": "word", "ptb_char": "char"}
+# dataset -> its level; 'text' is the user's files, at the config's own `level`.
+DATASETS = {"ptb": "word", "ptb_char": "char", "text": None}
 VOCAB_SIZES = {"ptb": 10_000, "ptb_char": 50}
+LEVELS = ("word", "char", "byte")
+# Adaptive input/softmax clusters for a large word vocabulary with none named (WikiText-103's
+# cut-offs, those below the vocabulary size).
+LARGE_VOCAB, LARGE_VOCAB_CUTOFFS = 50_000, (20_000, 40_000, 200_000)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -36,6 +42,12 @@ class LMConfig(RunConfig):
       reset_memory_each_epoch: start each pass over the training stream with an empty memory,
         as the reference does (its memory ends where the last epoch's stream did); False
         carries it over.
+      train_text, valid_text, test_text: with dataset 'text', the user's files (train.lm.text);
+        the model's vocab_size is the training text's vocabulary, found when the config is
+        made. level: 'word' | 'char' | 'byte'. min_count, max_vocab: a word or char enters
+        the vocabulary when seen at least min_count times in training, at most max_vocab
+        symbols with <eos> and <unk> (0: no limit). split_bytes: byte level, one file:
+        (train, valid, test) byte counts of train_text.
     """
 
     dataset: str = "ptb"
@@ -51,12 +63,21 @@ class LMConfig(RunConfig):
     eval_mem_len: int = 140
     eval_tokens: int = 0
     reset_memory_each_epoch: bool = True
+    train_text: str | None = None
+    valid_text: str | None = None
+    test_text: str | None = None
+    level: str = "word"
+    min_count: int = 1
+    max_vocab: int = 0
+    split_bytes: tuple[int, ...] = ()
 
     MAY_CHANGE: ClassVar[tuple[str, ...]] = RunConfig.MAY_CHANGE + (
         "eval_batch_size",
         "eval_tgt_len",
         "eval_mem_len",
         "eval_tokens",
+        "valid_text",
+        "test_text",
         # The rate may change (say, after a divergence); the optimizer state's tree does not.
         "learning_rate",
         "min_learning_rate",
@@ -66,7 +87,11 @@ class LMConfig(RunConfig):
         if self.dataset not in DATASETS:
             raise ValueError(f"dataset: expected one of {sorted(DATASETS)}, got {self.dataset!r}")
         super().__post_init__()
-        if self.model_config.vocab_size != VOCAB_SIZES[self.dataset]:
+        self._check_text()
+        if (
+            self.dataset in VOCAB_SIZES
+            and self.model_config.vocab_size != VOCAB_SIZES[self.dataset]
+        ):
             raise ValueError(
                 f"model_config.vocab_size: {self.dataset} has "
                 f"{VOCAB_SIZES[self.dataset]} symbols, got "
@@ -83,6 +108,45 @@ class LMConfig(RunConfig):
         if self.model_config.same_length and self.eval_mem_len == 0:
             raise ValueError("eval_mem_len: same_length needs a memory")
         self.optimizer_config()  # validated there too
+
+    def _check_text(self) -> None:
+        if self.dataset != "text":
+            if self.train_text or self.valid_text or self.test_text or self.split_bytes:
+                raise ValueError(
+                    f"train_text: the text options need dataset 'text', not {self.dataset!r}"
+                )
+            return
+        if self.level not in LEVELS:
+            raise ValueError(f"level: expected one of {LEVELS}, got {self.level!r}")
+        if self.train_text is None:
+            raise ValueError("train_text: dataset 'text' needs the training file")
+        if self.split_bytes:
+            if self.level != "byte" or len(self.split_bytes) != 3:
+                raise ValueError(
+                    f"split_bytes: three byte counts (train, valid, test) of one "
+                    f"file at the byte level, got {self.split_bytes} at level "
+                    f"{self.level!r}"
+                )
+            if self.valid_text or self.test_text or min(self.split_bytes) < 1:
+                raise ValueError(
+                    "split_bytes: positive counts, and no valid_text / test_text "
+                    "(the parts come from train_text)"
+                )
+        elif self.valid_text is None:
+            raise ValueError(
+                "valid_text: training on text needs a validation file (or "
+                "split_bytes at the byte level)"
+            )
+        check_positive(self, ("min_count",))
+        check_positive(self, ("max_vocab",), minimum=0)
+        if self.max_vocab and self.max_vocab < 3:
+            raise ValueError(
+                f"max_vocab: <eos>, <unk> and at least one symbol, got {self.max_vocab}"
+            )
+
+    def data_level(self) -> str:
+        """'word', 'char' or 'byte'."""
+        return DATASETS[self.dataset] or self.level
 
     def optimizer_config(self) -> OptimizerConfig:
         return OptimizerConfig(
@@ -236,12 +300,26 @@ def make_config(
     model_overrides: Mapping[str, Any] = (),
     **run_overrides,
 ) -> LMConfig:
+    """The config of `preset` for `dataset` with field overrides (validated). A `train_text`
+    makes the dataset 'text' (the default 'ptb' otherwise), whose vocabulary size is read from
+    the training text here."""
+    if run_overrides.get("train_text") is not None and dataset == "ptb":
+        dataset = "text"
     if dataset not in DATASETS:
         raise ValueError(f"dataset: expected one of {sorted(DATASETS)}, got {dataset!r}")
     if preset not in PRESETS:
         raise ValueError(f"preset: expected one of {sorted(PRESETS)}, got {preset!r}")
-    base, sizes = MODEL_PRESETS[dataset][preset]
-    fields = {**sizes, **dict(model_overrides), "vocab_size": VOCAB_SIZES[dataset]}
+    if dataset == "text":
+        level = run_overrides.get("level", LMConfig.level)
+        base, sizes = MODEL_PRESETS["ptb" if level == "word" else "ptb_char"][preset]
+        vocab_size = text_vocab_size(run_overrides)
+        sizes = dict(sizes)
+        if level == "word" and vocab_size >= LARGE_VOCAB and "cutoffs" not in model_overrides:
+            sizes["cutoffs"] = tuple(c for c in LARGE_VOCAB_CUTOFFS if c < vocab_size)
+    else:
+        base, sizes = MODEL_PRESETS[dataset][preset]
+        vocab_size = VOCAB_SIZES[dataset]
+    fields = {**sizes, **dict(model_overrides), "vocab_size": vocab_size}
     if dict(model_overrides).get("vocab_size", fields["vocab_size"]) != fields["vocab_size"]:
         raise ValueError(f"model.vocab_size: fixed by the dataset ({fields['vocab_size']})")
     model_config = getattr(TransformerXLConfig, base)(**fields)
@@ -251,3 +329,20 @@ def make_config(
         model_config=model_config,
         **{**PRESETS[preset], **run_overrides},
     )
+
+
+def text_vocab_size(fields: Mapping[str, Any]) -> int:
+    """The vocabulary size of a text run's training data (LMConfig field values; a bad level
+    or file is an error naming it)."""
+    level = fields.get("level", LMConfig.level)
+    if level not in LEVELS:
+        raise ValueError(f"level: expected one of {LEVELS}, got {level!r}")
+    if level == "byte":
+        return BYTE_VOCAB
+    vocab = TextVocab.build(
+        text_lines(fields["train_text"]),
+        level,
+        min_count=fields.get("min_count", LMConfig.min_count),
+        max_vocab=fields.get("max_vocab", LMConfig.max_vocab),
+    )
+    return vocab.vocab_size

@@ -11,8 +11,8 @@ import jax
 import numpy as np
 
 from train.core.task import restore_for_inference
-from train.lm.config import DATASETS
 from train.lm.task import TASK, load_vocab
+from train.lm.text import ByteVocab, TextVocab
 from xl_jax.generate import generate
 
 UNK = "<unk>"
@@ -20,8 +20,13 @@ SPACE = "_"  # PTB's character level spells the space between words as '_'
 
 
 def encode_prompt(vocab, text: str, *, level: str) -> list[int]:
-    """Prompt text -> ids. Word level: lower-cased words, unknown ones as <unk>; character
-    level: characters, spaces as '_'."""
+    """Prompt text -> ids. PTB word level: lower-cased words, unknown ones as <unk>; PTB
+    character level: characters, spaces as '_'. A text run's vocabulary takes the prompt as
+    its training text was read (words, characters or UTF-8 bytes; unknown ones as <unk>)."""
+    if isinstance(vocab, ByteVocab):
+        return vocab.encode_bytes(text.encode("utf-8")).tolist() or [vocab.eos_id]
+    if isinstance(vocab, TextVocab):
+        return vocab.encode_lines([text]).tolist()[:-1] or [vocab.eos_id]  # no <eos> after it
     if level == "word":
         return [_id_or(vocab, s, UNK) for s in text.lower().split()] or [vocab.eos_id]
     symbols = [SPACE if c.isspace() else c for c in " ".join(text.lower().split())]
@@ -41,6 +46,8 @@ def _id_or(vocab, symbol: str, fallback: str | None) -> int | None:
 def decode_text(vocab, ids, *, level: str) -> str:
     """ids -> text: words joined by spaces (characters joined, '_' a space), <eos> a line
     break."""
+    if isinstance(vocab, (ByteVocab, TextVocab)):
+        return vocab.decode(ids)
     symbols = [vocab.symbols[i] for i in np.asarray(ids).reshape(-1).tolist()]
     if level == "word":
         return " ".join("\n" if s == vocab.EOS else s for s in symbols).replace(" \n ", "\n")
@@ -60,7 +67,7 @@ def generate_text(
     """The continuation of `prompt` sampled from `workdir`'s checkpoint (the best by
     validation loss, else the latest)."""
     config, model, state, dp = restore_for_inference(TASK, workdir)
-    level = DATASETS[config.dataset]
+    level = config.data_level()
     vocab = load_vocab(config)
     ids = np.asarray([encode_prompt(vocab, prompt, level=level)], np.int32)  # [1, P]
     # replicate: a run with sharding='fsdp' may hold parts of the weights on other hosts.

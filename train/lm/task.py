@@ -10,6 +10,7 @@ per character (nats / ln 2, over every symbol including the `<eos>` that ends ea
 from __future__ import annotations
 
 import dataclasses
+import functools
 import math
 import os
 import time
@@ -24,8 +25,10 @@ from train import plots
 from train.core.metrics import MetricsWriter, add_sums, read_metrics, summarize
 from train.core.parallel import DataParallel
 from train.core.state import TrainState
+from train.data.text_files import DataError, check_fingerprint
 from train.data.tokenizers import CharVocab, WordVocab
 from train.lm.config import DATASETS, PRESETS, LMConfig, make_config
+from train.lm.text import ByteVocab, TextVocab, byte_splits, read_bytes, text_lines
 from xl_jax.config import TransformerXLConfig
 from xl_jax.data import lm_batches
 from xl_jax.memory import init_memory, reset_rows
@@ -33,18 +36,54 @@ from xl_jax.model import TransformerXL
 
 
 def load_vocab(config: LMConfig):
+    """PTB's closed vocabulary, or the one of a text run's training file at its level."""
+    if config.dataset == "text":
+        vocab = _text_vocab(config.train_text, config.level, config.min_count, config.max_vocab)
+        if vocab.vocab_size != config.model_config.vocab_size:
+            raise DataError(
+                f"train_text: {config.train_text} gives {vocab.vocab_size:,} "
+                f"symbols, the run's model {config.model_config.vocab_size:,}: "
+                "not the text this run was made from"
+            )
+        return vocab
     level = DATASETS[config.dataset]
     return (WordVocab if level == "word" else CharVocab).from_ptb(data_dir=config.data_dir)
 
 
-def load_stream(config: LMConfig, split: str) -> np.ndarray:
-    """The int32 token stream of a PTB split, `<eos>` after every line."""
-    from train.data.datasets import load_ptb  # lazy: importing TFDS is not free
+@functools.lru_cache(maxsize=4)
+def _text_vocab(path: str, level: str, min_count: int, max_vocab: int):
+    if level == "byte":
+        return ByteVocab()
+    return TextVocab.build(text_lines(path), level, min_count=min_count, max_vocab=max_vocab)
 
-    stream = load_vocab(config).encode_lines(
-        load_ptb(DATASETS[config.dataset], split, data_dir=config.data_dir)
-    )
+
+def load_stream(config: LMConfig, split: str) -> np.ndarray | None:
+    """The int32 token stream of a split ('train', 'valid', 'test'): PTB's or the text run's,
+    `<eos>` after every line (bytes as they are at the byte level); None for a text run
+    without that split."""
+    if config.dataset == "text":
+        stream = _text_stream(config, split)
+        if stream is None:
+            return None
+    else:
+        from train.data.datasets import load_ptb  # lazy: importing TFDS is not free
+
+        stream = load_vocab(config).encode_lines(
+            load_ptb(DATASETS[config.dataset], split, data_dir=config.data_dir)
+        )
     return stream[: config.eval_tokens] if config.eval_tokens and split != "train" else stream
+
+
+def _text_stream(config: LMConfig, split: str) -> np.ndarray | None:
+    vocab = load_vocab(config)
+    if config.split_bytes:
+        return vocab.encode_bytes(byte_splits(config.train_text, config.split_bytes)[split])
+    path = {"train": config.train_text, "valid": config.valid_text, "test": config.test_text}[split]
+    if path is None:
+        return None
+    if config.level == "byte":
+        return vocab.encode_bytes(read_bytes(path))
+    return vocab.encode_lines(text_lines(path))
 
 
 def make_loss_fn(model: TransformerXL):
@@ -117,7 +156,7 @@ def evaluate_stream(
 
 
 def with_bpc(values: dict[str, float], config: LMConfig) -> dict[str, float]:
-    if DATASETS[config.dataset] == "char":
+    if config.data_level() in ("char", "byte"):
         values["bpc"] = values["nll"] / math.log(2.0)
     return values
 
@@ -130,7 +169,7 @@ class LMData:
     batches_per_epoch: int
     from_step: Callable
     valid: np.ndarray
-    test: np.ndarray
+    test: np.ndarray | None
     log: Callable[[str], None] = print
 
     def batches(self, start_step: int, rows=None):
@@ -157,17 +196,20 @@ class LMData:
         start: float,
     ) -> dict[str, Any]:
         config, step = self.config, int(jax.device_get(state.step))
-        test = evaluate_stream(dp, eval_step, params, self.test, config)
-        test["total_seconds"] = time.monotonic() - start
-        writer.write_final(step, "test", test)
         out = {f"val_{k}": v for k, v in validation.items()}
-        out.update({f"test_{k}": v for k, v in test.items()})
-        figure = "bpc" if "bpc" in test else "ppl"
-        self.log(
-            f"test {figure} {test[figure]:.3f}, validation {figure} "
-            f"{validation[figure]:.3f} (eval segments {config.eval_tgt_len}, memory "
-            f"{config.eval_mem_len})"
-        )
+        figure = "bpc" if "bpc" in validation else "ppl"
+        if self.test is None:  # a text run given no test file
+            self.log(f"no test text; validation {figure} {validation[figure]:.3f}")
+        else:
+            test = evaluate_stream(dp, eval_step, params, self.test, config)
+            test["total_seconds"] = time.monotonic() - start
+            writer.write_final(step, "test", test)
+            out.update({f"test_{k}": v for k, v in test.items()})
+            self.log(
+                f"test {figure} {test[figure]:.3f}, validation {figure} "
+                f"{validation[figure]:.3f} (eval segments {config.eval_tgt_len}, memory "
+                f"{config.eval_mem_len})"
+            )
         if config.plots and jax.process_index() == 0:
             path = plots.plot_losses(
                 read_metrics(workdir), os.path.join(workdir, plots.PLOTS_DIR, "loss.png")
@@ -222,6 +264,8 @@ class LMTask:
             raise ValueError(
                 f"batch_size: {config.batch_size} rows do not split over {dp.n_devices} devices"
             )
+        if config.dataset == "text":
+            check_fingerprint(workdir, {"train_text": config.train_text})
         train_stream = load_stream(config, "train")
         batches, from_step = train_batches(train_stream, config)
         data = LMData(
@@ -233,9 +277,11 @@ class LMTask:
             log=log,
         )
         log(
-            f"data: {config.dataset}, {len(train_stream):,} training tokens, {len(batches)} "
-            f"batches of {config.batch_size} x {config.model_config.tgt_len} an epoch (1 "
-            f"compiled shape), {len(data.valid):,} valid / {len(data.test):,} test tokens; "
+            f"data: {config.dataset} ({config.data_level()}), {len(train_stream):,} training "
+            f"tokens, vocabulary {config.model_config.vocab_size:,}, {len(batches)} batches of "
+            f"{config.batch_size} x {config.model_config.tgt_len} an epoch (1 compiled shape), "
+            f"{len(data.valid):,} valid / "
+            f"{'no' if data.test is None else format(len(data.test), ',')} test tokens; "
             f"{dp.n_devices} device(s), {config.parallel}"
         )
         return data

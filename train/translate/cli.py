@@ -15,19 +15,22 @@ from train.translate.infer import translate_text
 from train.translate.pretrained import Pretrained, evaluate_pretrained
 from train.translate.task import TASK
 
-DESCRIPTION = """Train and evaluate a translation model on Multi30k German -> English.
+DESCRIPTION = """Train and evaluate a translation model: Multi30k German -> English, or your files.
 
     python -m train.translate                          # Transformer: preset cpu, or gpu on a GPU
     python -m train.translate --preset base --workdir runs/base --dtype bfloat16
     python -m train.translate --model bahdanau --preset cpu
+    python -m train.translate --src_lang en --tgt_lang de      # Multi30k the other way
+    python -m train.translate --train_src A.de --train_tgt A.en --valid_src V.de \\
+        --valid_tgt V.en --test_src T1.de,T2.de --test_tgt T1.en,T2.en   # your own files
     python -m train.translate --workdir W              # resume W with its saved config
     python -m train.translate --workdir W --translate "Ein Mann fährt Fahrrad."
     python -m train.translate --pretrained opus-mt-de-en --translate "Ein Mann fährt Fahrrad."
     python -m train.translate --pretrained opus-mt-de-en --eval     # BLEU on Multi30k test
 
 Evaluation: teacher-forced loss and perplexity on validation and test, then sacreBLEU (cased,
-13a tokenization, on detokenized text) of beam-search output on the test split, written to
-W/translations/.
+13a tokenization, on detokenized text) and chrF of beam-search output on each test set,
+written to W/translations/.
 """
 
 

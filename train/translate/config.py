@@ -61,6 +61,15 @@ class TranslateConfig(RunConfig):
         at a training step rather than its own previous prediction (1: always, the default).
       teacher_forcing_schedule: 'constant', or 'inverse_sigmoid' (scheduled sampling, Bengio
         et al. 2015): teacher_forcing * k / (k + exp(step / k)), k = teacher_forcing_k.
+      src_lang, tgt_lang: the direction. On Multi30k 'de' -> 'en' (the default) or 'en' ->
+        'de'; with files, labels for the log.
+      train_src, train_tgt: parallel text files to train on instead of Multi30k (UTF-8, one
+        sentence a line, optionally gzipped: train.data.text_files); a joint SentencePiece
+        model of vocab_size pieces is trained on them. valid_src, valid_tgt: the validation
+        pair (needed with training files). test_src, test_tgt: test sets, as many of each,
+        each scored (BLEU and chrF) and written under its own name; without them a file run
+        has no test evaluation and a Multi30k run uses test_split.
+      skip_empty: leave out pairs with an empty side instead of refusing the file.
     """
 
     model: str = "transformer"
@@ -84,6 +93,15 @@ class TranslateConfig(RunConfig):
     teacher_forcing: float = 1.0
     teacher_forcing_schedule: str = "constant"
     teacher_forcing_k: float = 1000.0
+    src_lang: str = "de"
+    tgt_lang: str = "en"
+    train_src: str | None = None
+    train_tgt: str | None = None
+    valid_src: str | None = None
+    valid_tgt: str | None = None
+    test_src: tuple[str, ...] = ()
+    test_tgt: tuple[str, ...] = ()
+    skip_empty: bool = False
 
     MAY_CHANGE: ClassVar[tuple[str, ...]] = RunConfig.MAY_CHANGE + (
         "beam_size",
@@ -93,6 +111,10 @@ class TranslateConfig(RunConfig):
         "eval_sentences",
         "test_split",
         "tokenizer_dir",
+        "valid_src",
+        "valid_tgt",
+        "test_src",
+        "test_tgt",
         # The rate may change (say, after a divergence); the optimizer state's tree does not.
         "learning_rate",
         "lr_factor",
@@ -112,7 +134,8 @@ class TranslateConfig(RunConfig):
             self, ("vocab_size", "tokens_per_batch", "warmup_steps", "beam_size", "eval_batch_size")
         )
         check_positive(self, ("eval_sentences", "decode_margin"), minimum=0)
-        if self.vocab_size < MIN_VOCAB_SIZE:
+        self._check_data()
+        if self.train_src is None and self.vocab_size < MIN_VOCAB_SIZE:
             raise ValueError(
                 f"vocab_size: the Multi30k tokenizer needs at least "
                 f"{MIN_VOCAB_SIZE} pieces (4 special, 256 byte pieces and the 102 "
@@ -142,6 +165,37 @@ class TranslateConfig(RunConfig):
                 "in training (only the recurrent models feed their own output)"
             )
         self.optimizer_config()  # clip_norm, ema_decay and the schedule, validated there
+
+    def _check_data(self) -> None:
+        """Files come in pairs; Multi30k has two languages."""
+        for a, b in (("train_src", "train_tgt"), ("valid_src", "valid_tgt")):
+            if (getattr(self, a) is None) != (getattr(self, b) is None):
+                raise ValueError(f"{a}, {b}: give both files of the pair, or neither")
+        if len(self.test_src) != len(self.test_tgt):
+            raise ValueError(
+                f"test_src, test_tgt: {len(self.test_src)} source and "
+                f"{len(self.test_tgt)} target files; give them in pairs"
+            )
+        if self.train_src is not None and self.valid_src is None:
+            raise ValueError(
+                "valid_src, valid_tgt: training on files needs a validation pair "
+                "of files (it ranks the checkpoints)"
+            )
+        if self.train_src is None and (self.valid_src is not None or self.test_src):
+            raise ValueError(
+                "valid_src, test_src: evaluation files need training files "
+                "(train_src, train_tgt) of the same languages"
+            )
+        if self.train_src is None and {self.src_lang, self.tgt_lang} != {"de", "en"}:
+            raise ValueError(
+                f"src_lang, tgt_lang: Multi30k is de-en, in either direction; "
+                f"got {self.src_lang!r} -> {self.tgt_lang!r} (train on files for "
+                "other languages)"
+            )
+
+    def uses_files(self) -> bool:
+        """Whether the run trains on the user's files rather than the shipped Multi30k."""
+        return self.train_src is not None
 
     def uses_teacher_forcing(self) -> bool:
         """Whether training feeds the decoder its own predictions at some steps."""

@@ -89,6 +89,13 @@ def bleu(hypotheses: Sequence[str], references: Sequence[str]) -> float:
     return float(sacrebleu.corpus_bleu(list(hypotheses), [list(references)]).score)
 
 
+def chrf(hypotheses: Sequence[str], references: Sequence[str]) -> float:
+    """Corpus chrF (sacrebleu's defaults: character 6-grams, beta 2) on detokenized text."""
+    import sacrebleu  # lazy: slow to import, and only evaluation needs it
+
+    return float(sacrebleu.corpus_chrf(list(hypotheses), [list(references)]).score)
+
+
 def write_translations(
     workdir: str,
     split: str,
@@ -97,17 +104,20 @@ def write_translations(
     sources: Sequence[str],
     references: Sequence[str],
     hypotheses: Sequence[str],
+    src_lang: str = "de",
+    tgt_lang: str = "en",
 ) -> str:
-    """W/translations/<split>.step<N>.en (one hypothesis a line, in test order); also the
-    source and reference next to it once. Process 0 writes; every process returns the path."""
+    """W/translations/<split>.step<N>.<tgt_lang> (one hypothesis a line, in test order); also
+    the source and reference next to it once. Process 0 writes; every process returns the
+    path."""
     directory = os.path.join(workdir, "translations")
-    path = os.path.join(directory, f"{split}.step{step}.en")
+    path = os.path.join(directory, f"{split}.step{step}.{tgt_lang}")
     if jax.process_index() == 0:
         os.makedirs(directory, exist_ok=True)
         for name, lines in (
             (path, hypotheses),
-            (os.path.join(directory, f"{split}.source.de"), sources),
-            (os.path.join(directory, f"{split}.reference.en"), references),
+            (os.path.join(directory, f"{split}.source.{src_lang}"), sources),
+            (os.path.join(directory, f"{split}.reference.{tgt_lang}"), references),
         ):
             write_lines(name, lines)
     return path

@@ -1,8 +1,9 @@
-"""Translation as a `train.core.task.Task`: Multi30k German -> English with any model of the
-registry. Data: a joint SentencePiece tokenizer, length-bucketed token batches, the evaluation
-splits; loss: label-smoothed cross-entropy; evaluation: teacher-forced perplexity on
-validation, then on the test split perplexity and the sacreBLEU of beam search, with the
-translations written to W/translations/ and plots to W/plots/.
+"""Translation as a `train.core.task.Task` with any model of the registry, on Multi30k
+(German -> English, or back) or on the user's parallel text files. Data: a joint SentencePiece
+tokenizer, length-bucketed token batches, the evaluation splits; loss: label-smoothed
+cross-entropy; evaluation: teacher-forced perplexity on validation, then on each test set
+perplexity, and sacreBLEU and chrF of beam search, with the translations written to
+W/translations/ and plots to W/plots/.
 """
 
 from __future__ import annotations
@@ -24,10 +25,17 @@ from train.core.parallel import DataParallel
 from train.core.state import TrainState
 from train.core.workdir import local_dir
 from train.data.batching import TokenBatcher, eval_batches
-from train.data.tokenizers import multi30k_tokenizer
+from train.data.text_files import DataError, check_fingerprint, read_parallel, set_name
+from train.data.tokenizers import SentencePieceTokenizer, multi30k_tokenizer
 from train.translate import registry
 from train.translate.config import PRESETS, TranslateConfig, make_config
-from train.translate.evaluate import bleu, teacher_forced, translate_pairs, write_translations
+from train.translate.evaluate import (
+    bleu,
+    chrf,
+    teacher_forced,
+    translate_pairs,
+    write_translations,
+)
 from transformer_jax.losses import (
     hard_attention_surrogate,
     init_reinforce_baseline,
@@ -46,12 +54,47 @@ class Split:
     pairs: list[tuple[list[int], list[int]]]
 
 
-def load_tokenizer(config: TranslateConfig, workdir: str):
-    return multi30k_tokenizer(
-        config.tokenizer_dir or os.path.join(local_dir(workdir), "tokenizer"),
-        vocab_size=config.vocab_size,
-        data_dir=config.data_dir,
-    )
+def training_pairs(
+    config: TranslateConfig, log: Callable[[str], None] | None = None
+) -> list[tuple[str, str]]:
+    """The (source, target) sentences of the training data: the user's files, else the
+    shipped Multi30k in the configured direction."""
+    if config.uses_files():
+        pairs, skipped = read_parallel(
+            config.train_src, config.train_tgt, skip_empty=config.skip_empty
+        )
+        if skipped and log:
+            log(f"data: {skipped:,} training pair(s) with an empty side left out (skip_empty)")
+        return pairs
+    return multi30k_pairs(config, "train")
+
+
+def multi30k_pairs(config: TranslateConfig, split: str) -> list[tuple[str, str]]:
+    """A Multi30k split as (source, target) in the configured direction (de-en or en-de)."""
+    from train.data.datasets import load_multi30k  # lazy: importing TFDS is not free
+
+    pairs = load_multi30k(split, data_dir=config.data_dir)
+    return pairs if config.src_lang == "de" else [(en, de) for de, en in pairs]
+
+
+def load_tokenizer(
+    config: TranslateConfig, workdir: str, *, train_pairs: Sequence[tuple[str, str]] | None = None
+):
+    """The run's joint SentencePiece model, trained on its training sentences (both sides) the
+    first time and cached by a hash of the text and options."""
+    directory = config.tokenizer_dir or os.path.join(local_dir(workdir), "tokenizer")
+    if not config.uses_files():
+        return multi30k_tokenizer(directory, vocab_size=config.vocab_size, data_dir=config.data_dir)
+    pairs = training_pairs(config) if train_pairs is None else train_pairs
+    try:
+        return SentencePieceTokenizer.train_or_load(
+            [s for pair in pairs for s in pair],
+            directory,
+            vocab_size=config.vocab_size,
+            name="files_spm",
+        )
+    except ValueError as e:  # SentencePiece cannot meet the vocabulary size on this text
+        raise DataError(f"vocab_size: {e}") from e
 
 
 def encode_source(tokenizer, sentences: Sequence[str]) -> list[list[int]]:
@@ -68,10 +111,21 @@ def encode_pairs(tokenizer, pairs: Sequence[tuple[str, str]]) -> list[tuple[list
     )
 
 
-def load_split(config: TranslateConfig, tokenizer, name: str) -> Split:
-    from train.data.datasets import load_multi30k  # lazy: importing TFDS is not free
-
-    pairs = load_multi30k(name, data_dir=config.data_dir)
+def load_split(
+    config: TranslateConfig,
+    tokenizer,
+    name: str,
+    files: tuple[str, str] | None = None,
+    log: Callable[[str], None] | None = None,
+) -> Split:
+    """An evaluation split: Multi30k's split `name`, or the parallel `files` (source, target)
+    under that name; its first eval_sentences pairs when set."""
+    if files is None:
+        pairs = multi30k_pairs(config, name)
+    else:
+        pairs, skipped = read_parallel(*files, skip_empty=config.skip_empty)
+        if skipped and log:
+            log(f"data: {name}: {skipped:,} pair(s) with an empty side left out (skip_empty)")
     if config.eval_sentences:
         pairs = pairs[: config.eval_sentences]
     return Split(name, [p[0] for p in pairs], [p[1] for p in pairs], encode_pairs(tokenizer, pairs))
@@ -153,7 +207,7 @@ class TranslationData:
     tokenizer: Any
     batcher: TokenBatcher
     validation: Split
-    test: Split
+    tests: list[Split]  # each scored and written under its own name; may be empty
     eval_rows: int
     log: Callable[[str], None] = print
 
@@ -205,40 +259,37 @@ class TranslationData:
         writer: MetricsWriter,
         start: float,
     ) -> dict[str, Any]:
-        config, test, log = self.config, self.test, self.log
+        config, log = self.config, self.log
         step = int(jax.device_get(state.step))
         out = {f"val_{k}": v for k, v in validation.items() if k in ("loss", "nll", "ppl")}
-        t_eval = time.monotonic()
-        test_tf = teacher_forced(dp, eval_step, params, self._eval_batches(test, dp))
-        hypotheses = translate_pairs(model, params, dp, config, self.tokenizer, test.pairs)
-        score = bleu(hypotheses, test.references)
-        path = write_translations(
-            workdir,
-            config.test_split,
-            step,
-            sources=test.sources,
-            references=test.references,
-            hypotheses=hypotheses,
-        )
-        record = {
-            "loss": test_tf["loss"],
-            "nll": test_tf["nll"],
-            "ppl": test_tf["ppl"],
-            "bleu": score,
-            "sentences": len(hypotheses),
-            "beam_size": config.beam_size,
-            "eval_seconds": time.monotonic() - t_eval,
-            "total_seconds": time.monotonic() - start,
-        }
-        writer.write_final(step, config.test_split, record)
-        out.update({f"test_{k}": v for k, v in record.items()})
-        out["hypotheses"] = path
-        log(
-            f"{config.test_split}: BLEU {score:.2f} (sacreBLEU, cased, 13a, beam "
-            f"{config.beam_size}), ppl {test_tf['ppl']:.2f}; validation ppl "
-            f"{validation['ppl']:.2f}; translations in {path}"
-        )
-        if config.plots and jax.process_index() == 0:
+        first = None
+        for test in self.tests:
+            record, path, hypotheses = self._score(
+                test,
+                workdir=workdir,
+                dp=dp,
+                eval_step=eval_step,
+                model=model,
+                params=params,
+                step=step,
+            )
+            record["total_seconds"] = time.monotonic() - start
+            writer.write_final(step, test.name, record)
+            if first is None:  # the first test set's figures are the run's test_ figures
+                first = (test, hypotheses)
+                out.update({f"test_{k}": v for k, v in record.items()})
+                out["hypotheses"] = path
+            if len(self.tests) > 1:
+                out.update({f"test_{test.name}_{k}": record[k] for k in ("bleu", "chrf", "ppl")})
+            log(
+                f"{test.name}: BLEU {record['bleu']:.2f} (sacreBLEU, cased, 13a, beam "
+                f"{config.beam_size}), chrF {record['chrf']:.2f}, ppl {record['ppl']:.2f}; "
+                f"validation ppl {validation['ppl']:.2f}; translations in {path}"
+            )
+        if first is None:
+            log(f"no test set; validation ppl {validation['ppl']:.2f}")
+        if config.plots and first is not None and jax.process_index() == 0:
+            test, hypotheses = first
             made = plots.make_translation_plots(
                 workdir,
                 model,
@@ -265,6 +316,34 @@ class TranslationData:
                 f"{os.path.join(workdir, plots.PLOTS_DIR)}"
             )
         return out
+
+    def _score(self, test: Split, *, workdir: str, dp, eval_step, model, params, step: int):
+        """-> (the metrics record of one test set, its translations' path, the hypotheses)."""
+        config = self.config
+        t_eval = time.monotonic()
+        teacher = teacher_forced(dp, eval_step, params, self._eval_batches(test, dp))
+        hypotheses = translate_pairs(model, params, dp, config, self.tokenizer, test.pairs)
+        path = write_translations(
+            workdir,
+            test.name,
+            step,
+            sources=test.sources,
+            references=test.references,
+            hypotheses=hypotheses,
+            src_lang=config.src_lang,
+            tgt_lang=config.tgt_lang,
+        )
+        record = {
+            "loss": teacher["loss"],
+            "nll": teacher["nll"],
+            "ppl": teacher["ppl"],
+            "bleu": bleu(hypotheses, test.references),
+            "chrf": chrf(hypotheses, test.references),
+            "sentences": len(hypotheses),
+            "beam_size": config.beam_size,
+            "eval_seconds": time.monotonic() - t_eval,
+        }
+        return record, path, hypotheses
 
 
 class TranslationTask:
@@ -313,23 +392,37 @@ class TranslationTask:
     def prepare(
         self, config: TranslateConfig, workdir: str, dp: DataParallel, log: Callable[[str], None]
     ) -> TranslationData:
-        from train.data.datasets import load_multi30k  # lazy: importing TFDS is not free
-
-        tokenizer = load_tokenizer(config, workdir)
-        train_pairs = encode_pairs(tokenizer, load_multi30k("train", data_dir=config.data_dir))
+        pairs = training_pairs(config, log)
+        if config.uses_files():
+            check_fingerprint(
+                workdir, {"train_src": config.train_src, "train_tgt": config.train_tgt}
+            )
+        tokenizer = load_tokenizer(config, workdir, train_pairs=pairs)
         batcher = TokenBatcher(
-            train_pairs,
+            encode_pairs(tokenizer, pairs),
             tokens_per_batch=config.tokens_per_batch,
             buckets=config.buckets,
             num_devices=dp.n_devices,
             seed=config.seed,
         )
+        if config.uses_files():
+            validation = load_split(
+                config, tokenizer, "validation", (config.valid_src, config.valid_tgt), log
+            )
+            names = unique_names([set_name(src) for src in config.test_src])
+            tests = [
+                load_split(config, tokenizer, name, files, log)
+                for name, files in zip(names, zip(config.test_src, config.test_tgt))
+            ]
+        else:
+            validation = load_split(config, tokenizer, "validation")
+            tests = [load_split(config, tokenizer, config.test_split)]
         data = TranslationData(
             config=config,
             tokenizer=tokenizer,
             batcher=batcher,
-            validation=load_split(config, tokenizer, "validation"),
-            test=load_split(config, tokenizer, config.test_split),
+            validation=validation,
+            tests=tests,
             eval_rows=dp.round_rows(config.eval_batch_size),
             log=log,
         )
@@ -340,6 +433,15 @@ class TranslationTask:
             f"{dp.n_devices} device(s), {config.parallel}"
         )
         return data
+
+
+def unique_names(names: Sequence[str]) -> list[str]:
+    """Test set names made unique (a second 'test' becomes 'test.2')."""
+    out, seen = [], {}
+    for name in names:
+        seen[name] = seen.get(name, 0) + 1
+        out.append(name if seen[name] == 1 else f"{name}.{seen[name]}")
+    return out
 
 
 TASK = TranslationTask()

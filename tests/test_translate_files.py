@@ -1,0 +1,222 @@
+"""Translation on the user's own parallel files: reading them (plain and gzipped, every bad
+input refused with a message naming the file and line), training and evaluating on them with
+several test sets, exact resume, and files that changed behind a resumed run."""
+
+from __future__ import annotations
+
+import gzip
+import json
+import os
+import shutil
+
+import numpy as np
+import pytest
+import sacrebleu
+
+from train import translate
+from train.core import cli
+from train.core.metrics import read_metrics
+from train.data.text_files import DataError, read_parallel, set_name
+from train.translate import cli as translate_cli
+from train.translate.task import multi30k_pairs
+
+WORDS = [f"w{i}" for i in range(40)]
+
+
+def write(path, lines, *, gz=False):
+    data = "".join(line + "\n" for line in lines).encode("utf-8")
+    with gzip.open(path, "wb") if gz else open(path, "wb") as f:
+        f.write(data)
+    return str(path)
+
+
+def corpus(n, seed):
+    """Sentences of a made-up language and their 'translations' (the words reversed and
+    upper-cased): learnable, and enough text for a small SentencePiece vocabulary."""
+    rng = np.random.default_rng(seed)
+    src = [" ".join(rng.choice(WORDS, rng.integers(3, 9))) for _ in range(n)]
+    return src, [" ".join(w.upper() for w in reversed(s.split())) for s in src]
+
+
+@pytest.fixture(scope="module")
+def files(tmp_path_factory):
+    root = tmp_path_factory.mktemp("files")
+    out = {}
+    for name, n, seed, gz in (
+        ("train", 400, 0, False),
+        ("valid", 40, 1, False),
+        ("news", 24, 2, True),
+        ("talks", 16, 3, False),
+    ):
+        src, tgt = corpus(n, seed)
+        ext = ".gz" if gz else ""
+        out[name] = (
+            write(root / f"{name}.xx{ext}", src, gz=gz),
+            write(root / f"{name}.yy{ext}", tgt, gz=gz),
+        )
+    return out
+
+
+def file_config(files, tmp_path, **overrides):
+    fields = {**dict(vocab_size=300, steps=6, log_every=3, checkpoint_every=3), **overrides}
+    return translate.make_config(
+        "transformer",
+        "tiny",
+        **fields,
+        src_lang="xx",
+        tgt_lang="yy",
+        train_src=files["train"][0],
+        train_tgt=files["train"][1],
+        valid_src=files["valid"][0],
+        valid_tgt=files["valid"][1],
+        test_src=(files["news"][0], files["talks"][0]),
+        test_tgt=(files["news"][1], files["talks"][1]),
+        eval_sentences=0,
+        plots=False,
+        progress=False,
+    )
+
+
+# ----------------------------------------------------------------------------- reading
+def test_parallel_files_plain_and_gzipped_read_the_same(tmp_path):
+    src, tgt = corpus(10, 0)
+    plain = read_parallel(write(tmp_path / "a.de", src), write(tmp_path / "a.en", tgt))
+    zipped = read_parallel(
+        write(tmp_path / "b.de.gz", src, gz=True), write(tmp_path / "b.en.gz", tgt, gz=True)
+    )
+    assert plain == zipped == (list(zip(src, tgt)), 0)
+    assert set_name("/x/newstest2014.de.gz") == "newstest2014"
+
+
+def test_bad_parallel_files_are_refused_naming_file_and_line(tmp_path):
+    good_src, good_tgt = corpus(5, 0)
+    src = write(tmp_path / "s.de", good_src)
+    with pytest.raises(DataError, match=r"t\.en has 4 lines|s\.de has 5 lines, .*t\.en has 4"):
+        read_parallel(src, write(tmp_path / "t.en", good_tgt[:4]))
+    with pytest.raises(DataError, match="no such file"):
+        read_parallel(src, str(tmp_path / "missing.en"))
+    with pytest.raises(DataError, match="empty.en: the file is empty"):
+        read_parallel(src, write(tmp_path / "empty.en", []))
+    (tmp_path / "latin1.en").write_bytes(
+        "\n".join(good_tgt[:2]).encode()
+        + "\nna\xefve\n".encode("latin-1")
+        + "\n".join(good_tgt[3:]).encode()
+        + b"\n"
+    )
+    with pytest.raises(DataError, match=r"latin1\.en, line 3: not UTF-8"):
+        read_parallel(src, str(tmp_path / "latin1.en"))
+    holes = good_tgt[:1] + [""] + good_tgt[2:]
+    with pytest.raises(DataError, match=r"holes\.en, line 2: empty"):
+        read_parallel(src, write(tmp_path / "holes.en", holes))
+    pairs, skipped = read_parallel(src, str(tmp_path / "holes.en"), skip_empty=True)
+    assert skipped == 1 and len(pairs) == 4 and good_src[1] not in [s for s, _ in pairs]
+
+
+@pytest.mark.parametrize(
+    "overrides, field",
+    [
+        (dict(train_src="a.de"), "train_src, train_tgt"),
+        (dict(train_src="a.de", train_tgt="a.en"), "valid_src, valid_tgt"),
+        (dict(test_src=("t.de",), test_tgt=()), "test_src, test_tgt"),
+        (dict(src_lang="fr"), "src_lang, tgt_lang"),
+    ],
+)
+def test_inconsistent_file_options_name_the_fields(overrides, field):
+    with pytest.raises(ValueError, match=field):
+        translate.make_config("transformer", "tiny", **overrides)
+
+
+def test_multi30k_runs_in_either_direction(tmp_path):
+    config = translate.make_config(
+        "transformer", "tiny", src_lang="en", tgt_lang="de", data_dir=str(tmp_path / "tfds")
+    )
+    de_en = translate.make_config("transformer", "tiny", data_dir=str(tmp_path / "tfds"))
+    forward, backward = multi30k_pairs(de_en, "validation"), multi30k_pairs(config, "validation")
+    assert backward == [(en, de) for de, en in forward]
+
+
+# ----------------------------------------------------------------------------- training
+@pytest.fixture(scope="module")
+def straight(files, tmp_path_factory):
+    workdir = tmp_path_factory.mktemp("straight") / "run"
+    final = translate.train_and_evaluate(file_config(files, workdir), str(workdir))
+    return workdir, final
+
+
+def test_a_run_on_files_scores_each_test_set_under_its_name(straight, files):
+    workdir, final = straight
+    assert final["step"] == 6 and final["reason"] == "steps"
+    for name, (_, tgt) in (("news", files["news"]), ("talks", files["talks"])):
+        hypotheses = workdir / "translations" / f"{name}.step6.yy"
+        with gzip.open(tgt, "rt") if tgt.endswith(".gz") else open(tgt) as f:
+            references = f.read().splitlines()
+        lines = hypotheses.read_text().splitlines()
+        assert len(lines) == len(references)
+        assert (
+            workdir / "translations" / f"{name}.reference.yy"
+        ).read_text().splitlines() == references
+        # The scores are sacreBLEU's of those files, recomputed here.
+        assert final[f"test_{name}_bleu"] == pytest.approx(translate.bleu(lines, references))
+        assert final[f"test_{name}_chrf"] == pytest.approx(
+            sacrebleu.corpus_chrf(lines, [references]).score
+        )
+    splits = {r["split"] for r in read_metrics(str(workdir))}
+    assert {"train", "validation", "news", "talks"} <= splits
+    assert final["test_bleu"] == final["test_news_bleu"]  # the first set is the run's test
+
+
+def test_a_run_on_files_resumes_exactly(straight, files, tmp_path):
+    workdir = tmp_path / "run"
+    translate.train_and_evaluate(file_config(files, workdir, steps=3), str(workdir))
+    final = translate.train_and_evaluate(file_config(files, workdir), str(workdir))
+
+    def train_lines(w):
+        return [(r["step"], r["loss"]) for r in read_metrics(str(w)) if r["split"] == "train"]
+
+    assert train_lines(workdir) == train_lines(straight[0])
+    assert final["test_news_bleu"] == straight[1]["test_news_bleu"]
+
+
+def test_changed_training_files_on_resume_are_refused(straight, files, tmp_path, capsys):
+    workdir = tmp_path / "run"
+    shutil.copytree(straight[0], workdir)
+    assert json.loads((workdir / "data.json").read_text())["train_src"] == files["train"][0]
+    # The same file names with other bytes: the fingerprint in W/data.json catches it.
+    train_src = files["train"][0]
+    os.replace(train_src, train_src + ".orig")
+    try:
+        with open(train_src + ".orig") as f:
+            lines = f.read().splitlines()
+        write(train_src, lines[:-1] + ["w1 w2 w3"])
+        code = translate_cli.main(["--workdir", str(workdir), "--steps", "8"])
+    finally:
+        os.replace(train_src + ".orig", train_src)
+    err = capsys.readouterr().err
+    assert code == cli.EXIT_USAGE, err
+    assert "train_src, train_tgt" in err and "not the files this run started with" in err
+    assert max(r["step"] for r in read_metrics(str(workdir))) == 6  # nothing trained
+
+
+def test_a_vocabulary_the_files_cannot_give_is_a_usage_error(files, tmp_path, capsys):
+    (src, tgt), (vsrc, vtgt) = files["train"], files["valid"]
+    code = translate_cli.main(
+        [
+            "--preset",
+            "tiny",
+            "--workdir",
+            str(tmp_path / "run"),
+            "--train_src",
+            src,
+            "--train_tgt",
+            tgt,
+            "--valid_src",
+            vsrc,
+            "--valid_tgt",
+            vtgt,
+            "--vocab_size",
+            "2000",
+        ]
+    )
+    err = capsys.readouterr().err
+    assert code == cli.EXIT_USAGE, err
+    assert "vocab_size" in err and "Vocabulary size too high" in err

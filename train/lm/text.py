@@ -1,0 +1,135 @@
+"""Language-model data from the user's text files, at three levels.
+
+  word: whitespace-separated tokens, `<eos>` after every line (as WikiText-103 and PTB are
+        distributed). The vocabulary is built from the training counts: `<eos>`, `<unk>`, then
+        the tokens seen at least `min_count` times, most frequent first (ties in code point
+        order), at most `max_vocab` symbols in all (0: no limit); others read as `<unk>`.
+  char: every character of a line (spaces included), `<eos>` after every line; the same
+        vocabulary rules.
+  byte: the raw bytes of the file (newlines included, no `<eos>`): 256 ids, reported in bits
+        per character as enwik8 and text8 are. One file may be split into train, valid and
+        test by byte counts (`split_bytes`, e.g. 90M, 5M, 5M for enwik8).
+
+Files are UTF-8 (`train.data.text_files.read_lines`: a bad byte is an error naming file and
+line), optionally gzipped; at the byte level any bytes are data.
+"""
+
+from __future__ import annotations
+
+import gzip
+from collections import Counter
+from collections.abc import Iterable, Sequence
+
+import numpy as np
+
+from train.data.text_files import DataError, read_lines
+
+LEVELS = ("word", "char", "byte")
+EOS, UNK = "<eos>", "<unk>"
+BYTE_VOCAB = 256
+
+
+def tokens(line: str, level: str) -> list[str]:
+    """The symbols of one line at a word or char level."""
+    return line.split() if level == "word" else list(line)
+
+
+class TextVocab:
+    """A closed vocabulary of a word or char level: `<eos>` is 0, `<unk>` 1, then the symbols
+    in decreasing training count (ties in code point order)."""
+
+    def __init__(self, symbols: Sequence[str], level: str):
+        if list(symbols[:2]) != [EOS, UNK]:
+            raise ValueError(f"symbols must start with {EOS!r}, {UNK!r}")
+        self.symbols, self.level = tuple(symbols), level
+        self._ids = {s: i for i, s in enumerate(self.symbols)}
+
+    @classmethod
+    def build(
+        cls, lines: Iterable[str], level: str, *, min_count: int = 1, max_vocab: int = 0
+    ) -> TextVocab:
+        counts = Counter(sym for line in lines for sym in tokens(line, level))
+        for special in (EOS, UNK):
+            counts.pop(special, None)
+        kept = sorted(
+            (s for s, c in counts.items() if c >= min_count), key=lambda s: (-counts[s], s)
+        )
+        if max_vocab:
+            kept = kept[: max_vocab - 2]
+        if not kept:
+            raise DataError(
+                f"min_count {min_count}: no {level} of the training text is "
+                "frequent enough to enter the vocabulary"
+            )
+        return cls([EOS, UNK, *kept], level)
+
+    @property
+    def vocab_size(self) -> int:
+        return len(self.symbols)
+
+    @property
+    def eos_id(self) -> int:
+        return 0
+
+    def token_to_id(self, symbol: str) -> int:
+        return self._ids.get(symbol, 1)
+
+    def encode_lines(self, lines: Iterable[str]) -> np.ndarray:
+        """int32 [N]: each line's symbol ids (unknown ones `<unk>`), then `<eos>`."""
+        stream: list[int] = []
+        for line in lines:
+            stream.extend(self._ids.get(s, 1) for s in tokens(line, self.level))
+            stream.append(0)
+        return np.asarray(stream, np.int32)
+
+    def decode(self, ids: Iterable[int]) -> str:
+        """Text of `ids`: words joined by spaces, characters joined; `<eos>` a line break."""
+        symbols = [self.symbols[i] for i in np.asarray(ids).reshape(-1).tolist()]
+        sep = " " if self.level == "word" else ""
+        return sep.join("\n" if s == EOS else s for s in symbols).replace(" \n ", "\n")
+
+
+class ByteVocab:
+    """The byte level: id = byte value."""
+
+    level = "byte"
+    vocab_size = BYTE_VOCAB
+    eos_id = ord("\n")
+
+    def encode_bytes(self, data: bytes) -> np.ndarray:
+        return np.frombuffer(data, np.uint8).astype(np.int32)
+
+    def decode(self, ids: Iterable[int]) -> str:
+        return bytes(np.asarray(ids, np.uint8).reshape(-1).tolist()).decode("utf-8", "replace")
+
+
+def read_bytes(path: str) -> bytes:
+    try:
+        with gzip.open(path, "rb") if path.endswith(".gz") else open(path, "rb") as f:
+            data = f.read()
+    except FileNotFoundError:
+        raise DataError(f"{path}: no such file") from None
+    except (OSError, EOFError) as e:
+        raise DataError(f"{path}: cannot be read ({e})") from e
+    if not data:
+        raise DataError(f"{path}: the file is empty")
+    return data
+
+
+def byte_splits(path: str, split_bytes: Sequence[int]) -> dict[str, bytes]:
+    """train / valid / test of one file cut at byte counts (the last may be shorter)."""
+    data = read_bytes(path)
+    if sum(split_bytes[:2]) >= len(data):
+        raise DataError(
+            f"split_bytes {tuple(split_bytes)}: {path} has only {len(data):,} "
+            "bytes, too few for a train and a validation part and a test part"
+        )
+    a, b, c = split_bytes
+    return {"train": data[:a], "valid": data[a : a + b], "test": data[a + b : a + b + c]}
+
+
+def text_lines(path: str) -> list[str]:
+    lines = list(read_lines(path))
+    if not any(line.strip() for line in lines):
+        raise DataError(f"{path}: the file is empty")
+    return lines

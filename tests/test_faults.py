@@ -13,13 +13,11 @@ from __future__ import annotations
 import json
 import math
 import os
-import queue
 import re
 import shutil
 import signal
 import subprocess
 import sys
-import threading
 import time
 import warnings
 
@@ -31,10 +29,8 @@ import pytest
 from train.core import cli
 from train.core.checkpoint import Checkpoints
 from train.core.metrics import read_metrics
+from processes import REPO, TIMEOUT, Running
 from test_train_translate import file_hashes, train_losses
-
-REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-TIMEOUT = 300  # seconds for any one run
 
 # A fresh run: tiny, and a fixed cosine horizon (decay_steps), so runs given different --steps
 # follow the same trajectory and their metrics compare exactly.
@@ -51,11 +47,6 @@ def env(tmp_path_factory):
                 JAX_PERSISTENT_CACHE_MIN_ENTRY_SIZE_BYTES="0")
 
 
-@pytest.fixture(scope="module")
-def data_dir(tmp_path_factory):
-    return tmp_path_factory.mktemp("tfds")
-
-
 def lm(workdir, *args):
     return [sys.executable, "-m", "train.lm", "--workdir", str(workdir), *args]
 
@@ -66,63 +57,10 @@ def run(args, env):
                           timeout=TIMEOUT)
 
 
-class Running:
-    """A run in the background whose output (stdout and stderr together) is read line by
-    line; waits on it are bounded, and leaving the `with` block kills it if still alive."""
-
-    def __init__(self, args, env):
-        self.proc = subprocess.Popen(args, cwd=REPO, env=env, stdout=subprocess.PIPE,
-                                     stderr=subprocess.STDOUT, text=True)
-        self.lines: list[str] = []
-        self._queue: queue.Queue = queue.Queue()
-        self._reader = threading.Thread(target=self._read, daemon=True)
-        self._reader.start()
-
-    def _read(self):
-        for line in self.proc.stdout:
-            self.lines.append(line)
-            self._queue.put(line)
-        self._queue.put(None)
-
-    @property
-    def output(self) -> str:
-        return "".join(self.lines)
-
-    def wait_for(self, text: str, timeout: float = TIMEOUT) -> str:
-        deadline = time.monotonic() + timeout
-        while True:
-            try:
-                line = self._queue.get(timeout=max(deadline - time.monotonic(), 0.01))
-            except queue.Empty:
-                raise AssertionError(f"no {text!r} within {timeout}s:\n{self.output}") from None
-            if line is None:
-                raise AssertionError(f"exited ({self.proc.wait()}) before {text!r}:\n"
-                                     f"{self.output}")
-            if text in line:
-                return line
-
-    def finish(self, timeout: float = TIMEOUT) -> int:
-        rc = self.proc.wait(timeout=timeout)
-        self._reader.join(timeout=10)
-        return rc
-
-    def kill9(self) -> int:
-        self.proc.send_signal(signal.SIGKILL)
-        return self.finish()
-
-    def __enter__(self):
-        return self
-
-    def __exit__(self, *exc):
-        if self.proc.poll() is None:
-            self.proc.kill()
-            self.proc.wait(timeout=30)
-
-
 def wait_for_file(path, proc: Running, timeout: float = TIMEOUT):
     deadline = time.monotonic() + timeout
     while not os.path.exists(path):
-        assert proc.proc.poll() is None, f"exited before {path} appeared:\n{proc.output}"
+        assert proc.alive(), f"exited before {path} appeared:\n{proc.output}"
         assert time.monotonic() < deadline, f"no {path} within {timeout}s:\n{proc.output}"
         time.sleep(0.02)
 
@@ -278,19 +216,20 @@ def test_a_truncated_checkpoint_without_checksums_is_one_message(base, tmp_path,
 def test_kill_9_at_start_up_and_mid_run_resumes_as_the_same_run_logging_each_step_once(
         base, tmp_path, data_dir, env):
     workdir = tmp_path / "run"
-    # Killed during data preparation: the config is already on disk.
-    with Running(lm(workdir, *FRESH, "--data_dir", str(data_dir), "--steps", "200",
+    # Killed during data preparation: the config is already on disk. So many steps that no
+    # run can finish, or checkpoint, before the kill.
+    with Running(lm(workdir, *FRESH, "--data_dir", str(data_dir), "--steps", "100000",
                     "--log_every", "4", "--checkpoint_every", "1000"), env) as first:
         wait_for_file(workdir / "config.json", first)
         first.kill9()
     assert "training from" not in first.output
     assert not Checkpoints(str(workdir)).all_steps()
-    # --workdir alone is the same run (tiny, 200 steps; not the CPU default), and the lock
+    # --workdir alone is the same run (tiny, 100000 steps; not the CPU default), and the lock
     # of the killed process died with it. Killed again after its first log line, before any
     # checkpoint, and as if mid-write of a line.
     with Running(lm(workdir), env) as second:
-        second.wait_for("training from step 0 to 200")
-        second.wait_for("step 4/200")
+        second.wait_for("training from step 0 to 100000")
+        second.wait_for("step 4/100000")
         second.kill9()
     assert "model: Transformer-XL (tiny)" in second.output
     assert not Checkpoints(str(workdir)).all_steps()
@@ -309,20 +248,27 @@ def test_kill_9_at_start_up_and_mid_run_resumes_as_the_same_run_logging_each_ste
 
 def test_a_second_run_on_a_busy_workdir_is_refused_naming_the_first(tmp_path, data_dir, env):
     workdir = tmp_path / "run"
-    with Running(lm(workdir, *FRESH, "--data_dir", str(data_dir), "--steps", "40",
+    # So many steps that the first run is still training when the second is refused; it is
+    # stopped by SIGTERM afterwards.
+    with Running(lm(workdir, *FRESH, "--data_dir", str(data_dir), "--steps", "100000",
                     "--log_every", "4", "--checkpoint_every", "20"), env) as first:
-        wait_for_file(workdir / "config.json", first)  # written under the lock
+        first.wait_for("step 4/100000")  # training, under the lock
         second = run(lm(workdir, "--steps", "40"), env)
-        assert first.proc.poll() is None, first.output  # the first still ran meanwhile
+        assert first.alive(), first.output  # the first still ran meanwhile
         assert second.returncode == cli.EXIT_ERROR, second.stdout + second.stderr
-        assert f"is in use by another run (pid {first.proc.pid} on " in second.stderr
+        assert f"is in use by another run (pid {first.pid} on " in second.stderr
         assert "data:" not in second.stdout  # refused before touching anything
-        assert first.finish() == 0, first.output
-    assert "final: step 40" in first.output
+        first.wait_for("step 24/100000")  # and it went on training past a checkpoint
+        first.send_signal(signal.SIGTERM)
+        assert first.finish() == cli.EXIT_INTERRUPTED, first.output
+    assert "SIGTERM: checkpoint saved" in first.output
     checkpoints = Checkpoints(str(workdir))
-    assert checkpoints.all_steps() == [20, 40]
-    assert all(checkpoints.verify(s) is None for s in (20, 40))
-    assert [s for s, _ in train_losses(workdir)] == list(range(4, 41, 4))
+    last = checkpoints.latest_step()
+    # Checkpoints every 20 steps, and the one SIGTERM saved.
+    assert last >= 24 and all(s % 20 == 0 for s in checkpoints.all_steps()[:-1])
+    assert all(checkpoints.verify(s) is None for s in checkpoints.all_steps())
+    # Every interval it completed is logged once, in order: the refused run wrote nothing.
+    assert [s for s, _ in train_losses(workdir)] == list(range(4, last // 4 * 4 + 1, 4))
 
 
 # ------------------------------------------------------------------------- signals, metrics
@@ -336,15 +282,19 @@ def test_sigint_and_sigterm_mid_interval_save_exit_75_and_resume_logs_the_same_l
                          (signal.SIGTERM, [])):
         start = saved[-1] if saved else 0
         with Running(lm(workdir, *args), env) as proc:
-            proc.wait_for(f"training from step {start} to 200")
-            proc.proc.send_signal(signum)  # Ctrl-C / a scheduler's stop, as training starts
+            # Ctrl-C / a scheduler's stop during set-up (the model line comes before the
+            # compilation and the first step): the signal is in before any step has run, so
+            # the run stops after exactly one step, whatever the speed of the machine.
+            proc.wait_for("model: Transformer-XL")
+            proc.send_signal(signum)
             assert proc.finish() == cli.EXIT_INTERRUPTED, proc.output
+        assert f"training from step {start} to 200" in proc.output
         assert f"{signal.Signals(signum).name}: checkpoint saved" in proc.output
         saved.append(Checkpoints(str(workdir)).latest_step())
-        assert saved[-1] > start
+        assert saved[-1] == start + 1
     # Both stops cut the first logging interval short: its steps' metrics travelled in the
     # checkpoints, no short line was written.
-    assert saved[-1] < 4 and not train_losses(workdir), saved
+    assert saved == [1, 2] and not train_losses(workdir), saved
     done = run(lm(workdir, "--steps", "8"), env)
     assert done.returncode == 0, done.stdout + done.stderr
     assert train_losses(workdir) == train_losses(base)  # exactly, loss for loss
@@ -360,7 +310,7 @@ def test_sigint_and_sigterm_mid_interval_save_exit_75_and_resume_logs_the_same_l
 # ------------------------------------------------------------------------- data and flags
 def test_a_damaged_prepared_dataset_names_its_directory(tmp_path, data_dir, base, env):
     private = tmp_path / "tfds"
-    shutil.copytree(data_dir / "ptb", private / "ptb")  # prepared by the base run
+    shutil.copytree(data_dir / "ptb", private / "ptb")  # the session's, left intact
     prepared = private / "ptb" / "word" / "1.0.0"
     (train_file,) = prepared.glob("ptb-train.array_record-*")
     with open(train_file, "r+b") as f:
@@ -401,13 +351,13 @@ def test_the_smallest_vocabulary_sentencepiece_trains_is_accepted():
     assert config.model_config.src_vocab_size == MIN_VOCAB_SIZE
 
 
-def test_an_unwritable_workdir_fails_before_data_preparation(tmp_path, data_dir, capsys):
+def test_an_unwritable_workdir_fails_before_data_preparation(tmp_path, capsys):
     from train.lm import cli as lm_cli
     (tmp_path / "a_file").write_text("not a directory")  # root ignores modes; this it cannot
     workdir = tmp_path / "a_file" / "run"
-    started = time.monotonic()
-    code = lm_cli.main([*FRESH, "--workdir", str(workdir), "--data_dir", str(data_dir)])
+    fresh_data = tmp_path / "tfds"  # nothing prepared: a run that got that far would build it
+    code = lm_cli.main([*FRESH, "--workdir", str(workdir), "--data_dir", str(fresh_data)])
     out = capsys.readouterr()
     assert code == cli.EXIT_ERROR, out.out + out.err
     assert f"work directory {workdir} is not writable" in out.err
-    assert "data:" not in out.out and time.monotonic() - started < 30
+    assert "data:" not in out.out and not fresh_data.exists()

@@ -26,14 +26,24 @@ import pytest  # noqa: E402
 
 @pytest.fixture(autouse=True, scope="module")
 def _free_compiled_programs():
-    """Drop JAX's compiled programs after each test module.
-
-    Every XLA:CPU executable holds memory mappings of its own code until it is freed, and JAX's
-    caches keep every executable a module built alive. Over the whole suite one process held
-    more than Linux's default vm.max_map_count (65,530) mappings, and the next compilation
-    crashed the interpreter (a segfault or abort inside backend_compile_and_load, near the end
-    of the suite, on 2026-11-25). No test reuses another module's compilations.
-    """
+    """Drop JAX's compiled programs after each test module: every XLA:CPU executable holds
+    memory mappings of its own code until it is freed, and over the whole suite one process
+    would hold more than Linux's vm.max_map_count allows, crashing the next compilation. No
+    test reuses another module's compilations."""
     yield
     jax.clear_caches()
     gc.collect()
+
+
+@pytest.fixture(scope="session")
+def data_dir(tmp_path_factory):
+    """One TFDS data directory for the whole session, with PTB (word and character level) and
+    Multi30k prepared once, before any run reads it: runs only read it, so subprocesses never
+    build a dataset concurrently. A test that damages a dataset copies it first."""
+    # Lazy: importing TFDS takes seconds, and most test modules never need it.
+    from train.data.datasets import load_multi30k, load_ptb
+    path = tmp_path_factory.mktemp("tfds")
+    for level in ("word", "char"):
+        load_ptb(level, "train", data_dir=path)
+    load_multi30k("train", data_dir=path)
+    return path

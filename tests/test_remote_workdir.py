@@ -60,8 +60,7 @@ def _train_losses(records):
 
 
 def test_a_bucket_workdir_holds_the_run_and_resumes_on_a_fresh_machine(
-        bucket, tmp_path, monkeypatch):
-    data_dir = tmp_path / "tfds"
+        bucket, tmp_path, monkeypatch, data_dir):
     uri = "gs://runs-bucket/lm"
     lm.train_and_evaluate(_config(data_dir, 3), uri)
     run = bucket / "runs-bucket" / "lm"

@@ -68,8 +68,7 @@ def _curve(directory, tag):
     return points
 
 
-def test_tensorboard_shows_each_step_once_after_a_resume(tmp_path):
-    data_dir = tmp_path / "tfds"
+def test_tensorboard_shows_each_step_once_after_a_resume(tmp_path, data_dir):
     fields = dict(steps=6, decay_steps=6, log_every=1, checkpoint_every=3, eval_tokens=300,
                   plots=False, progress=False, data_dir=str(data_dir))
     straight = lm.make_config("ptb", "tiny", **fields)

@@ -10,12 +10,17 @@ import os
 import subprocess
 import sys
 
+import jax
+import jax.numpy as jnp
 import numpy as np
 import pytest
 
 from train import lm
+from train.core.checkpoint import Checkpoints
 from train.core.metrics import read_metrics
+from train.core.task import eval_params, restore_for_inference
 from transformer_jax.optim import make_schedule
+from xl_jax.memory import init_memory
 
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
@@ -29,11 +34,6 @@ def tiny_config(data_dir, dataset="ptb", **overrides):
 
 def train_losses(workdir):
     return [(r["step"], r["loss"]) for r in read_metrics(str(workdir)) if r["split"] == "train"]
-
-
-@pytest.fixture(scope="module")
-def data_dir(tmp_path_factory):
-    return tmp_path_factory.mktemp("tfds")
 
 
 @pytest.fixture(scope="module")
@@ -171,3 +171,43 @@ def test_generate_prints_a_sampled_continuation(straight, capsys):
     greedy = generate_text(str(workdir), "the company said", num_tokens=12, top_k=1)
     assert greedy == generate_text(str(workdir), "the company said", num_tokens=12, top_k=1,
                                    seed=5)  # top_k 1 does not depend on the seed
+
+
+def test_the_reported_perplexity_is_the_per_token_nll_of_the_saved_model(straight):
+    """The test perplexity the run reported, recomputed the slow, obvious way from the saved
+    parameters: the stream cut into eval_batch_size contiguous rows, segments of eval_tgt_len
+    in order with the memory carried from one to the next, and for every position a plain
+    log-softmax over the model's output and the next token's entry."""
+    config, workdir, final = straight
+    _, model, state, _ = restore_for_inference(lm.TASK, str(workdir), step=final["step"])
+    params = jax.device_get(eval_params(state))
+    rows, seg = config.eval_batch_size, config.eval_tgt_len
+    assert rows % jax.device_count() == 0  # so the run evaluated exactly these rows
+    stream = lm.load_stream(config, "test")
+    n = len(stream) // rows
+    table = stream[:rows * n].reshape(rows, n)  # row b: tokens [b n, (b + 1) n)
+    memory = init_memory(config.model_config, rows, mem_len=config.eval_mem_len)
+    total, count = 0.0, 0
+    for start in range(0, n - 1, seg):  # positions 0 .. n - 2 have a next token
+        stop = min(start + seg, n - 1)
+        inputs, targets = table[:, start:stop], table[:, start + 1:stop + 1]
+        out, memory = model.apply({"params": params}, jnp.asarray(inputs), memory)
+        out = np.asarray(out, np.float64)  # [B, T, V]
+        logp = out - out.max(-1, keepdims=True)
+        logp -= np.log(np.exp(logp).sum(-1, keepdims=True))
+        total -= np.take_along_axis(logp, targets[..., None], -1).sum()
+        count += targets.size
+    assert count > 2 * rows * seg  # several segments: the memory was used
+    assert math.isclose(total / count, final["test_loss"], rel_tol=1e-4)
+    assert math.isclose(math.exp(total / count), final["test_ppl"], rel_tol=1e-4)
+
+
+def test_a_spent_time_budget_stops_the_run_with_reason_time(data_dir, tmp_path):
+    """--minutes counts from the start of the run, data preparation included: a budget of
+    60 microseconds is spent before the first step, so the run stops there, saves and still
+    evaluates."""
+    final = lm.train_and_evaluate(tiny_config(data_dir, steps=100, minutes=1e-6), str(tmp_path))
+    assert final["reason"] == "time" and final["step"] == 0
+    assert not train_losses(tmp_path)
+    assert Checkpoints(str(tmp_path)).all_steps() == [0]
+    assert math.isfinite(final["test_ppl"])

@@ -18,9 +18,13 @@ import jax
 import numpy as np
 import pytest
 
+from processes import Running
 from train import translate
 from train.core.checkpoint import CheckpointError, Checkpoints
 from train.core.metrics import read_metrics
+from train.core.task import restore_for_inference
+from train.data.datasets import load_multi30k
+from transformer_jax import decode
 
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 SMALL_MODEL = dict(d_model=32, n_heads=2, d_ff=64, n_encoder_layers=1, n_decoder_layers=1)
@@ -45,11 +49,6 @@ def file_hashes(directory):
                 out[os.path.relpath(os.path.join(root, name), directory)] = \
                     hashlib.sha256(f.read()).hexdigest()
     return out
-
-
-@pytest.fixture(scope="module")
-def data_dir(tmp_path_factory):
-    return tmp_path_factory.mktemp("tfds")
 
 
 @pytest.fixture(scope="module")
@@ -227,17 +226,14 @@ def test_cli_sigterm_saves_then_workdir_alone_resumes_then_translates(tmp_path, 
               "--eval_batch_size", "8", "--beam_size", "2", "--model.d_model", "32",
               "--model.n_heads", "2", "--model.d_ff", "64", "--model.n_encoder_layers", "1",
               "--model.n_decoder_layers", "1"]
-    proc = subprocess.Popen(
-        _cli("--preset", "tiny", "--workdir", workdir, "--steps", "1000", *common),
-        cwd=REPO, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
-    lines = []
-    for line in proc.stdout:
-        lines.append(line)
-        if "SIGTERM saves a checkpoint" in line:
-            proc.send_signal(signal.SIGTERM)
-    # A stop by signal is not a completion: the documented EXIT_INTERRUPTED, after the save.
-    assert proc.wait(timeout=300) == 75, "".join(lines)
-    out = "".join(lines)
+    with Running(_cli("--preset", "tiny", "--workdir", workdir, "--steps", "1000", *common),
+                 env) as proc:
+        proc.wait_for("SIGTERM saves a checkpoint")
+        proc.send_signal(signal.SIGTERM)
+        # A stop by signal is not a completion: the documented EXIT_INTERRUPTED, after the
+        # save.
+        assert proc.finish() == 75, proc.output
+    out = proc.output
     assert "SIGTERM: checkpoint saved" in out
     saved = Checkpoints(workdir).latest_step()
     assert saved is not None and saved < 1000
@@ -331,3 +327,68 @@ def test_hard_attention_trains_through_the_translation_loss(tmp_path, data_dir):
     losses, final = _rnn_losses(tmp_path, data_dir, "hard_attention")
     assert losses[-1] < losses[0] - 0.1 and final["step"] == 6
     assert math.isfinite(final["test_bleu"])
+
+
+def test_the_reported_perplexity_is_the_teacher_forced_nll_of_the_saved_model(straight):
+    """The validation nll and perplexity the run reported, recomputed the slow, obvious way
+    from the saved parameters: one sentence at a time (no padding), the model's logits for
+    <bos> + target, a plain log-softmax and each next token's entry, <eos> included."""
+    config, workdir, final = straight
+    _, model, state, _ = restore_for_inference(translate.TASK, str(workdir),
+                                               step=final["step"])
+    params = jax.device_get(translate.eval_params(state))
+    tokenizer = translate.load_tokenizer(config, str(workdir))
+    pairs = translate.load_split(config, tokenizer, "validation").pairs
+    assert len(pairs) == config.eval_sentences
+    mc = config.model_config
+    total, count = 0.0, 0
+    for src, tgt in pairs:
+        tgt_in, tgt_out = np.array([[mc.bos_id, *tgt]]), np.array([[*tgt, mc.eos_id]])
+        logits = model.apply({"params": params}, np.array([src]), tgt_in, deterministic=True)
+        logits = np.asarray(logits, np.float64)  # [1, T, V]
+        logp = logits - logits.max(-1, keepdims=True)
+        logp -= np.log(np.exp(logp).sum(-1, keepdims=True))
+        total -= np.take_along_axis(logp, tgt_out[..., None], -1).sum()
+        count += tgt_out.size
+    assert math.isclose(total / count, final["val_nll"], rel_tol=1e-4)
+    assert math.isclose(math.exp(total / count), final["val_ppl"], rel_tol=1e-4)
+
+
+def test_lr_factor_test_split_and_length_penalty_reach_training_and_evaluation(
+        straight, tmp_path, monkeypatch):
+    config, workdir, _ = straight
+    flags = ["--lr_factor", "1.0", "--test_split", "test_2017_flickr", "--length_penalty", "1.5"]
+    parsed, _, _ = translate.config_from_args(["--preset", "tiny", *flags])
+    assert (parsed.lr_factor, parsed.test_split, parsed.length_penalty) == (
+        1.0, "test_2017_flickr", 1.5)
+    assert config.lr_factor != 1.0 and config.test_split == "test_2016_flickr"
+    penalties = []
+
+    def beam_search(*args, **kwargs):  # the real search, noting the penalty it was given
+        penalties.append(kwargs["length_penalty"])
+        return real_beam_search(*args, **kwargs)
+
+    real_beam_search = decode.beam_search
+    monkeypatch.setattr(decode, "beam_search", beam_search)
+    final = translate.train_and_evaluate(
+        translate.replace(config, lr_factor=parsed.lr_factor, test_split=parsed.test_split,
+                          length_penalty=parsed.length_penalty, plots=False), str(tmp_path))
+    # The rate of every step scales with lr_factor (Noam: lr_factor * D^-0.5 * ...).
+    rates = {r["step"]: r["lr"] for r in read_metrics(str(tmp_path)) if r["split"] == "train"}
+    straight_rates = {r["step"]: r["lr"] for r in read_metrics(str(workdir))
+                      if r["split"] == "train"}
+    assert rates.keys() == straight_rates.keys() == set(range(1, 7))
+    for step, rate in rates.items():
+        assert math.isclose(rate, straight_rates[step] / config.lr_factor, rel_tol=1e-6)
+    # The test figures and translations are of the split given, its first sentences.
+    splits = {r["split"] for r in read_metrics(str(tmp_path))}
+    assert "test_2017_flickr" in splits and "test_2016_flickr" not in splits
+    assert final["hypotheses"].endswith(os.path.join("translations",
+                                                     "test_2017_flickr.step6.en"))
+    with open(os.path.join(tmp_path, "translations", "test_2017_flickr.reference.en"),
+              encoding="utf-8") as f:
+        references = f.read().splitlines()
+    expected = load_multi30k("test_2017_flickr", data_dir=config.data_dir)
+    assert references == [en for _, en in expected[:config.eval_sentences]]
+    # And the beam search of the test set ran with the penalty given.
+    assert penalties and set(penalties) == {1.5}

@@ -29,10 +29,10 @@ def run_fields(data_dir):
 
 
 @pytest.fixture(scope="module")
-def compared(tmp_path_factory):
+def compared(tmp_path_factory, data_dir):
     """(workdir, returned summary, run fields) of one tiny comparison."""
     workdir = tmp_path_factory.mktemp("compare")
-    fields = run_fields(tmp_path_factory.mktemp("tfds"))
+    fields = run_fields(data_dir)
     summary = compare.compare(str(workdir), models=MODELS, preset="tiny", overrides=fields)
     return workdir, summary, fields
 
@@ -100,7 +100,9 @@ def test_the_numbers_are_the_ones_the_runs_logged(compared):
             np.array([row["val_nll"], row["val_ppl"], row["test_ppl"], row["bleu_beam"]]),
             np.array([val[-1]["nll"], math.exp(val[-1]["nll"]), test[-1]["ppl"],
                       test[-1]["bleu"]]), rtol=1e-9)
-        assert train[-1]["elapsed"] <= row["train_seconds"] < train[-1]["elapsed"] + 60
+        # Training time runs on past the last training line (the final evaluation and save)
+        # and is part of the whole run's time: an order of events, not a speed.
+        assert train[-1]["elapsed"] <= row["train_seconds"] <= test[-1]["total_seconds"]
         assert row["test_sentences"] == SENTENCES
         # sacreBLEU recomputed from the translations each decoder wrote, against the references.
         directory = model_dir / "translations"
@@ -121,7 +123,7 @@ def test_the_validation_curve_and_its_plot(compared):
         assert curve["steps"] == list(range(EVAL_EVERY, STEPS + 1, EVAL_EVERY))
         elapsed = {r["step"]: r["elapsed"] for r in records if r["split"] == "train"}
         assert curve["seconds"] == [elapsed[s] for s in curve["steps"]]
-        assert all(0 < a < b for a, b in zip(curve["seconds"], curve["seconds"][1:]))
+        assert curve["seconds"] == sorted(curve["seconds"]) and curve["seconds"][0] >= 0
         assert curve["val_nll"] == [r["nll"] for r in records if r["split"] == "validation"]
     with open(workdir / "plots" / "compare_val_loss.png", "rb") as f:
         png = f.read()

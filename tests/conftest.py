@@ -4,6 +4,7 @@ This must run before JAX initialises its backends, which is why it lives in conf
 touches only configuration (importing jax is fine; creating an array is not).
 """
 import os
+import tempfile
 
 os.environ.setdefault("JAX_PLATFORMS", "cpu")
 # Older jax versions read the flag; newer ones the config option. Setting both is harmless.
@@ -18,8 +19,17 @@ try:
 except AttributeError:  # pragma: no cover - jax without the option: the XLA flag applies.
     pass
 
+# A persistent compilation cache for the session: each run jits fresh closures, so JAX's
+# in-memory caches never share a program between two runs of the same model (and
+# jax.clear_caches() empties them after every module), while this one does, keyed by the
+# program itself. Every threshold at 0: the tiny test models compile in well under a second.
+_COMPILATION_CACHE = tempfile.mkdtemp(prefix="jax_cache_")
+jax.config.update("jax_compilation_cache_dir", _COMPILATION_CACHE)
+jax.config.update("jax_persistent_cache_min_compile_time_secs", 0.0)
+jax.config.update("jax_persistent_cache_min_entry_size_bytes", 0)
 
 import gc  # noqa: E402
+import shutil  # noqa: E402
 
 import pytest  # noqa: E402
 
@@ -47,3 +57,22 @@ def data_dir(tmp_path_factory):
         load_ptb(level, "train", data_dir=path)
     load_multi30k("train", data_dir=path)
     return path
+
+
+@pytest.fixture(scope="session")
+def tokenizer_dir(tmp_path_factory, data_dir):
+    """The Multi30k SentencePiece tokenizer of the tiny translation preset, trained once for
+    the session (a run's `tokenizer_dir`) instead of once a run. Runs only read it."""
+    # Lazy, as in data_dir.
+    from train import translate
+    from train.data.tokenizers import multi30k_tokenizer
+    path = tmp_path_factory.mktemp("tokenizer")
+    multi30k_tokenizer(path, vocab_size=translate.make_config("transformer", "tiny").vocab_size,
+                       data_dir=data_dir)
+    return path
+
+
+@pytest.fixture(autouse=True, scope="session")
+def _remove_compilation_cache():
+    yield
+    shutil.rmtree(_COMPILATION_CACHE, ignore_errors=True)

@@ -52,11 +52,14 @@ def file_hashes(directory):
 
 
 @pytest.fixture(scope="module")
-def straight(tmp_path_factory, data_dir):
-    """One uninterrupted 6-step run: (config, workdir, final metrics)."""
+def straight(tmp_path_factory, data_dir, tokenizer_dir):
+    """One uninterrupted 6-step run with plots: (config, workdir, final metrics). The config
+    returned makes no plots (a setting a resumed run may change): the runs the tests derive
+    from it skip drawing figures only this run's are checked for."""
     workdir = tmp_path_factory.mktemp("straight")
-    config = tiny_config(data_dir)
-    return config, workdir, translate.train_and_evaluate(config, str(workdir))
+    config = tiny_config(data_dir, tokenizer_dir=str(tokenizer_dir))
+    final = translate.train_and_evaluate(config, str(workdir))
+    return translate.replace(config, plots=False), workdir, final
 
 
 def test_training_lowers_the_loss_and_writes_every_output(straight):
@@ -117,13 +120,15 @@ def test_ema_leaves_training_alone_evaluates_the_average_and_resumes_exactly(str
     assert resumed["test_bleu"] == whole["test_bleu"]
 
 
-def test_compiling_ahead_trains_exactly_like_the_lazy_step(tmp_path, data_dir, capsys):
+def test_compiling_ahead_trains_exactly_like_the_lazy_step(tmp_path, data_dir, tokenizer_dir,
+                                                          capsys):
     # Three buckets, so batches come in three shapes; compiled before step 1 in threads, or
     # each at its first batch: the same executables, so the same losses to the last bit.
     runs = {}
     for ahead in (True, False):
         config = tiny_config(data_dir, steps=8, buckets=(16, 32, 64), compile_ahead=ahead,
-                             plots=False, checkpoint_every=0, eval_sentences=8)
+                             plots=False, checkpoint_every=0, eval_sentences=8,
+                             tokenizer_dir=str(tokenizer_dir))
         translate.train_and_evaluate(config, str(tmp_path / str(ahead)))
         runs[ahead] = train_losses(tmp_path / str(ahead)), capsys.readouterr().out
     (losses, out), (lazy_losses, lazy_out) = runs[True], runs[False]
@@ -219,10 +224,12 @@ def _cli(*args):
     return [sys.executable, "-m", "train.translate", *args]
 
 
-def test_cli_sigterm_saves_then_workdir_alone_resumes_then_translates(tmp_path, data_dir):
+def test_cli_sigterm_saves_then_workdir_alone_resumes_then_translates(tmp_path, data_dir,
+                                                                     tokenizer_dir):
     env = dict(os.environ, JAX_PLATFORMS="cpu", XLA_FLAGS="", PYTHONPATH=REPO)
     workdir = str(tmp_path / "run")
-    common = ["--data_dir", str(data_dir), "--progress", "false", "--eval_sentences", "8",
+    common = ["--data_dir", str(data_dir), "--tokenizer_dir", str(tokenizer_dir),
+              "--progress", "false", "--eval_sentences", "8",
               "--eval_batch_size", "8", "--beam_size", "2", "--model.d_model", "32",
               "--model.n_heads", "2", "--model.d_ff", "64", "--model.n_encoder_layers", "1",
               "--model.n_decoder_layers", "1"]

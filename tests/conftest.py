@@ -72,6 +72,20 @@ def tokenizer_dir(tmp_path_factory, data_dir):
     return path
 
 
+@pytest.fixture(scope="session")
+def lm_straight(tmp_path_factory, data_dir):
+    """One uninterrupted 6-step run of the tiny Transformer-XL on PTB, for every module that
+    compares a resumed, remote or logged run with it: (config, workdir, final metrics).
+    Read-only: a test that trains on from it copies it or uses the config in a workdir of
+    its own."""
+    from train import lm  # lazy, as in data_dir
+    config = lm.make_config("ptb", "tiny", steps=6, decay_steps=6, learning_rate=0.05,
+                            log_every=1, checkpoint_every=3, eval_tokens=600, plots=False,
+                            progress=False, data_dir=str(data_dir))
+    workdir = tmp_path_factory.mktemp("lm_straight")
+    return config, workdir, lm.train_and_evaluate(config, str(workdir))
+
+
 @pytest.fixture(autouse=True, scope="session")
 def _remove_compilation_cache():
     yield

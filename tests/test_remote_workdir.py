@@ -60,7 +60,7 @@ def _train_losses(records):
 
 
 def test_a_bucket_workdir_holds_the_run_and_resumes_on_a_fresh_machine(
-        bucket, tmp_path, monkeypatch, data_dir):
+        bucket, tmp_path, monkeypatch, data_dir, lm_straight):
     uri = "gs://runs-bucket/lm"
     lm.train_and_evaluate(_config(data_dir, 3), uri)
     run = bucket / "runs-bucket" / "lm"
@@ -76,8 +76,8 @@ def test_a_bucket_workdir_holds_the_run_and_resumes_on_a_fresh_machine(
     assert lm.train_and_evaluate(_config(data_dir, 6), uri)["step"] == 6
     resumed = _train_losses(read_metrics(str(run)))
 
-    straight = tmp_path / "straight"
-    lm.train_and_evaluate(_config(data_dir, 6), str(straight))
+    config, straight, _ = lm_straight  # the same run, uninterrupted and local
+    assert config == _config(data_dir, 6)
     expected = _train_losses(read_metrics(str(straight)))
     assert [s for s, _ in resumed] == [s for s, _ in expected] == list(range(1, 7))
     for (_, a), (_, b) in zip(resumed, expected):

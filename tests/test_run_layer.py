@@ -68,11 +68,8 @@ def _curve(directory, tag):
     return points
 
 
-def test_tensorboard_shows_each_step_once_after_a_resume(tmp_path, data_dir):
-    fields = dict(steps=6, decay_steps=6, log_every=1, checkpoint_every=3, eval_tokens=300,
-                  plots=False, progress=False, data_dir=str(data_dir))
-    straight = lm.make_config("ptb", "tiny", **fields)
-    lm.train_and_evaluate(straight, str(tmp_path / "straight"))
+def test_tensorboard_shows_each_step_once_after_a_resume(tmp_path, lm_straight):
+    straight, straight_dir, _ = lm_straight  # 6 steps, a checkpoint every 3
     resumed = tmp_path / "resumed"
     lm.train_and_evaluate(lm.replace(straight, steps=3), str(resumed))
     # Steps 4, 5 and 8 logged by a run (with a larger step budget) that died before saving
@@ -85,7 +82,7 @@ def test_tensorboard_shows_each_step_once_after_a_resume(tmp_path, data_dir):
         lost.add_scalar("train/loss", 99.0, 5)
         lost.add_scalar("train/loss", 99.0, 8)
     lm.train_and_evaluate(straight, str(resumed))
-    want = _curve(tmp_path / "straight" / TENSORBOARD_DIR, "train/loss")
+    want = _curve(straight_dir / TENSORBOARD_DIR, "train/loss")
     got = _curve(resumed / TENSORBOARD_DIR, "train/loss")
     assert sorted(got) == [1, 2, 3, 4, 5, 6] and got == pytest.approx(want, rel=1e-6)
     hparams = [e for e in _events(resumed / TENSORBOARD_DIR)

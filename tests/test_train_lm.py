@@ -37,10 +37,10 @@ def train_losses(workdir):
 
 
 @pytest.fixture(scope="module")
-def straight(tmp_path_factory, data_dir):
-    workdir = tmp_path_factory.mktemp("lm_straight")
-    config = tiny_config(data_dir)
-    return config, workdir, lm.train_and_evaluate(config, str(workdir))
+def straight(lm_straight, data_dir):
+    """The session's uninterrupted run (conftest.py), which is this module's tiny config."""
+    assert lm_straight[0] == tiny_config(data_dir)
+    return lm_straight
 
 
 def test_training_lowers_the_loss_and_reports_perplexity(straight):
@@ -187,11 +187,12 @@ def test_the_reported_perplexity_is_the_per_token_nll_of_the_saved_model(straigh
     n = len(stream) // rows
     table = stream[:rows * n].reshape(rows, n)  # row b: tokens [b n, (b + 1) n)
     memory = init_memory(config.model_config, rows, mem_len=config.eval_mem_len)
+    apply = jax.jit(lambda inputs, memory: model.apply({"params": params}, inputs, memory))
     total, count = 0.0, 0
     for start in range(0, n - 1, seg):  # positions 0 .. n - 2 have a next token
         stop = min(start + seg, n - 1)
         inputs, targets = table[:, start:stop], table[:, start + 1:stop + 1]
-        out, memory = model.apply({"params": params}, jnp.asarray(inputs), memory)
+        out, memory = apply(jnp.asarray(inputs), memory)
         out = np.asarray(out, np.float64)  # [B, T, V]
         logp = out - out.max(-1, keepdims=True)
         logp -= np.log(np.exp(logp).sum(-1, keepdims=True))

@@ -39,7 +39,7 @@ def _free_compiled_programs():
     """Drop JAX's compiled programs after each test module: every XLA:CPU executable holds
     memory mappings of its own code until it is freed, and over the whole suite one process
     would hold more than Linux's vm.max_map_count allows, crashing the next compilation. No
-    test reuses another module's compilations."""
+    test needs another module's programs in memory (the persistent cache keeps them on disk)."""
     yield
     jax.clear_caches()
     gc.collect()

@@ -3,12 +3,14 @@
 This must run before JAX initialises its backends, which is why it lives in conftest.py and
 touches only configuration (importing jax is fine; creating an array is not).
 """
+
 import os
+import tempfile
 
 os.environ.setdefault("JAX_PLATFORMS", "cpu")
 # Older jax versions read the flag; newer ones the config option. Setting both is harmless.
 os.environ["XLA_FLAGS"] = (
-      os.environ.get("XLA_FLAGS", "") + " --xla_force_host_platform_device_count=8"
+    os.environ.get("XLA_FLAGS", "") + " --xla_force_host_platform_device_count=8"
 ).strip()
 
 import jax  # noqa: E402
@@ -18,22 +20,88 @@ try:
 except AttributeError:  # pragma: no cover - jax without the option: the XLA flag applies.
     pass
 
+# A persistent compilation cache for the session: each run jits fresh closures, so JAX's
+# in-memory caches never share a program between two runs of the same model (and
+# jax.clear_caches() empties them after every module), while this one does, keyed by the
+# program itself. Every threshold at 0: the tiny test models compile in well under a second.
+_COMPILATION_CACHE = tempfile.mkdtemp(prefix="jax_cache_")
+jax.config.update("jax_compilation_cache_dir", _COMPILATION_CACHE)
+jax.config.update("jax_persistent_cache_min_compile_time_secs", 0.0)
+jax.config.update("jax_persistent_cache_min_entry_size_bytes", 0)
 
 import gc  # noqa: E402
+import shutil  # noqa: E402
 
 import pytest  # noqa: E402
 
 
 @pytest.fixture(autouse=True, scope="module")
 def _free_compiled_programs():
-    """Drop JAX's compiled programs after each test module.
-
-    Every XLA:CPU executable holds memory mappings of its own code until it is freed, and JAX's
-    caches keep every executable a module built alive. Over the whole suite one process held
-    more than Linux's default vm.max_map_count (65,530) mappings, and the next compilation
-    crashed the interpreter (a segfault or abort inside backend_compile_and_load, near the end
-    of the suite, on 2026-11-25). No test reuses another module's compilations.
-    """
+    """Drop JAX's compiled programs after each test module: every XLA:CPU executable holds
+    memory mappings of its own code until it is freed, and over the whole suite one process
+    would hold more than Linux's vm.max_map_count allows, crashing the next compilation. No
+    test needs another module's programs in memory (the persistent cache keeps them on disk)."""
     yield
     jax.clear_caches()
     gc.collect()
+
+
+@pytest.fixture(scope="session")
+def data_dir(tmp_path_factory):
+    """One TFDS data directory for the whole session, with PTB (word and character level) and
+    Multi30k prepared once, before any run reads it: runs only read it, so subprocesses never
+    build a dataset concurrently. A test that damages a dataset copies it first."""
+    # Lazy: importing TFDS takes seconds, and most test modules never need it.
+    from train.data.datasets import load_multi30k, load_ptb
+
+    path = tmp_path_factory.mktemp("tfds")
+    for level in ("word", "char"):
+        load_ptb(level, "train", data_dir=path)
+    load_multi30k("train", data_dir=path)
+    return path
+
+
+@pytest.fixture(scope="session")
+def tokenizer_dir(tmp_path_factory, data_dir):
+    """The Multi30k SentencePiece tokenizer of the tiny translation preset, trained once for
+    the session (a run's `tokenizer_dir`) instead of once a run. Runs only read it."""
+    # Lazy, as in data_dir.
+    from train import translate
+    from train.data.tokenizers import multi30k_tokenizer
+
+    path = tmp_path_factory.mktemp("tokenizer")
+    multi30k_tokenizer(
+        path, vocab_size=translate.make_config("transformer", "tiny").vocab_size, data_dir=data_dir
+    )
+    return path
+
+
+@pytest.fixture(scope="session")
+def lm_straight(tmp_path_factory, data_dir):
+    """One uninterrupted 6-step run of the tiny Transformer-XL on PTB, for every module that
+    compares a resumed, remote or logged run with it: (config, workdir, final metrics).
+    Read-only: a test that trains on from it copies it or uses the config in a workdir of
+    its own."""
+    from train import lm  # lazy, as in data_dir
+
+    config = lm.make_config(
+        "ptb",
+        "tiny",
+        steps=6,
+        decay_steps=6,
+        learning_rate=0.05,
+        log_every=1,
+        checkpoint_every=3,
+        eval_tokens=600,
+        plots=False,
+        progress=False,
+        data_dir=str(data_dir),
+    )
+    workdir = tmp_path_factory.mktemp("lm_straight")
+    return config, workdir, lm.train_and_evaluate(config, str(workdir))
+
+
+@pytest.fixture(autouse=True, scope="session")
+def _remove_compilation_cache():
+    yield
+    shutil.rmtree(_COMPILATION_CACHE, ignore_errors=True)

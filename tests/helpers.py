@@ -4,12 +4,18 @@ The PyTorch, transformers and SentencePiece imports are lazy, inside the helpers
 them: they are optional test dependencies, and a module that never calls those helpers must
 still import this one without them.
 """
+
 from __future__ import annotations
 
 import hashlib
 import io
 import json
 import os
+import queue
+import signal
+import subprocess
+import threading
+import time
 
 import jax
 import numpy as np
@@ -22,8 +28,9 @@ REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
 # The fused cuDNN kernel needs a GPU; under tests/conftest.py that takes
 # JAX_PLATFORMS=cuda,cpu (the default is the 8 fake CPU devices).
-needs_gpu = pytest.mark.skipif(jax.default_backend() != "gpu",
-                               reason="the fused cuDNN kernel needs a GPU")
+needs_gpu = pytest.mark.skipif(
+    jax.default_backend() != "gpu", reason="the fused cuDNN kernel needs a GPU"
+)
 
 
 # ---------------------------------------------------------------------------- work directories
@@ -40,8 +47,9 @@ def file_hashes(directory) -> dict[str, str]:
     for root, _, files in os.walk(directory):
         for name in files:
             with open(os.path.join(root, name), "rb") as f:
-                out[os.path.relpath(os.path.join(root, name), directory)] = \
-                    hashlib.sha256(f.read()).hexdigest()
+                out[os.path.relpath(os.path.join(root, name), directory)] = hashlib.sha256(
+                    f.read()
+                ).hexdigest()
     return out
 
 
@@ -81,8 +89,7 @@ def np_multi_head_attention(xq, xkv, p, mask, n_heads):
     xq [B, T, D], xkv [B, S, D], mask broadcastable to [B, 1, T, S]; head h is columns
     h*K .. (h+1)*K of the projections.
     """
-    q, k, v = (np_dense(x, p[name]) for x, name in ((xq, "query"), (xkv, "key"),
-                                                     (xkv, "value")))
+    q, k, v = (np_dense(x, p[name]) for x, name in ((xq, "query"), (xkv, "key"), (xkv, "value")))
     b_, t_, d = q.shape
     hk = d // n_heads
     mask = np.broadcast_to(mask, (b_, 1, t_, xkv.shape[1]))
@@ -104,15 +111,28 @@ def torch_xl_model(cfg, seed=0):
     """train/bench/xl_torch_reference.py's MemTransformerLM shaped as `cfg`, with random weights
     large enough (std 0.2, LayerNorm scales around 1) that every term matters."""
     import torch
+
     from train.bench.xl_torch_reference import MemTransformerLM
 
     torch.manual_seed(seed)
     model = MemTransformerLM(
-        n_token=cfg.vocab_size, n_layer=cfg.n_layers, n_head=cfg.n_heads, d_model=cfg.d_model,
-        d_head=cfg.d_head, d_inner=cfg.d_inner, tie_weight=cfg.tie_weights,
-        d_embed=cfg.d_embed, div_val=cfg.div_val, tie_projs=cfg.tie_projs,
-        pre_lnorm=cfg.norm_first, mem_len=cfg.mem_len, cutoffs=cfg.cutoffs,
-        same_length=cfg.same_length, clamp_len=cfg.clamp_len, untie_r=cfg.untie_r)
+        n_token=cfg.vocab_size,
+        n_layer=cfg.n_layers,
+        n_head=cfg.n_heads,
+        d_model=cfg.d_model,
+        d_head=cfg.d_head,
+        d_inner=cfg.d_inner,
+        tie_weight=cfg.tie_weights,
+        d_embed=cfg.d_embed,
+        div_val=cfg.div_val,
+        tie_projs=cfg.tie_projs,
+        pre_lnorm=cfg.norm_first,
+        mem_len=cfg.mem_len,
+        cutoffs=cfg.cutoffs,
+        same_length=cfg.same_length,
+        clamp_len=cfg.clamp_len,
+        untie_r=cfg.untie_r,
+    )
     with torch.no_grad():
         for name, p in model.named_parameters():
             if name.endswith("layer_norm.weight"):
@@ -124,46 +144,79 @@ def torch_xl_model(cfg, seed=0):
 
 # ---------------------------------------------------------------------------- Marian folders
 
-MARIAN_EOS = 0   # Marian's </s>
+MARIAN_EOS = 0  # Marian's </s>
 
-SOURCE_TEXT = ["Ein Mann fährt Fahrrad.", "Zwei Hunde spielen im Schnee.",
-               "Eine Frau liest ein Buch im Park.", "Kinder spielen Fußball auf der Straße.",
-               "Der Hund läuft über die grüne Wiese.", "Ein Mann und eine Frau lachen."]
-TARGET_TEXT = ["A man rides a bicycle.", "Two dogs play in the snow.",
-               "A woman reads a book in the park.", "Children play football on the street.",
-               "The dog runs across the green meadow.", "A man and a woman laugh."]
+SOURCE_TEXT = [
+    "Ein Mann fährt Fahrrad.",
+    "Zwei Hunde spielen im Schnee.",
+    "Eine Frau liest ein Buch im Park.",
+    "Kinder spielen Fußball auf der Straße.",
+    "Der Hund läuft über die grüne Wiese.",
+    "Ein Mann und eine Frau lachen.",
+]
+TARGET_TEXT = [
+    "A man rides a bicycle.",
+    "Two dogs play in the snow.",
+    "A woman reads a book in the park.",
+    "Children play football on the street.",
+    "The dog runs across the green meadow.",
+    "A man and a woman laugh.",
+]
 LANGUAGE_CODE = ">>fra<<"
 
 
-def save_marian(folder, *, vocab_size=40, decoder_vocab_size=None, share=True,
-                activation="swish", tie=True, seed=0):
+def save_marian(
+    folder,
+    *,
+    vocab_size=40,
+    decoder_vocab_size=None,
+    share=True,
+    activation="swish",
+    tie=True,
+    seed=0,
+):
     """A random MarianMTModel (2 + 3 layers, D 32) saved to `folder`; returns it."""
     import torch
     import transformers
 
     pad = (decoder_vocab_size or vocab_size) - 1
     config = transformers.MarianConfig(
-        vocab_size=vocab_size, decoder_vocab_size=decoder_vocab_size, d_model=32,
-        encoder_layers=2, decoder_layers=3, encoder_attention_heads=4,
-        decoder_attention_heads=4, encoder_ffn_dim=64, decoder_ffn_dim=64,
-        activation_function=activation, max_position_embeddings=64, scale_embedding=True,
-        pad_token_id=pad, decoder_start_token_id=pad, eos_token_id=MARIAN_EOS,
-        share_encoder_decoder_embeddings=share, tie_word_embeddings=tie)
+        vocab_size=vocab_size,
+        decoder_vocab_size=decoder_vocab_size,
+        d_model=32,
+        encoder_layers=2,
+        decoder_layers=3,
+        encoder_attention_heads=4,
+        decoder_attention_heads=4,
+        encoder_ffn_dim=64,
+        decoder_ffn_dim=64,
+        activation_function=activation,
+        max_position_embeddings=64,
+        scale_embedding=True,
+        pad_token_id=pad,
+        decoder_start_token_id=pad,
+        eos_token_id=MARIAN_EOS,
+        share_encoder_decoder_embeddings=share,
+        tie_word_embeddings=tie,
+    )
     torch.manual_seed(seed)
     model = transformers.MarianMTModel(config).eval()
     # transformers initialises biases, LayerNorms and final_logits_bias to constants; random
     # values make a mix-up of any two of them visible.
     with torch.no_grad():
         for name, p in model.named_parameters():
-            if "embed_positions" in name:   # the sinusoid, not saved
+            if "embed_positions" in name:  # the sinusoid, not saved
                 continue
             if "layer_norm" in name:
                 p.copy_(torch.randn_like(p) * 0.1 + (1.0 if name.endswith("weight") else 0.0))
             elif "embed_tokens" in name or "shared" in name:
                 p.normal_()
             else:
-                p.copy_(torch.randn_like(p) * p.shape[-1] ** -0.5
-                        * (1.0 if name.endswith("weight") else 0.1))
+                p.copy_(
+                    torch.randn_like(p)
+                    * p.shape[-1] ** -0.5
+                    * (1.0 if name.endswith("weight") else 0.1)
+                )
         model.final_logits_bias.normal_()
         # Pad is the likeliest token: only its exclusion keeps it out of greedy output.
         model.final_logits_bias[0, pad] += 10.0
@@ -177,12 +230,20 @@ def train_spm(path, lines):
 
     model = io.BytesIO()
     sentencepiece.SentencePieceTrainer.train(
-        sentence_iterator=iter(lines * 4), model_writer=model, vocab_size=60,
-        character_coverage=1.0, hard_vocab_limit=False, minloglevel=2)
+        sentence_iterator=iter(lines * 4),
+        model_writer=model,
+        vocab_size=60,
+        character_coverage=1.0,
+        hard_vocab_limit=False,
+        minloglevel=2,
+    )
     path.write_bytes(model.getvalue())
     processor = sentencepiece.SentencePieceProcessor(model_file=str(path))
-    return [processor.id_to_piece(i) for i in range(processor.get_piece_size())
-            if not (processor.is_control(i) or processor.is_unknown(i))]
+    return [
+        processor.id_to_piece(i)
+        for i in range(processor.get_piece_size())
+        if not (processor.is_control(i) or processor.is_unknown(i))
+    ]
 
 
 def marian_vocab(pieces, *, pad_last=True):
@@ -201,17 +262,129 @@ def save_tokenizer(folder, *, separate=False):
     target = train_spm(folder / "train_target.spm", TARGET_TEXT)
     kwargs = {}
     if separate:
-        (folder / "train_vocab.json").write_text(json.dumps(marian_vocab(source,
-                                                                          pad_last=False)))
+        (folder / "train_vocab.json").write_text(json.dumps(marian_vocab(source, pad_last=False)))
         (folder / "train_target_vocab.json").write_text(
-            json.dumps(marian_vocab(target, pad_last=False)))
-        kwargs = dict(separate_vocabs=True,
-                      target_vocab_file=str(folder / "train_target_vocab.json"))
+            json.dumps(marian_vocab(target, pad_last=False))
+        )
+        kwargs = dict(
+            separate_vocabs=True, target_vocab_file=str(folder / "train_target_vocab.json")
+        )
     else:
         vocab = marian_vocab(source + target + [LANGUAGE_CODE])
         (folder / "train_vocab.json").write_text(json.dumps(vocab))
     hf = transformers.MarianTokenizer(
-        source_spm=str(folder / "train_source.spm"), target_spm=str(folder / "train_target.spm"),
-        vocab=str(folder / "train_vocab.json"), **kwargs)
+        source_spm=str(folder / "train_source.spm"),
+        target_spm=str(folder / "train_target.spm"),
+        vocab=str(folder / "train_vocab.json"),
+        **kwargs,
+    )
     hf.save_pretrained(folder)
     return hf
+
+
+# ---------------------------------------------------------------------------- subprocesses
+# Every wait on a subprocess has a deadline that applies whether or not the process prints, and
+# a process is killed and reaped when its `with` block ends: a thread reads its output line by
+# line into a queue (a `for line in proc.stdout` loop would check its deadline only when a line
+# arrives), so a process that prints a lot never blocks on a full pipe either.
+TIMEOUT = 300  # seconds for any one wait: a guard against a hang, never a verdict
+
+
+class Running:
+    """A process in the background whose output (stdout and stderr together) is read line by
+    line; waits on it are bounded, and leaving the `with` block kills it if still alive."""
+
+    def __init__(self, args, env, cwd=REPO):
+        self.proc = subprocess.Popen(
+            args, cwd=cwd, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True
+        )
+        self.lines: list[str] = []
+        self._queue: queue.Queue = queue.Queue()
+        self._reader = threading.Thread(target=self._read, daemon=True)
+        self._reader.start()
+
+    def _read(self):
+        for line in self.proc.stdout:
+            self.lines.append(line)
+            self._queue.put(line)
+        self._queue.put(None)
+
+    @property
+    def pid(self) -> int:
+        return self.proc.pid
+
+    @property
+    def output(self) -> str:
+        return "".join(self.lines)
+
+    def alive(self) -> bool:
+        return self.proc.poll() is None
+
+    def wait_for(self, text: str, timeout: float = TIMEOUT) -> str:
+        """The first line from now on that contains `text`; an AssertionError if the process
+        exits first or none comes within `timeout` seconds."""
+        deadline = time.monotonic() + timeout
+        while True:
+            try:
+                line = self._queue.get(timeout=max(deadline - time.monotonic(), 0.01))
+            except queue.Empty:
+                raise AssertionError(f"no {text!r} within {timeout}s:\n{self.output}") from None
+            if line is None:
+                raise AssertionError(f"exited ({self.proc.wait()}) before {text!r}:\n{self.output}")
+            if text in line:
+                return line
+
+    def finish(self, timeout: float = TIMEOUT) -> int:
+        """Waits for the exit (killing the process past `timeout`) -> its exit code, with all
+        of its output read."""
+        try:
+            rc = self.proc.wait(timeout=timeout)
+        except subprocess.TimeoutExpired:
+            self.kill()
+            raise AssertionError(f"still running after {timeout}s:\n{self.output}") from None
+        self._reader.join(timeout=30)
+        return rc
+
+    def send_signal(self, signum: int):
+        self.proc.send_signal(signum)
+
+    def kill9(self) -> int:
+        self.proc.send_signal(signal.SIGKILL)
+        return self.finish()
+
+    def kill(self):
+        if self.proc.poll() is None:
+            self.proc.kill()
+        self.proc.wait(timeout=30)
+        self._reader.join(timeout=30)
+
+    def __enter__(self):
+        return self
+
+    def __exit__(self, *exc):
+        self.kill()
+
+
+def finish_all(procs: list[Running], timeout: float = TIMEOUT, grace: float = 60) -> list[int]:
+    """Waits until every process of `procs` has exited -> their exit codes. Once one has
+    failed, the others get `grace` seconds (a peer of a failed process may wait for it in a
+    collective until JAX's own timeouts), then are killed (a negative code). Past `timeout`
+    all are killed and an AssertionError shows each one's output (a hang is a failure)."""
+    deadline, give_up = time.monotonic() + timeout, None
+    while any(p.alive() for p in procs):
+        now = time.monotonic()
+        if now > deadline:
+            for p in procs:
+                p.kill()
+            raise AssertionError(
+                f"not finished within {timeout}s:\n"
+                + "\n".join(f"--- process {i}:\n{p.output[-3000:]}" for i, p in enumerate(procs))
+            )
+        if give_up is None and any(p.proc.poll() not in (None, 0) for p in procs):
+            give_up = now + grace
+        if give_up is not None and now > give_up:
+            for p in procs:
+                p.kill()
+            break
+        time.sleep(0.05)
+    return [p.finish() for p in procs]

@@ -1,4 +1,5 @@
 """The attention core and the Transformer's multi-head attention against slow NumPy references."""
+
 from __future__ import annotations
 
 import functools
@@ -8,8 +9,8 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
-
 from helpers import needs_gpu, np_multi_head_attention
+
 from transformer_jax import (
     MultiHeadAttention,
     TransformerConfig,
@@ -23,9 +24,10 @@ def _np_attention(q, k, v, mask=None, bias=None, scale=None):
     """Loops over batch and heads: softmax(q k^T * scale + bias) v, masked keys excluded."""
     b_, t_, h_, k_ = q.shape
     s_ = k.shape[1]
-    scale = k_ ** -0.5 if scale is None else scale
-    mask = np.ones((b_, h_, t_, s_), bool) if mask is None else np.broadcast_to(
-        mask, (b_, h_, t_, s_))
+    scale = k_**-0.5 if scale is None else scale
+    mask = (
+        np.ones((b_, h_, t_, s_), bool) if mask is None else np.broadcast_to(mask, (b_, h_, t_, s_))
+    )
     bias = np.zeros((b_, h_, t_, s_)) if bias is None else np.broadcast_to(bias, mask.shape)
     out = np.zeros((b_, t_, h_, v.shape[-1]))
     weights = np.zeros((b_, h_, t_, s_))
@@ -35,8 +37,10 @@ def _np_attention(q, k, v, mask=None, bias=None, scale=None):
                 keep = mask[b, h, t]
                 if not keep.any():
                     continue  # a fully masked query gets zero weights and a zero output
-                scores = np.array([q[b, t, h] @ k[b, s, h] * scale + bias[b, h, t, s]
-                                   for s in range(s_)], dtype=np.float64)
+                scores = np.array(
+                    [q[b, t, h] @ k[b, s, h] * scale + bias[b, h, t, s] for s in range(s_)],
+                    dtype=np.float64,
+                )
                 e = np.where(keep, np.exp(scores - scores[keep].max()), 0.0)
                 weights[b, h, t] = e / e.sum()
                 out[b, t, h] = weights[b, h, t] @ v[b, :, h]
@@ -45,8 +49,10 @@ def _np_attention(q, k, v, mask=None, bias=None, scale=None):
 
 def _qkv(seed=0, b=2, t=3, s=5, h=2, k=4):
     rng = np.random.default_rng(seed)
-    return tuple(rng.normal(size=shape).astype(np.float32)
-                 for shape in ((b, t, h, k), (b, s, h, k), (b, s, h, k)))
+    return tuple(
+        rng.normal(size=shape).astype(np.float32)
+        for shape in ((b, t, h, k), (b, s, h, k), (b, s, h, k))
+    )
 
 
 class DotProductAttentionTest(chex.TestCase):
@@ -59,8 +65,9 @@ class DotProductAttentionTest(chex.TestCase):
         mask = rng.random((2, 1, 3, 5)) > 0.3
         mask[0, 0, 1] = False  # one query with every key masked
         bias = rng.normal(size=(1, 2, 3, 5)).astype(np.float32)
-        attend = self.variant(functools.partial(dot_product_attention, scale=0.3,
-                                                return_weights=True))
+        attend = self.variant(
+            functools.partial(dot_product_attention, scale=0.3, return_weights=True)
+        )
         out, weights = attend(q, k, v, mask=jnp.asarray(mask), bias=bias)
         ref_out, ref_w = _np_attention(q, k, v, mask, bias, scale=0.3)
         chex.assert_shape(out, (2, 3, 2, 4))
@@ -75,8 +82,9 @@ class DotProductAttentionTest(chex.TestCase):
         np.testing.assert_array_equal(np.asarray(pad[:, 0, 0]), [[1, 1, 0], [1, 0, 0]])
         causal = make_causal_mask(4)
         chex.assert_shape(causal, (1, 1, 4, 4))
-        np.testing.assert_array_equal(np.asarray(causal[0, 0]),
-                                      np.array([[s <= t for s in range(4)] for t in range(4)]))
+        np.testing.assert_array_equal(
+            np.asarray(causal[0, 0]), np.array([[s <= t for s in range(4)] for t in range(4)])
+        )
 
 
 def test_attention_dropout_only_when_not_deterministic():
@@ -99,8 +107,9 @@ def test_cudnn_and_xla_paths_agree_in_bf16():
     mask = make_causal_mask(16)
     fused = dot_product_attention(q, k, v, mask=mask, implementation="cudnn")
     xla = dot_product_attention(q, k, v, mask=mask, implementation="xla")
-    chex.assert_trees_all_close(np.asarray(fused, np.float32), np.asarray(xla, np.float32),
-                                atol=2e-2, rtol=2e-2)
+    chex.assert_trees_all_close(
+        np.asarray(fused, np.float32), np.asarray(xla, np.float32), atol=2e-2, rtol=2e-2
+    )
 
 
 def test_multi_head_attention_matches_numpy_einsum_reference():
@@ -129,16 +138,16 @@ def test_unknown_implementation_is_refused():
 @needs_gpu
 def test_auto_takes_the_fused_kernel_on_a_gpu_in_bf16_only_where_it_applies():
     def lowered(q, k, v, **kw):
-        return jax.jit(lambda q, k, v: dot_product_attention(q, k, v, **kw)).lower(
-            q, k, v).as_text()
+        return (
+            jax.jit(lambda q, k, v: dot_product_attention(q, k, v, **kw)).lower(q, k, v).as_text()
+        )
 
     q, k, v = (jnp.asarray(x, jnp.bfloat16) for x in _qkv(seed=5, b=2, t=16, s=16, h=2, k=64))
     assert "cudnn" in lowered(q, k, v)
     assert "cudnn" not in lowered(q, k, v, implementation="xla")
     assert "cudnn" not in lowered(*(x.astype(jnp.float32) for x in (q, k, v)))
     # A head width cuDNN does not take (wt103_base's 41) stays on the XLA path.
-    q41, k41, v41 = (jnp.asarray(x, jnp.bfloat16) for x in _qkv(seed=6, b=2, t=16, s=16, h=2,
-                                                                  k=41))
+    q41, k41, v41 = (jnp.asarray(x, jnp.bfloat16) for x in _qkv(seed=6, b=2, t=16, s=16, h=2, k=41))
     assert "cudnn" not in lowered(q41, k41, v41)
 
 
@@ -154,11 +163,13 @@ def test_cudnn_and_xla_gradients_agree_with_a_bias_in_bf16():
         def f(q, k, v, bias):
             out = dot_product_attention(q, k, v, mask=mask, bias=bias, implementation=impl)
             return jnp.sum(out.astype(jnp.float32) ** 2)
+
         return jax.grad(f, argnums=(0, 1, 2, 3))(q, k, v, bias)
 
     for fused, xla in zip(loss("cudnn"), loss("xla")):
-        chex.assert_trees_all_close(np.asarray(fused, np.float32), np.asarray(xla, np.float32),
-                                    atol=5e-2, rtol=5e-2)
+        chex.assert_trees_all_close(
+            np.asarray(fused, np.float32), np.asarray(xla, np.float32), atol=5e-2, rtol=5e-2
+        )
 
 
 @needs_gpu
@@ -172,11 +183,13 @@ def test_cudnn_with_fully_masked_rows_stays_finite_and_agrees_on_the_others():
         def f(q, k, v):
             out = dot_product_attention(q, k, v, mask=mask, implementation=impl)
             return jnp.sum(jnp.where(valid[:, :, None, None], out, 0).astype(jnp.float32) ** 2)
+
         return jax.value_and_grad(f, argnums=(0, 1, 2))(q, k, v)
 
     (l_fused, g_fused), (l_xla, g_xla) = run("cudnn"), run("xla")
     chex.assert_tree_all_finite((l_fused, g_fused))
     np.testing.assert_allclose(float(l_fused), float(l_xla), rtol=2e-2)
     for fused, xla in zip(g_fused, g_xla):
-        chex.assert_trees_all_close(np.asarray(fused, np.float32), np.asarray(xla, np.float32),
-                                    atol=5e-2, rtol=5e-2)
+        chex.assert_trees_all_close(
+            np.asarray(fused, np.float32), np.asarray(xla, np.float32), atol=5e-2, rtol=5e-2
+        )

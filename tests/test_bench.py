@@ -4,6 +4,7 @@ the measuring helpers against hand arithmetic, and every benchmark section at ti
 No figure here is a timing: times are only checked to be used consistently (a rate is the FLOPs
 over the median, a throughput the work over the median).
 """
+
 from __future__ import annotations
 
 import dataclasses
@@ -22,6 +23,12 @@ import pytest
 from train.bench import train_steps
 from train.bench.config import BenchConfig
 from train.bench.decode import decode_bench
+from train.bench.flops import (
+    jaxpr_matmul_flops,
+    transformer_flops,
+    xl_flops,
+    xla_flops,
+)
 from train.bench.options import BenchOptions, build_parser, config_from_options, parse_options
 from train.bench.profile import summarize_trace_events
 from train.bench.run import run_and_report, run_benchmarks
@@ -33,15 +40,9 @@ from train.bench.timing import (
     utilisation,
 )
 from train.bench.train_steps import transformer_train_setup, xl_train_setup
-from train.lm import make_loss_fn as lm_loss_fn
-from train.bench.flops import (
-    jaxpr_matmul_flops,
-    transformer_flops,
-    xl_flops,
-    xla_flops,
-)
 from train.core.state import TrainState
 from train.core.step import make_train_step
+from train.lm import make_loss_fn as lm_loss_fn
 from train.translate import make_loss_fn
 from transformer_jax import Transformer, TransformerConfig
 from xl_jax import TransformerXL, TransformerXLConfig, init_memory
@@ -52,8 +53,7 @@ def _transformer_state(cfg: TransformerConfig):
     model = Transformer(cfg)
     dummy = jnp.ones((1, 4), jnp.int32)
     params = model.init(jax.random.PRNGKey(0), dummy, dummy)["params"]
-    return model, TrainState.create(params=params, tx=optax.adam(1e-3),
-                                    rng=jax.random.PRNGKey(1))
+    return model, TrainState.create(params=params, tx=optax.adam(1e-3), rng=jax.random.PRNGKey(1))
 
 
 def _transformer_batch(cfg, b, s, t, seed=0):
@@ -64,17 +64,22 @@ def _transformer_batch(cfg, b, s, t, seed=0):
 
 def _xl_state(cfg: TransformerXLConfig, b: int, m: int):
     model = TransformerXL(cfg)
-    params = model.init(jax.random.PRNGKey(0), jnp.ones((1, 4), jnp.int32),
-                        init_memory(cfg, 1))["params"]
-    return model, TrainState.create(params=params, tx=optax.adam(1e-3),
-                                    rng=jax.random.PRNGKey(1),
-                                    extra=init_memory(cfg, b, mem_len=m))
+    params = model.init(jax.random.PRNGKey(0), jnp.ones((1, 4), jnp.int32), init_memory(cfg, 1))[
+        "params"
+    ]
+    return model, TrainState.create(
+        params=params,
+        tx=optax.adam(1e-3),
+        rng=jax.random.PRNGKey(1),
+        extra=init_memory(cfg, b, mem_len=m),
+    )
 
 
 def _xl_batch(cfg, b, t, seed=0):
     rng = np.random.default_rng(seed)
-    return {k: rng.integers(0, cfg.vocab_size, (b, t), dtype=np.int32)
-            for k in ("inputs", "targets")}
+    return {
+        k: rng.integers(0, cfg.vocab_size, (b, t), dtype=np.int32) for k in ("inputs", "targets")
+    }
 
 
 # ----------------------------------------------------------------------------- the jaxpr counter
@@ -82,8 +87,9 @@ def test_jaxpr_counter_counts_products_as_two_multiply_adds():
     a, b = jnp.ones((3, 4)), jnp.ones((4, 5))
     assert jaxpr_matmul_flops(jnp.matmul, a, b) == 2 * 3 * 4 * 5
     x, y = jnp.ones((2, 3, 4)), jnp.ones((2, 4, 5))
-    assert jaxpr_matmul_flops(lambda x, y: jnp.einsum("bij,bjk->bik", x, y), x, y) == \
-        2 * 2 * 3 * 4 * 5
+    assert (
+        jaxpr_matmul_flops(lambda x, y: jnp.einsum("bij,bjk->bik", x, y), x, y) == 2 * 2 * 3 * 4 * 5
+    )
     # Elementwise work is not counted.
     assert jaxpr_matmul_flops(lambda a: jnp.exp(a) * 2 + a, a) == 0
 
@@ -98,25 +104,33 @@ def test_jaxpr_counter_enters_scan_jit_and_cond_and_refuses_while():
     assert jaxpr_matmul_flops(scanned, x) == 3 * one
     assert jaxpr_matmul_flops(jax.jit(lambda x: (x @ w) @ w), x) == 2 * one
     # cond: the dearer branch (one product against two).
-    assert jaxpr_matmul_flops(
-        lambda p, x: jax.lax.cond(p, lambda x: x @ w, lambda x: (x @ w) @ w, x),
-        True, x) == 2 * one
+    assert (
+        jaxpr_matmul_flops(
+            lambda p, x: jax.lax.cond(p, lambda x: x @ w, lambda x: (x @ w) @ w, x), True, x
+        )
+        == 2 * one
+    )
     with pytest.raises(ValueError, match="while"):
-        jaxpr_matmul_flops(lambda x: jax.lax.while_loop(lambda c: c[0] < 3,
-                                                        lambda c: (c[0] + 1, c[1] @ w),
-                                                        (0, x))[1], x)
+        jaxpr_matmul_flops(
+            lambda x: jax.lax.while_loop(
+                lambda c: c[0] < 3, lambda c: (c[0] + 1, c[1] @ w), (0, x)
+            )[1],
+            x,
+        )
 
 
 # ----------------------------------------------------------------------------- formulas
 @pytest.mark.parametrize("b,s,t", [(3, 7, 5), (2, 4, 9)])
 def test_transformer_formula_equals_the_products_of_the_project_train_step(b, s, t):
-    cfg = TransformerConfig.tiny(n_encoder_layers=2, n_decoder_layers=1, d_ff=96,
-                                 src_vocab_size=40, tgt_vocab_size=40)
+    cfg = TransformerConfig.tiny(
+        n_encoder_layers=2, n_decoder_layers=1, d_ff=96, src_vocab_size=40, tgt_vocab_size=40
+    )
     model, state = _transformer_state(cfg)
     batch = _transformer_batch(cfg, b, s, t)
     count = transformer_flops(cfg, batch=b, src_len=s, tgt_len=t)
     forward = jaxpr_matmul_flops(
-        lambda p: model.apply({"params": p}, batch["src"], batch["tgt_in"]), state.params)
+        lambda p: model.apply({"params": p}, batch["src"], batch["tgt_in"]), state.params
+    )
     assert forward == count.forward(executed=True)
     step = make_train_step(make_loss_fn(model, smoothing=0.1, pad_id=cfg.pad_id))
     assert jaxpr_matmul_flops(step, state, batch) == count.training(executed=True)
@@ -128,17 +142,20 @@ def test_transformer_formula_equals_the_products_of_the_project_train_step(b, s,
 XL_CONFIGS = {
     "full softmax": TransformerXLConfig.tiny(),
     "adaptive, div_val 2, projections": TransformerXLConfig.tiny(
-        vocab_size=100, cutoffs=(20, 50), div_val=2, d_embed=48,
-        tie_projs=(False, True, False)),
+        vocab_size=100, cutoffs=(20, 50), div_val=2, d_embed=48, tie_projs=(False, True, False)
+    ),
     "clusters, one projected table": TransformerXLConfig.tiny(
-        vocab_size=100, cutoffs=(20, 50), d_embed=48),
-    "untied, pre-LN": TransformerXLConfig.tiny(tie_weights=False, norm_first=True,
-                                               untie_r=True, n_layers=3),
+        vocab_size=100, cutoffs=(20, 50), d_embed=48
+    ),
+    "untied, pre-LN": TransformerXLConfig.tiny(
+        tie_weights=False, norm_first=True, untie_r=True, n_layers=3
+    ),
 }
 
 
-@pytest.mark.parametrize("name,m", [(name, 9) for name in sorted(XL_CONFIGS)]
-                         + [("full softmax", 0)])
+@pytest.mark.parametrize(
+    "name,m", [(name, 9) for name in sorted(XL_CONFIGS)] + [("full softmax", 0)]
+)
 def test_xl_formula_equals_the_products_of_the_project_train_step(name, m):
     # The formula counts every softmax cluster for every token: the dense path. The grouped
     # tails (the default) execute at most that, depending on where the targets fall.
@@ -149,7 +166,8 @@ def test_xl_formula_equals_the_products_of_the_project_train_step(name, m):
     count = xl_flops(cfg, batch=b, tgt_len=t, mem_len=m)
     forward = jaxpr_matmul_flops(
         lambda p: model.apply({"params": p}, batch["inputs"], state.extra, batch["targets"]),
-        state.params)
+        state.params,
+    )
     assert forward == count.forward(executed=True)
     step = make_train_step(lm_loss_fn(model))
     assert jaxpr_matmul_flops(step, state, batch) == count.training(executed=True)
@@ -179,9 +197,9 @@ def test_xl_formula_counts_what_the_backward_pass_recomputes(remat):
         assert extra == attention
     elif remat == "full":
         layers = plain.forward(executed=True) - xl_flops(
-            cfg.replace(n_layers=1, remat="none"), batch=b, tgt_len=t, mem_len=m).forward(
-                executed=True)
-        assert extra == 2 * layers       # two layers' worth, one layer's by difference
+            cfg.replace(n_layers=1, remat="none"), batch=b, tgt_len=t, mem_len=m
+        ).forward(executed=True)
+        assert extra == 2 * layers  # two layers' worth, one layer's by difference
     else:
         assert extra == 0
 
@@ -193,8 +211,10 @@ def test_xl_model_flops_leave_out_exactly_the_discarded_memory_queries():
     q_rows = 2.0 * b * m * cfg.d_model * cfg.n_heads * cfg.d_head * cfg.n_layers
     assert count.forward(executed=True) - count.forward() == q_rows
     assert count.training(executed=True) - count.training() == 3 * q_rows
-    assert xl_flops(cfg, batch=b, tgt_len=t, mem_len=0).forward(executed=True) == \
-        xl_flops(cfg, batch=b, tgt_len=t, mem_len=0).forward()
+    assert (
+        xl_flops(cfg, batch=b, tgt_len=t, mem_len=0).forward(executed=True)
+        == xl_flops(cfg, batch=b, tgt_len=t, mem_len=0).forward()
+    )
 
 
 def test_xl_formula_for_enwik8_base_by_hand():
@@ -213,8 +233,14 @@ def test_xl_formula_for_enwik8_base_by_hand():
 
 
 def test_xla_count_is_the_formula_plus_a_little_elementwise_work():
-    cfg = TransformerConfig.tiny(d_model=64, d_ff=256, n_encoder_layers=1, n_decoder_layers=1,
-                                 src_vocab_size=512, tgt_vocab_size=512)
+    cfg = TransformerConfig.tiny(
+        d_model=64,
+        d_ff=256,
+        n_encoder_layers=1,
+        n_decoder_layers=1,
+        src_vocab_size=512,
+        tgt_vocab_size=512,
+    )
     model, state = _transformer_state(cfg)
     batch = _transformer_batch(cfg, 8, 16, 16)
     step = jax.jit(make_train_step(make_loss_fn(model, smoothing=0.1, pad_id=cfg.pad_id)))
@@ -226,10 +252,10 @@ def test_xla_count_is_the_formula_plus_a_little_elementwise_work():
 def test_xla_flops_reads_every_form_of_cost_analysis():
     fake = lambda cost: types.SimpleNamespace(cost_analysis=lambda: cost)  # noqa: E731
     assert xla_flops(fake({"flops": 12.0, "bytes accessed": 3.0})) == 12.0
-    assert xla_flops(fake([{"flops": 7.0}])) == 7.0       # older jax: one dict per program
+    assert xla_flops(fake([{"flops": 7.0}])) == 7.0  # older jax: one dict per program
     assert xla_flops(fake(None)) is None
     assert xla_flops(fake({})) is None
-    assert xla_flops(fake({"flops": -1.0})) is None       # "unknown" on some backends
+    assert xla_flops(fake({"flops": -1.0})) is None  # "unknown" on some backends
 
     def raising():
         raise NotImplementedError
@@ -239,9 +265,14 @@ def test_xla_flops_reads_every_form_of_cost_analysis():
 
 # ----------------------------------------------------------------------------- measuring helpers
 def test_compiled_memory_sums_the_buffers_and_tolerates_missing_analysis():
-    stats = types.SimpleNamespace(argument_size_in_bytes=100, output_size_in_bytes=80,
-                                  temp_size_in_bytes=50, alias_size_in_bytes=60,
-                                  generated_code_size_in_bytes=0, peak_memory_in_bytes=0)
+    stats = types.SimpleNamespace(
+        argument_size_in_bytes=100,
+        output_size_in_bytes=80,
+        temp_size_in_bytes=50,
+        alias_size_in_bytes=60,
+        generated_code_size_in_bytes=0,
+        peak_memory_in_bytes=0,
+    )
     mem = compiled_memory(types.SimpleNamespace(memory_analysis=lambda: stats))
     assert mem["footprint"] == 100 + 80 + 50 - 60
     assert "peak_reported" not in mem
@@ -256,7 +287,7 @@ def test_matmul_rate_is_two_n_cubed_over_the_median_time():
     r = measure_matmul_rate(32, "float32", repeats=3, warmup=1)
     assert len(r["times_s"]) == 3
     assert r["median_s"] == statistics.median(r["times_s"])
-    assert r["rate"] == 2 * 32 ** 3 / r["median_s"]
+    assert r["rate"] == 2 * 32**3 / r["median_s"]
 
 
 def test_time_calls_warms_up_then_times_each_call():
@@ -276,8 +307,10 @@ def test_nominal_peak_tells_the_h100_variants_apart():
 
 def _meta_events(pid, process, threads):
     events = [{"ph": "M", "pid": pid, "name": "process_name", "args": {"name": process}}]
-    events += [{"ph": "M", "pid": pid, "tid": tid, "name": "thread_name", "args": {"name": n}}
-               for tid, n in threads.items()]
+    events += [
+        {"ph": "M", "pid": pid, "tid": tid, "name": "thread_name", "args": {"name": n}}
+        for tid, n in threads.items()
+    ]
     return events
 
 
@@ -286,44 +319,71 @@ def _op(pid, tid, name, dur, **args):
 
 
 def test_trace_summary_reads_the_xla_ops_line_of_the_device():
-    events = (_meta_events(1, "/device:GPU:0", {10: "Stream #7(Compute)", 11: "XLA Ops"})
-              + _meta_events(2, "/host:CPU", {20: "python"}))
+    events = _meta_events(
+        1, "/device:GPU:0", {10: "Stream #7(Compute)", 11: "XLA Ops"}
+    ) + _meta_events(2, "/host:CPU", {20: "python"})
     events += [
-        _op(1, 11, "fusion.1", 20.0, long_name="%fusion.1 = f32[8] fusion(%dot.3), kind=kLoop, "
-                                              "calls=%fused_add"),
+        _op(
+            1,
+            11,
+            "fusion.1",
+            20.0,
+            long_name="%fusion.1 = f32[8] fusion(%dot.3), kind=kLoop, calls=%fused_add",
+        ),
         _op(1, 11, "fusion.1", 20.0),
-        _op(1, 11, "custom-call.2", 60.0,
-            long_name='%custom-call.2 = bf16[8,8] custom-call(%a, %b), '
-                      'custom_call_target="__cublas$gemm"'),
-        _op(1, 11, "custom-call.3", 20.0,
-            long_name='%custom-call.3 = bf16[8,8] custom-call(%q, %k, %v), '
-                      'custom_call_target="__cudnn$fmhaSoftmax"'),
+        _op(
+            1,
+            11,
+            "custom-call.2",
+            60.0,
+            long_name="%custom-call.2 = bf16[8,8] custom-call(%a, %b), "
+            'custom_call_target="__cublas$gemm"',
+        ),
+        _op(
+            1,
+            11,
+            "custom-call.3",
+            20.0,
+            long_name="%custom-call.3 = bf16[8,8] custom-call(%q, %k, %v), "
+            'custom_call_target="__cudnn$fmhaSoftmax"',
+        ),
         _op(1, 10, "sm90_kernel_ignored_when_xla_ops_exist", 500.0),
-        _op(2, 20, "PjitFunction(step)", 900.0),          # host side: not device time
+        _op(2, 20, "PjitFunction(step)", 900.0),  # host side: not device time
     ]
     summary = summarize_trace_events(events, steps=2)
     assert summary["source"] == "device: XLA Ops"
     assert summary["busy_us_per_step"] == (20 + 20 + 60 + 20) / 2
-    assert [(op["name"], op["us_per_step"], op["calls_per_step"], op["category"])
-            for op in summary["top"]] == [
+    assert [
+        (op["name"], op["us_per_step"], op["calls_per_step"], op["category"])
+        for op in summary["top"]
+    ] == [
         ("custom-call.2", 30.0, 0.5, "matmul"),
-        ("fusion.1", 20.0, 1.0, "other (elementwise, reductions)"),   # reads a dot: no matmul
-        ("custom-call.3", 10.0, 0.5, "attention (fused)")]
+        ("fusion.1", 20.0, 1.0, "other (elementwise, reductions)"),  # reads a dot: no matmul
+        ("custom-call.3", 10.0, 0.5, "attention (fused)"),
+    ]
     assert summary["categories"] == pytest.approx(
-        {"matmul": 0.5, "other (elementwise, reductions)": 1 / 3, "attention (fused)": 1 / 6})
+        {"matmul": 0.5, "other (elementwise, reductions)": 1 / 3, "attention (fused)": 1 / 6}
+    )
 
 
 def test_trace_summary_falls_back_to_streams_then_to_host_threads():
     gpu = _meta_events(1, "/device:GPU:0", {10: "Stream #7(Compute)", 12: "Stream #8(Copy)"})
-    gpu += [_op(1, 10, "sm90_xmma_gemm_bf16", 20.0), _op(1, 12, "memcpy_d2d", 10.0),
-            # cuBLAS's nvjet GEMM kernels (jax 0.11, H100) are matrix products too.
-            _op(1, 10, "nvjet_sm90_tst_128x160_64x5_2x1_v_bz_NNT", 10.0)]
+    gpu += [
+        _op(1, 10, "sm90_xmma_gemm_bf16", 20.0),
+        _op(1, 12, "memcpy_d2d", 10.0),
+        # cuBLAS's nvjet GEMM kernels (jax 0.11, H100) are matrix products too.
+        _op(1, 10, "nvjet_sm90_tst_128x160_64x5_2x1_v_bz_NNT", 10.0),
+    ]
     summary = summarize_trace_events(gpu, steps=1)
     assert summary["source"] == "device: streams"
     assert summary["categories"] == pytest.approx({"matmul": 0.75, "copy": 0.25})
     cpu = _meta_events(5, "/host:CPU", {1: "python", 2: "tf_XLAEigen/1"})
-    cpu += [_op(5, 1, "$bench.py:10 one_step", 99.0), _op(5, 2, "ThunkExecutor::Execute", 50.0),
-            _op(5, 2, "dot.4", 8.0), _op(5, 2, "fusion.2", 2.0)]
+    cpu += [
+        _op(5, 1, "$bench.py:10 one_step", 99.0),
+        _op(5, 2, "ThunkExecutor::Execute", 50.0),
+        _op(5, 2, "dot.4", 8.0),
+        _op(5, 2, "fusion.2", 2.0),
+    ]
     summary = summarize_trace_events(cpu, steps=1)
     assert summary["source"].startswith("host threads")
     assert [op["name"] for op in summary["top"]] == ["dot.4", "fusion.2"]
@@ -334,21 +394,36 @@ def test_trace_summary_falls_back_to_streams_then_to_host_threads():
 def _tiny_bench_config() -> BenchConfig:
     xl = dict(n_layers=1, n_heads=2, d_model=32, d_head=16, d_inner=64)
     return BenchConfig.quick().replace(
-        steps=2, warmup=1, matmul_size=64, matmul_repeats=2,
+        steps=2,
+        warmup=1,
+        matmul_size=64,
+        matmul_repeats=2,
         transformer=TransformerConfig.tiny(n_encoder_layers=1, n_decoder_layers=1),
-        transformer_batch=4, transformer_len=8,
-        xl=(("enwik8_base (tiny)", TransformerXLConfig.enwik8_base(tgt_len=8, mem_len=8, **xl),
-             2),),
-        xl_eval=TransformerXLConfig.enwik8_base(dropout=0.0, **xl), attn_lengths=(8, 16),
-        xl_eval_tgt_len=4, xl_eval_batch=2, vanilla_batch=2, eval_repeats=2)
+        transformer_batch=4,
+        transformer_len=8,
+        xl=(
+            ("enwik8_base (tiny)", TransformerXLConfig.enwik8_base(tgt_len=8, mem_len=8, **xl), 2),
+        ),
+        xl_eval=TransformerXLConfig.enwik8_base(dropout=0.0, **xl),
+        attn_lengths=(8, 16),
+        xl_eval_tgt_len=4,
+        xl_eval_batch=2,
+        vanilla_batch=2,
+        eval_repeats=2,
+    )
 
 
 @pytest.mark.slow
 def test_run_writes_every_training_figure_and_the_xl_eval_table(tmp_path):
     config = _tiny_bench_config()
     results = run_benchmarks(
-        config, sections=("train_transformer", "train_xl_enwik8", "xl_eval"), out=str(tmp_path),
-        command="python -m train.bench --test", raise_errors=True, log=lambda m: None)
+        config,
+        sections=("train_transformer", "train_xl_enwik8", "xl_eval"),
+        out=str(tmp_path),
+        command="python -m train.bench --test",
+        raise_errors=True,
+        log=lambda m: None,
+    )
     saved = json.loads((tmp_path / "bench.json").read_text())
     assert saved["meta"]["command"] == "python -m train.bench --test"
     assert saved["meta"]["jax"] == jax.__version__
@@ -361,11 +436,12 @@ def test_run_writes_every_training_figure_and_the_xl_eval_table(tmp_path):
         assert r["tokens_per_s"] == pytest.approx(r["tokens_per_step"] / r["step_s_median"])
         # The traced program holds exactly the formula's products (CPU: no fused kernel).
         assert r["jaxpr_matmul_flops"] == r["flops"]["executed_training"]
-        if not r["xla_counts_loops_once"]:   # (XL's layer scan: XLA counts its body once)
+        if not r["xla_counts_loops_once"]:  # (XL's layer scan: XLA counts its body once)
             assert r["xla_flops"] >= r["flops"]["executed_training"]
         assert r["mfu_vs_measured_bf16"] == pytest.approx(
-            r["flops"]["model_training"] / r["step_s_median"] / rates["bfloat16"])
-        assert r["mfu_vs_nominal_bf16"] is None          # a CPU has no datasheet entry
+            r["flops"]["model_training"] / r["step_s_median"] / rates["bfloat16"]
+        )
+        assert r["mfu_vs_nominal_bf16"] is None  # a CPU has no datasheet entry
         assert r["memory"]["footprint"] > 0
         # Profiled from a real trace of 3 more steps: the category shares add up to 1.
         assert r["profile"]["busy_us_per_step"] > 0
@@ -376,7 +452,8 @@ def test_run_writes_every_training_figure_and_the_xl_eval_table(tmp_path):
     for r in saved["xl_eval"]:
         assert r["speedup"] == pytest.approx(r["vanilla_s_per_token"] / r["xl_s_per_token"])
         assert r["flop_ratio"] == pytest.approx(
-            r["vanilla_flops_per_token"] / r["xl_flops_per_token"])
+            r["vanilla_flops_per_token"] / r["xl_flops_per_token"]
+        )
     md = (tmp_path / "bench.md").read_text()
     assert "| transformer (quick) | 32 |" in md and "| enwik8_base (tiny) | 16 |" in md
     assert "training FLOPs = 3 x forward" in md and "Profile of enwik8_base (tiny)" in md
@@ -401,8 +478,10 @@ def test_full_size_train_steps_trace_and_hold_exactly_the_formulas_products(whic
     chex.assert_trees_all_equal_shapes_and_dtypes(new_state, state)
     assert jaxpr_matmul_flops(step, state, batch) == setup.flops.training(executed=True)
     # Known sizes: 768 x 32 target tokens; 22 x 512; 60 x 150.
-    assert setup.flops.tokens == {"transformer": 24_576, "enwik8_base": 11_264,
-                                  "wt103_base": 9_000}[which]
+    assert (
+        setup.flops.tokens
+        == {"transformer": 24_576, "enwik8_base": 11_264, "wt103_base": 9_000}[which]
+    )
 
 
 @pytest.mark.slow
@@ -412,20 +491,32 @@ def test_a_failing_section_is_recorded_and_the_run_goes_on(tmp_path, monkeypatch
 
     monkeypatch.setattr(train_steps, "transformer_train_setup", broken)
     config = _tiny_bench_config().replace(attn_lengths=(8,))
-    results = run_benchmarks(config, sections=("train_transformer", "xl_eval"),
-                                   out=str(tmp_path), profile=False, log=lambda m: None)
+    results = run_benchmarks(
+        config,
+        sections=("train_transformer", "xl_eval"),
+        out=str(tmp_path),
+        profile=False,
+        log=lambda m: None,
+    )
     assert [e["section"] for e in results["errors"]] == ["train_transformer"]
     assert "out of memory (simulated)" in (tmp_path / "bench.md").read_text()
     assert len(results["xl_eval"]) == 1
 
     # A second command re-runs the failed section and merges into the same file.
     monkeypatch.undo()
-    run_benchmarks(config, sections=("train_transformer",), out=str(tmp_path),
-                         profile=False, append=True, command="second", log=lambda m: None)
+    run_benchmarks(
+        config,
+        sections=("train_transformer",),
+        out=str(tmp_path),
+        profile=False,
+        append=True,
+        command="second",
+        log=lambda m: None,
+    )
     merged = json.loads((tmp_path / "bench.json").read_text())
     assert merged["errors"] == []
     assert [r["name"] for r in merged["train"]] == ["transformer (quick)"]
-    assert merged["xl_eval"] == json.loads(json.dumps(results["xl_eval"]))   # kept
+    assert merged["xl_eval"] == json.loads(json.dumps(results["xl_eval"]))  # kept
     assert merged["meta"]["command"] == "second"
     assert [r["command"] for r in merged["meta"]["earlier_runs"]] == [""]
     assert "Earlier, merged" in (tmp_path / "bench.md").read_text()
@@ -436,19 +527,28 @@ def test_decode_bench_counts_sentences_and_the_best_beams_tokens():
     model, state = _transformer_state(cfg)
     rng = np.random.default_rng(0)
     sources = [list(rng.integers(3, 20, n)) + [cfg.eos_id] for n in rng.integers(2, 14, 10)]
-    r = decode_bench(model, state.params, sources, beam_size=2, batch_size=4, margin=3,
-                           repeats=2, buckets=(8, 16))
+    r = decode_bench(
+        model,
+        state.params,
+        sources,
+        beam_size=2,
+        batch_size=4,
+        margin=3,
+        repeats=2,
+        buckets=(8, 16),
+    )
     assert r["sentences"] == 10
     assert r["shapes"] == [(4, 8), (4, 16)]
     assert r["sentences_per_s"] == 10 / statistics.median(r["pass_times_s"])
     # Independent count: the same beam search, called directly, sentence by sentence, at the
     # length of the smallest bucket that fits its batch (4 consecutive sentences).
     from transformer_jax.decode import beam_search
+
     expected = 0
     for i, s in enumerate(sources):
-        length = 8 if max(len(x) for x in sources[i // 4 * 4:i // 4 * 4 + 4]) <= 8 else 16
+        length = 8 if max(len(x) for x in sources[i // 4 * 4 : i // 4 * 4 + 4]) <= 8 else 16
         src = np.zeros((1, length), np.int32)
-        src[0, :len(s)] = s
+        src[0, : len(s)] = s
         tokens, _ = beam_search(model, state.params, src, beam_size=2, max_len=length + 3)
         expected += int(np.sum(np.asarray(tokens)[0, 0] != cfg.pad_id))
     assert r["output_tokens"] == expected
@@ -456,18 +556,27 @@ def test_decode_bench_counts_sentences_and_the_best_beams_tokens():
 
 # ----------------------------------------------------------------------------- CLI
 def test_cli_sizes_and_batch_overrides():
-    config = config_from_options(parse_options(
-        ["--batch", "wt103=8,transformer=64", "--steps", "7"]))
+    config = config_from_options(
+        parse_options(["--batch", "wt103=8,transformer=64", "--steps", "7"])
+    )
     assert dict((n.split("_")[0], b) for n, _, b in config.xl) == {"enwik8": 22, "wt103": 8}
     assert config.transformer_batch == 64 and config.steps == 7
     assert config.dtype == "float32"  # auto on a CPU
     full = BenchConfig.full()
-    assert (full.transformer.d_model, full.transformer.n_encoder_layers,
-            full.transformer.n_decoder_layers) == (512, 6, 6)
+    assert (
+        full.transformer.d_model,
+        full.transformer.n_encoder_layers,
+        full.transformer.n_decoder_layers,
+    ) == (512, 6, 6)
     assert full.transformer_batch * full.transformer_len == 24_576
     enwik8 = dict((n, (c, b)) for n, c, b in full.xl)["enwik8_base"]
-    assert (enwik8[0].n_layers, enwik8[0].d_model, enwik8[0].tgt_len, enwik8[0].mem_len,
-            enwik8[1]) == (12, 512, 512, 512, 22)
+    assert (
+        enwik8[0].n_layers,
+        enwik8[0].d_model,
+        enwik8[0].tgt_len,
+        enwik8[0].mem_len,
+        enwik8[1],
+    ) == (12, 512, 512, 512, 22)
     assert full.attn_lengths[0] == 800 and full.attn_lengths[-1] == 3800
     assert full.beam_size == 4
     with pytest.raises(ValueError, match="unknown bench"):
@@ -491,15 +600,28 @@ def test_main_quick_matmul_only_writes_both_files(tmp_path, capsys):
 def test_every_option_is_a_flag_in_the_entry_points_style():
     flags = {s for a in build_parser()._actions for s in a.option_strings}
     assert {f"--{f.name}" for f in dataclasses.fields(BenchOptions)} <= flags
-    options = parse_options(["--only", "train_transformer,train_xl_enwik8", "--quick", "true",
-                             "--attention_impl", "xla", "--xl_remat", "none",
-                             "--profile", "false", "--torch_compile", "false"])
+    options = parse_options(
+        [
+            "--only",
+            "train_transformer,train_xl_enwik8",
+            "--quick",
+            "true",
+            "--attention_impl",
+            "xla",
+            "--xl_remat",
+            "none",
+            "--profile",
+            "false",
+            "--torch_compile",
+            "false",
+        ]
+    )
     assert options.only == ("train_transformer", "train_xl_enwik8")
     assert options.quick and not options.profile
     config = config_from_options(options)
     assert config.transformer.attention_impl == "xla" and config.torch_compile is False
     assert {c.remat for _, c, _ in config.xl} == {"none"} and config.torch_xl.remat == "none"
-    assert "cpu_vs_torch" not in parse_options([]).only     # opt-in: it times the CPU
+    assert "cpu_vs_torch" not in parse_options([]).only  # opt-in: it times the CPU
     for bad in (["--only", "gpt"], ["--xl_remat", "some"], ["--attention-impl", "xla"]):
         with pytest.raises(SystemExit):
             parse_options(bad)
@@ -511,17 +633,20 @@ def test_cpu_vs_torch_compares_the_cpu_presets_at_equal_parameter_counts():
     twins have exactly their parameter counts (4,978,688 and 4,739,344)."""
     torch = pytest.importorskip("torch")
     from train import lm, translate
-    from train.bench.torch_reference import TorchTransformer, count_params as torch_params
+    from train.bench.torch_reference import TorchTransformer
+    from train.bench.torch_reference import count_params as torch_params
     from train.bench.xl_torch_reference import MemTransformerLM
     from train.core.state import count_params
 
     config = BenchConfig.full()
     assert config.torch_shapes == ((32, 16), (64, 32)) and config.torch_xl_batch == 16
     assert config.torch_transformer == translate.make_config(
-        "transformer", "cpu").model_config.replace(dropout=0.0)
+        "transformer", "cpu"
+    ).model_config.replace(dropout=0.0)
     xl_preset = lm.make_config("ptb", "cpu").model_config
-    assert config.torch_xl == xl_preset.replace(dropout=0.0, dropatt=0.0,
-                                                dtype=config.torch_xl.dtype)
+    assert config.torch_xl == xl_preset.replace(
+        dropout=0.0, dropatt=0.0, dtype=config.torch_xl.dtype
+    )
     assert lm.make_config("ptb", "cpu").batch_size == config.torch_xl_batch
 
     def jax_params(model, *inputs):
@@ -529,14 +654,27 @@ def test_cpu_vs_torch_compares_the_cpu_presets_at_equal_parameter_counts():
 
     dummy = jnp.ones((1, 8), jnp.int32)
     cfg = config.torch_transformer
-    assert jax_params(Transformer(cfg), dummy, dummy) == torch_params(TorchTransformer(cfg)) \
+    assert (
+        jax_params(Transformer(cfg), dummy, dummy)
+        == torch_params(TorchTransformer(cfg))
         == 4_978_688
+    )
     xl = config.torch_xl
     torch_xl = MemTransformerLM(
-        n_token=xl.vocab_size, n_layer=xl.n_layers, n_head=xl.n_heads, d_model=xl.d_model,
-        d_head=xl.d_head, d_inner=xl.d_inner, tie_weight=xl.tie_weights, mem_len=xl.mem_len)
-    assert jax_params(TransformerXL(xl), dummy, init_memory(xl, 1)) == torch_params(torch_xl) \
+        n_token=xl.vocab_size,
+        n_layer=xl.n_layers,
+        n_head=xl.n_heads,
+        d_model=xl.d_model,
+        d_head=xl.d_head,
+        d_inner=xl.d_inner,
+        tie_weight=xl.tie_weights,
+        mem_len=xl.mem_len,
+    )
+    assert (
+        jax_params(TransformerXL(xl), dummy, init_memory(xl, 1))
+        == torch_params(torch_xl)
         == 4_739_344
+    )
     del torch
 
 
@@ -548,16 +686,29 @@ def test_cpu_vs_torch_section_reports_every_field_and_a_failed_compile(tmp_path,
     def failing_compile(fn, *args, **kwargs):
         def call(*a, **k):
             raise RuntimeError("inductor unavailable (simulated)\nmore detail")
+
         return call
 
     monkeypatch.setattr(torch, "compile", failing_compile)
     config = _tiny_bench_config().replace(
-        torch_transformer=TransformerConfig.tiny(n_encoder_layers=1, n_decoder_layers=1,
-                                                 dropout=0.0, norm_first=True),
-        torch_shapes=((2, 8),), torch_xl=TransformerXLConfig.tiny(n_layers=1),
-        torch_xl_batch=2, torch_steps=3, torch_warmup=1, torch_compile=True)
-    results = run_benchmarks(config, sections=("cpu_vs_torch",), out=str(tmp_path),
-                             profile=False, raise_errors=True, log=lambda m: None)
+        torch_transformer=TransformerConfig.tiny(
+            n_encoder_layers=1, n_decoder_layers=1, dropout=0.0, norm_first=True
+        ),
+        torch_shapes=((2, 8),),
+        torch_xl=TransformerXLConfig.tiny(n_layers=1),
+        torch_xl_batch=2,
+        torch_steps=3,
+        torch_warmup=1,
+        torch_compile=True,
+    )
+    results = run_benchmarks(
+        config,
+        sections=("cpu_vs_torch",),
+        out=str(tmp_path),
+        profile=False,
+        raise_errors=True,
+        log=lambda m: None,
+    )
     assert "matmul" not in results and results["meta"]["sections"] == ["cpu_vs_torch"]
     cmp = results["cpu_vs_torch"]
     xl_vocab = config.torch_xl.vocab_size
@@ -594,4 +745,4 @@ def test_cpu_vs_torch_section_reports_every_field_and_a_failed_compile(tmp_path,
     assert "| project / eager | project / compile |" in md
     assert f"{threads} threads for both" in md and "torch.compile failed" in md
     rows = [line for line in md.splitlines() if line.startswith("| Transformer")]
-    assert len(rows) == 2 and all(line.endswith("| n/a |") for line in rows)   # no compile
+    assert len(rows) == 2 and all(line.endswith("| n/a |") for line in rows)  # no compile

@@ -3,6 +3,7 @@
 The reference is written from Gehring et al. 2017 one sentence at a time over its real tokens
 only (so it knows nothing of padding), with explicit loops for the convolutions and attention.
 """
+
 from __future__ import annotations
 
 import functools
@@ -12,6 +13,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
+from helpers import matmul_dtypes
 from translation_checks import (
     PAD,
     SRC,
@@ -24,7 +26,6 @@ from translation_checks import (
     run_cached,
 )
 
-from helpers import matmul_dtypes
 from transformer_jax.baselines import make_baseline
 from transformer_jax.convs2s import ConvS2S, ConvS2SConfig
 
@@ -36,17 +37,22 @@ CASES = {"k3": {}, "k5": {"kernel_size": 5, "enc_layers": 1}}
 
 
 def build(case: str = "k3", **overrides) -> ConvS2S:
-    return make_baseline("convs2s", src_vocab_size=VOCAB, tgt_vocab_size=VOCAB, preset="tiny",
-                         **{**CASES[case], **overrides})
+    return make_baseline(
+        "convs2s",
+        src_vocab_size=VOCAB,
+        tgt_vocab_size=VOCAB,
+        preset="tiny",
+        **{**CASES[case], **overrides},
+    )
 
 
-@functools.lru_cache(maxsize=None)
+@functools.cache
 def model_and_params(case: str):
     model = build(case)
     return model, random_params(model, SRC, TGT)
 
 
-@functools.lru_cache(maxsize=None)
+@functools.cache
 def forward(case: str):
     """(logits [B, T, V], {'weights': [B, L, T, S]}) on SRC, TGT."""
     model, params = model_and_params(case)
@@ -67,8 +73,9 @@ def conv_glu(p, padded, out_len):
     """Valid 1-D convolution by explicit windows, then GLU: [out_len + k - 1, D] -> [out_len,
     D]."""
     k = p["kernel"].shape[0]
-    y = np.stack([sum(padded[i + j] @ p["kernel"][j] for j in range(k)) + p["bias"]
-                  for i in range(out_len)])
+    y = np.stack(
+        [sum(padded[i + j] @ p["kernel"][j] for j in range(k)) + p["bias"] for i in range(out_len)]
+    )
     a, b = np.split(y, 2, axis=-1)
     return a / (1.0 + np.exp(-b))
 
@@ -90,17 +97,17 @@ def ref_forward(params, config, src_row, tgt_row):
     for i in range(config.enc_layers):
         zeros = np.zeros(((k - 1) // 2, x.shape[1]))
         x = (conv_glu(enc[f"conv_{i}"], np.concatenate([zeros, x, zeros]), n) + x) * SQRT_HALF
-    z = dense(enc["hid_to_emb"], x)                     # attention keys [n, E]
-    values = (z + e) * SQRT_HALF                        # [n, E]
+    z = dense(enc["hid_to_emb"], x)  # attention keys [n, E]
+    values = (z + e) * SQRT_HALF  # [n, E]
 
     dec = p["decoder"]
-    g = embed(dec["embed"], tgt_row)                    # [T, E]
+    g = embed(dec["embed"], tgt_row)  # [T, E]
     t_len = len(tgt_row)
     x = dense(dec["emb_to_hid"], g)
     all_weights = []
     for i in range(config.dec_layers):
         layer = dec[f"layer_{i}"]
-        padded = np.concatenate([np.zeros((k - 1, x.shape[1])), x])   # causal: left only
+        padded = np.concatenate([np.zeros((k - 1, x.shape[1])), x])  # causal: left only
         h = conv_glu(layer["conv"], padded, t_len)
         weights = np.zeros((t_len, n))
         for t in range(t_len):
@@ -136,7 +143,13 @@ def test_registry_builds_tutorial_sizes():
     assert type(model) is ConvS2S
     c = model.config
     assert (c.emb_dim, c.hid_dim, c.enc_layers, c.dec_layers, c.kernel_size, c.dropout) == (
-        256, 512, 10, 10, 3, 0.25)
+        256,
+        512,
+        10,
+        10,
+        3,
+        0.25,
+    )
 
 
 @pytest.mark.parametrize("case", CASES)
@@ -148,15 +161,13 @@ def test_matches_numpy_reference(case):
     assert logits.dtype == jnp.float32
     for b in range(len(SRC)):
         ref_logits, ref_weights = ref_forward(params, model.config, SRC[b], TGT[b])
-        chex.assert_trees_all_close(logits[b], ref_logits.astype(np.float32), atol=5e-5,
-                                    rtol=5e-5)
+        chex.assert_trees_all_close(logits[b], ref_logits.astype(np.float32), atol=5e-5, rtol=5e-5)
         n = ref_weights.shape[-1]
-        chex.assert_trees_all_close(weights[b, ..., :n], ref_weights.astype(np.float32),
-                                    atol=5e-6)
+        chex.assert_trees_all_close(weights[b, ..., :n], ref_weights.astype(np.float32), atol=5e-6)
 
 
 def test_attention_weights_sum_to_one_and_skip_pads():
-    weights = forward("k3")[1]["weights"]                         # [B, L, T, S]
+    weights = forward("k3")[1]["weights"]  # [B, L, T, S]
     pads = (SRC == PAD)[:, None, None, :]
     assert np.all(np.where(pads, weights, 0.0) == 0.0)
     chex.assert_trees_all_close(weights.sum(-1), np.ones(weights.shape[:-1]), atol=1e-6)
@@ -174,9 +185,9 @@ def test_decoder_is_causal(case):
     logits = forward(case)[0]
     for t in range(TGT.shape[1] - 1):
         changed = TGT.copy()
-        changed[:, t + 1:] = (changed[:, t + 1:] + 7) % (VOCAB - 3) + 3
+        changed[:, t + 1 :] = (changed[:, t + 1 :] + 7) % (VOCAB - 3) + 3
         out = jit_apply(model, params, SRC, changed)
-        chex.assert_trees_all_close(out[:, :t + 1], logits[:, :t + 1], atol=1e-6)
+        chex.assert_trees_all_close(out[:, : t + 1], logits[:, : t + 1], atol=1e-6)
         # ...while the changed positions do see the change (so the check can fail).
         assert not np.allclose(out[:, t + 1], logits[:, t + 1], atol=1e-3)
 
@@ -184,8 +195,7 @@ def test_decoder_is_causal(case):
 @pytest.mark.parametrize("case", CASES)
 def test_decode_step_matches_teacher_forcing(case):
     model, params = model_and_params(case)
-    chex.assert_trees_all_close(run_cached(model, params, SRC, TGT), forward(case)[0],
-                                atol=1e-5)
+    chex.assert_trees_all_close(run_cached(model, params, SRC, TGT), forward(case)[0], atol=1e-5)
 
 
 def test_greedy_and_beam_agree_with_teacher_forcing():
@@ -211,11 +221,12 @@ def test_dropout_and_bfloat16():
     noisy = build("k3", dropout=0.3)
 
     def run(key):
-        return jit_apply(noisy, params, SRC, TGT, deterministic=False,
-                         rngs={"dropout": jax.random.key(key)})
+        return jit_apply(
+            noisy, params, SRC, TGT, deterministic=False, rngs={"dropout": jax.random.key(key)}
+        )
 
     assert not np.allclose(run(1), forward("k3")[0])
-    assert not np.allclose(run(1), run(2))              # the masks come from the key
+    assert not np.allclose(run(1), run(2))  # the masks come from the key
     chex.assert_trees_all_close(jit_apply(noisy, params, SRC, TGT), forward("k3")[0])
 
     half_model = build("k3", dtype=jnp.bfloat16)
@@ -229,4 +240,4 @@ def test_dropout_and_bfloat16():
     assert {d[:2] for d in full_dots} == {("float32", "float32")}
     assert len(half_dots) == len(full_dots)
     assert {d[:2] for d in half_dots} == {("bfloat16", "bfloat16")}
-    assert not np.array_equal(half, forward("k3")[0])   # and the rounding shows
+    assert not np.array_equal(half, forward("k3")[0])  # and the rounding shows

@@ -31,7 +31,7 @@ def make_pairs(n: int, *, seed: int = 0, max_len: int = 30) -> list[tuple[list[i
 def expected_rows(src: list[int], tgt: list[int], length: int) -> dict[str, list[int]]:
     """Padding by hand."""
     pad = lambda ids: ids + [PAD] * (length - len(ids))  # noqa: E731
-    return {'src': pad(src), 'tgt_in': pad([BOS] + tgt), 'tgt_out': pad(tgt + [EOS])}
+    return {"src": pad(src), "tgt_in": pad([BOS] + tgt), "tgt_out": pad(tgt + [EOS])}
 
 
 def smallest_bucket(src, tgt) -> int | None:
@@ -40,12 +40,12 @@ def smallest_bucket(src, tgt) -> int | None:
     return fitting[0] if fitting else None
 
 
-@pytest.fixture(scope='module')
+@pytest.fixture(scope="module")
 def pairs():
     return make_pairs(700)
 
 
-@pytest.fixture(scope='module')
+@pytest.fixture(scope="module")
 def batcher(pairs):
     return TokenBatcher(pairs, tokens_per_batch=200, buckets=BUCKETS, num_devices=4, seed=3)
 
@@ -59,8 +59,8 @@ def test_shapes_budget_and_shape_set(batcher, pairs):
         batches = list(batcher.batches_for_epoch(epoch))
         assert len(batches) == batcher.num_batches
         for batch in batches:
-            assert set(batch) == {'src', 'tgt_in', 'tgt_out'}
-            shape = batch['src'].shape
+            assert set(batch) == {"src", "tgt_in", "tgt_out"}
+            shape = batch["src"].shape
             assert shape in batcher.shape_set()
             assert shape[0] * shape[1] <= 200 and shape[0] % 4 == 0
             for v in batch.values():
@@ -74,12 +74,12 @@ def test_each_epoch_holds_every_fitting_pair_once_padded_by_hand(batcher, pairs)
     for epoch in (0, 5):
         seen = []
         for batch in batcher.batches_for_epoch(epoch):
-            length = batch['src'].shape[1]
-            for r in range(batch['src'].shape[0]):
-                if batch['src'][r, 0] == PAD:  # a fill row: nothing but padding
+            length = batch["src"].shape[1]
+            for r in range(batch["src"].shape[0]):
+                if batch["src"][r, 0] == PAD:  # a fill row: nothing but padding
                     assert not any(batch[k][r].any() for k in batch)
                     continue
-                i = int(batch['src'][r, 0]) - 10
+                i = int(batch["src"][r, 0]) - 10
                 seen.append(i)
                 assert smallest_bucket(*pairs[i]) == length  # the smallest bucket that fits
                 for key, row in expected_rows(*pairs[i], length).items():
@@ -94,7 +94,7 @@ def test_same_seed_and_epoch_give_the_same_batches(pairs, batcher):
             np.testing.assert_array_equal(a[key], b[key])
 
     def first_tokens(b: TokenBatcher, epoch: int) -> list[list[int]]:
-        return [batch['src'][:, 0].tolist() for batch in b.batches_for_epoch(epoch)]
+        return [batch["src"][:, 0].tolist() for batch in b.batches_for_epoch(epoch)]
 
     assert first_tokens(batcher, 0) != first_tokens(batcher, 1)  # reshuffled per epoch
     other_seed = TokenBatcher(pairs, tokens_per_batch=200, buckets=BUCKETS, num_devices=4, seed=4)
@@ -106,10 +106,10 @@ def test_iterate_resumes_exactly_where_an_uninterrupted_run_is(batcher):
     uninterrupted = list(itertools.islice(batcher.iterate(), 2 * n + 5))
     epochs = list(batcher.batches_for_epoch(0)) + list(batcher.batches_for_epoch(1))
     for a, b in zip(uninterrupted, epochs):
-        np.testing.assert_array_equal(a['src'], b['src'])
+        np.testing.assert_array_equal(a["src"], b["src"])
     for start in (1, n - 2, n, n + 7, 2 * n):
         resumed = list(itertools.islice(batcher.iterate(start), 5))
-        for a, b in zip(resumed, uninterrupted[start:start + 5], strict=True):
+        for a, b in zip(resumed, uninterrupted[start : start + 5], strict=True):
             for key in a:
                 np.testing.assert_array_equal(a[key], b[key])
 
@@ -118,8 +118,14 @@ def test_each_process_builds_only_its_rows_of_the_same_global_batches(batcher):
     # Four devices on two processes: each packs the rows of its two devices, and together the
     # shares are the one-process batches (nothing depends on the process count).
     whole = list(itertools.islice(batcher.iterate(3), 6))
-    shares = [list(itertools.islice(batcher.iterate(3, rows=lambda n, p=p: slice(
-        p * n // 2, (p + 1) * n // 2)), 6)) for p in (0, 1)]
+    shares = [
+        list(
+            itertools.islice(
+                batcher.iterate(3, rows=lambda n, p=p: slice(p * n // 2, (p + 1) * n // 2)), 6
+            )
+        )
+        for p in (0, 1)
+    ]
     for full, first, second in zip(whole, *shares, strict=True):
         for key in full:
             assert first[key].shape[0] == second[key].shape[0] == full[key].shape[0] // 2
@@ -133,36 +139,35 @@ def test_eval_batches_keep_every_pair_in_order():
     assert len(batches) == 7
     order = []
     for batch in batches:
-        rows, length = batch['src'].shape
+        rows, length = batch["src"].shape
         assert rows == 8
-        real = batch['index'] >= 0
-        chunk = [pairs[i] for i in batch['index'][real]]
+        real = batch["index"] >= 0
+        chunk = [pairs[i] for i in batch["index"][real]]
         need = max(pair_length(s, t) for s, t in chunk)
         assert length == (min(b for b in BUCKETS if b >= need) if need <= 24 else 48)
-        for r, i in enumerate(batch['index']):
+        for r, i in enumerate(batch["index"]):
             if i < 0:
-                assert not batch['src'][r].any() and not batch['tgt_out'][r].any()
+                assert not batch["src"][r].any() and not batch["tgt_out"][r].any()
                 continue
             order.append(int(i))
             for key, row in expected_rows(*pairs[i], length).items():
                 np.testing.assert_array_equal(batch[key][r], row)
     assert order == list(range(len(pairs)))
-    assert batches[-1]['index'].tolist() == [48, 49, 50, 51, 52, 53, -1, -1]
+    assert batches[-1]["index"].tolist() == [48, 49, 50, 51, 52, 53, -1, -1]
 
 
 def test_eval_batches_sorted_by_length_keep_every_pair_and_its_position():
     pairs = make_pairs(53, seed=2, max_len=30)
-    batches = eval_batches(pairs, batch_size=8, buckets=BUCKETS, num_devices=4,
-                           sort_by_length=True)
+    batches = eval_batches(pairs, batch_size=8, buckets=BUCKETS, num_devices=4, sort_by_length=True)
     seen, lengths = [], []
     for batch in batches:
-        for r, i in enumerate(batch['index']):
+        for r, i in enumerate(batch["index"]):
             if i < 0:
-                assert not batch['src'][r].any()
+                assert not batch["src"][r].any()
                 continue
             seen.append(int(i))
             lengths.append(pair_length(*pairs[i]))
-            for key, row in expected_rows(*pairs[i], batch['src'].shape[1]).items():
+            for key, row in expected_rows(*pairs[i], batch["src"].shape[1]).items():
                 np.testing.assert_array_equal(batch[key][r], row)
     assert sorted(seen) == list(range(len(pairs)))
     assert lengths == sorted(lengths)
@@ -171,17 +176,17 @@ def test_eval_batches_sorted_by_length_keep_every_pair_and_its_position():
         if pair_length(*pairs[a]) == pair_length(*pairs[b]):
             assert a < b
     # Shortest first pads the early batches to short buckets.
-    assert [b['src'].shape[1] for b in batches] == sorted(b['src'].shape[1] for b in batches)
+    assert [b["src"].shape[1] for b in batches] == sorted(b["src"].shape[1] for b in batches)
 
 
 def test_bad_batching_options(pairs):
-    with pytest.raises(ValueError, match='tokens_per_batch=40 is too small for bucket length 12'):
+    with pytest.raises(ValueError, match="tokens_per_batch=40 is too small for bucket length 12"):
         TokenBatcher(pairs, tokens_per_batch=40, buckets=BUCKETS, num_devices=4)
-    with pytest.raises(ValueError, match='buckets must be strictly increasing'):
+    with pytest.raises(ValueError, match="buckets must be strictly increasing"):
         TokenBatcher(pairs, buckets=(16, 8))
-    with pytest.raises(ValueError, match='no pair fits'):
+    with pytest.raises(ValueError, match="no pair fits"):
         TokenBatcher([([5] * 30, [6])], buckets=BUCKETS)
-    with pytest.raises(ValueError, match='multiple of num_devices'):
+    with pytest.raises(ValueError, match="multiple of num_devices"):
         eval_batches(pairs, batch_size=6, num_devices=4)
-    with pytest.raises(ValueError, match='start_step'):
+    with pytest.raises(ValueError, match="start_step"):
         next(TokenBatcher(pairs, buckets=BUCKETS).iterate(-1))

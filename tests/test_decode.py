@@ -3,6 +3,7 @@
 The model-level checks (cached decoding equals the full forward pass, beam_size=1 equals greedy
 on a Transformer) are in test_transformer_decode.py.
 """
+
 from __future__ import annotations
 
 import functools
@@ -45,8 +46,10 @@ def _np_log_probs(example: int, prefix: list[int]) -> np.ndarray:
 
 
 def _init_cache(batch: int):
-    return {"example": jnp.arange(batch, dtype=jnp.int32),
-            "code": jnp.arange(batch, dtype=jnp.int32) + 1}
+    return {
+        "example": jnp.arange(batch, dtype=jnp.int32),
+        "code": jnp.arange(batch, dtype=jnp.int32) + 1,
+    }
 
 
 def _step_fn(tokens, cache, index):
@@ -83,8 +86,15 @@ def _np_greedy(example: int) -> list[int]:
 
 @functools.partial(jax.jit, static_argnames=("batch", "beam", "alpha", "max_len"))
 def _beam(batch, beam, alpha, max_len=L, step_fn=_step_fn):
-    return search_beam(step_fn, _init_cache(batch), batch_size=batch, beam_size=beam,
-                       max_len=max_len, length_penalty_alpha=alpha, **SPECIAL)
+    return search_beam(
+        step_fn,
+        _init_cache(batch),
+        batch_size=batch,
+        beam_size=beam,
+        max_len=max_len,
+        length_penalty_alpha=alpha,
+        **SPECIAL,
+    )
 
 
 @functools.partial(jax.jit, static_argnames=("batch",))
@@ -93,6 +103,7 @@ def _greedy(batch):
 
 
 # ----------------------------------------------------------------------------------- tests
+
 
 @pytest.mark.parametrize("alpha", [0.0, 0.6, 1.0])
 def test_exhaustive_beam_equals_brute_force_ranking(alpha):
@@ -106,9 +117,12 @@ def test_exhaustive_beam_equals_brute_force_ranking(alpha):
         expected = _brute_force(b, alpha)
         assert len(expected) == n_hyps
         np.testing.assert_array_equal(np.asarray(tokens[b]), np.array([h[1] for h in expected]))
-        chex.assert_trees_all_close(np.asarray(scores[b]), np.array([h[0] for h in expected],
-                                                                   np.float32),
-                                    rtol=1e-5, atol=1e-5)
+        chex.assert_trees_all_close(
+            np.asarray(scores[b]),
+            np.array([h[0] for h in expected], np.float32),
+            rtol=1e-5,
+            atol=1e-5,
+        )
 
 
 def test_small_beam_returns_best_first_and_valid_scores():
@@ -119,8 +133,7 @@ def test_small_beam_returns_best_first_and_valid_scores():
         table = {tuple(h[1]): h[0] for h in _brute_force(b, 0.6)}
         for w in range(4):
             # Each returned hypothesis is a real one, with its true score.
-            np.testing.assert_allclose(s[b, w], table[tuple(np.asarray(tokens[b, w]))],
-                                       rtol=1e-5)
+            np.testing.assert_allclose(s[b, w], table[tuple(np.asarray(tokens[b, w]))], rtol=1e-5)
         # The top beam can be no better than the true optimum.
         assert s[b, 0] <= _brute_force(b, 0.6)[0][0] + 1e-5
 
@@ -138,8 +151,8 @@ def test_beam_one_equals_greedy():
 def test_beam_ranks_hand_written_probabilities():
     # Step 0: P(3) = .5, P(4) = .4, P(EOS) = .1. After 3: EOS/3/4 each about 1/3.
     # After 4: EOS .9. Greedy takes 3 and ends with P = .5 * .34; beam 2 must find 4 EOS (.36).
-    probs0 = np.array([0, 0, .1, .5, .4])
-    after = {3: np.array([0, 0, .34, .33, .33]), 4: np.array([0, 0, .9, .05, .05])}
+    probs0 = np.array([0, 0, 0.1, 0.5, 0.4])
+    after = {3: np.array([0, 0, 0.34, 0.33, 0.33]), 4: np.array([0, 0, 0.9, 0.05, 0.05])}
 
     # The logits depend only on the last token (BOS at step 0, then the first emitted one).
     table = jnp.log(jnp.stack([probs0, probs0, probs0, after[3], after[4]]) + 1e-30)
@@ -148,11 +161,21 @@ def test_beam_ranks_hand_written_probabilities():
         return table[tokens], cache
 
     cache = jnp.zeros((1,), jnp.int32)
-    run = jax.jit(lambda w: search_beam(step_fn, cache, batch_size=1, beam_size=w, max_len=2,
-                                        length_penalty_alpha=0.0, **SPECIAL), static_argnums=0)
+    run = jax.jit(
+        lambda w: search_beam(
+            step_fn,
+            cache,
+            batch_size=1,
+            beam_size=w,
+            max_len=2,
+            length_penalty_alpha=0.0,
+            **SPECIAL,
+        ),
+        static_argnums=0,
+    )
     tokens, scores = run(2)
     np.testing.assert_array_equal(np.asarray(tokens[0]), [[4, EOS], [3, EOS]])
-    chex.assert_trees_all_close(np.asarray(scores[0]), np.log([.4 * .9, .5 * .34]), rtol=1e-5)
+    chex.assert_trees_all_close(np.asarray(scores[0]), np.log([0.4 * 0.9, 0.5 * 0.34]), rtol=1e-5)
     greedy = search_greedy(step_fn, cache, batch_size=1, max_len=2, **SPECIAL)
     np.testing.assert_array_equal(np.asarray(greedy), [[3, EOS]])
     tokens1, _ = run(1)
@@ -168,17 +191,17 @@ def _biased_step_fn(tokens, cache, index):
 
 def test_never_emits_pad_or_bos_and_pads_after_eos():
     cache = jnp.zeros((2,), jnp.int32)
-    greedy = np.asarray(search_greedy(_biased_step_fn, cache, batch_size=2, max_len=5,
-                                      **SPECIAL))
+    greedy = np.asarray(search_greedy(_biased_step_fn, cache, batch_size=2, max_len=5, **SPECIAL))
     np.testing.assert_array_equal(greedy, [[3, EOS, PAD, PAD, PAD]] * 2)
-    tokens, scores = search_beam(_biased_step_fn, cache, batch_size=2, beam_size=3, max_len=5,
-                                 **SPECIAL)
+    tokens, scores = search_beam(
+        _biased_step_fn, cache, batch_size=2, beam_size=3, max_len=5, **SPECIAL
+    )
     tokens = np.asarray(tokens)
     assert not np.any(tokens[..., 0] == PAD) and not np.any(tokens == BOS)
     for row in tokens.reshape(-1, 5):
         if EOS in row:
             e = list(row).index(EOS)
-            assert np.all(row[e + 1:] == PAD)
+            assert np.all(row[e + 1 :] == PAD)
             assert not np.any(row[:e] == PAD)
         else:
             assert not np.any(row == PAD)
@@ -188,8 +211,9 @@ def test_never_emits_pad_or_bos_and_pads_after_eos():
 def test_beam_wider_than_hypotheses_leaves_dead_slots():
     # V = 5 allows EOS, 3, 4; max_len 1 has 3 hypotheses, so slots 4 and 5 are dead.
     cache = jnp.zeros((1,), jnp.int32)
-    tokens, scores = search_beam(_biased_step_fn, cache, batch_size=1, beam_size=5, max_len=1,
-                                 **SPECIAL)
+    tokens, scores = search_beam(
+        _biased_step_fn, cache, batch_size=1, beam_size=5, max_len=1, **SPECIAL
+    )
     np.testing.assert_array_equal(np.asarray(tokens[0, :, 0]), [3, 4, EOS, PAD, PAD])
     s = np.asarray(scores[0])
     assert np.all(np.isfinite(s[:3])) and np.all(s[3:] == -np.inf)
@@ -209,9 +233,17 @@ def test_a_cache_leaf_returned_untouched_decodes_as_one_reordered(beam):
 
     def run(copy):
         cache = {"bias": jnp.asarray(bias), "code": jnp.arange(3, dtype=jnp.int32) + 1}
-        return jax.jit(lambda c: search_beam(functools.partial(step_fn, copy=copy), c,
-                                             batch_size=3, beam_size=beam, max_len=L,
-                                             length_penalty_alpha=0.6, **SPECIAL))(cache)
+        return jax.jit(
+            lambda c: search_beam(
+                functools.partial(step_fn, copy=copy),
+                c,
+                batch_size=3,
+                beam_size=beam,
+                max_len=L,
+                length_penalty_alpha=0.6,
+                **SPECIAL,
+            )
+        )(cache)
 
     (tokens, scores), (ref_tokens, ref_scores) = run(False), run(True)
     np.testing.assert_array_equal(np.asarray(tokens), np.asarray(ref_tokens))
@@ -223,6 +255,7 @@ def test_a_cache_leaf_returned_untouched_decodes_as_one_reordered(beam):
 
 # ------------------------------------------------ best_only: stop once the best beam is final
 
+
 @functools.partial(jax.jit, static_argnames=("batch", "beam", "alpha", "max_len", "best_only"))
 def _beam_steps(batch, beam, alpha, max_len, best_only, eos_bias):
     def step_fn(tokens, cache, index):
@@ -231,9 +264,17 @@ def _beam_steps(batch, beam, alpha, max_len, best_only, eos_bias):
         return logits.at[:, EOS].add(cache["eos_bias"]), {**new, "eos_bias": cache["eos_bias"]}
 
     cache = {**_init_cache(batch), "eos_bias": eos_bias}
-    return search_beam(step_fn, cache, batch_size=batch, beam_size=beam, max_len=max_len,
-                       length_penalty_alpha=alpha, best_only=best_only, with_steps=True,
-                       **SPECIAL)
+    return search_beam(
+        step_fn,
+        cache,
+        batch_size=batch,
+        beam_size=beam,
+        max_len=max_len,
+        length_penalty_alpha=alpha,
+        best_only=best_only,
+        with_steps=True,
+        **SPECIAL,
+    )
 
 
 @pytest.mark.parametrize("alpha", [0.0, 0.6, 1.3, 2.0])
@@ -255,16 +296,27 @@ def test_best_only_stops_as_soon_as_the_best_is_final():
     # step 0, "EOS" (log .9 / lp(1)) beats anything the alive beams can reach (at best
     # log .05 / lp(max_len)), so the early-stopping search ends after one step.
     def step_fn(tokens, cache, index):
-        logits = jnp.where(index == 0, jnp.array([0.0, 0.0, 3.0, 0.0, 0.0]),
-                           jnp.array([0.0, 0.0, -30.0, 0.0, 0.0]))
-        return jnp.broadcast_to(jnp.log(jnp.array([1e-9, 1e-9, 1.0, 1.0, 1.0])) + logits,
-                                (tokens.shape[0], 5)), cache
+        logits = jnp.where(
+            index == 0, jnp.array([0.0, 0.0, 3.0, 0.0, 0.0]), jnp.array([0.0, 0.0, -30.0, 0.0, 0.0])
+        )
+        return jnp.broadcast_to(
+            jnp.log(jnp.array([1e-9, 1e-9, 1.0, 1.0, 1.0])) + logits, (tokens.shape[0], 5)
+        ), cache
 
     def run(best_only, alpha):
-        return jax.jit(lambda c: search_beam(step_fn, c, batch_size=2, beam_size=3, max_len=10,
-                                             length_penalty_alpha=alpha, best_only=best_only,
-                                             with_steps=True, **SPECIAL))(
-            jnp.zeros((2,), jnp.int32))
+        return jax.jit(
+            lambda c: search_beam(
+                step_fn,
+                c,
+                batch_size=2,
+                beam_size=3,
+                max_len=10,
+                length_penalty_alpha=alpha,
+                best_only=best_only,
+                with_steps=True,
+                **SPECIAL,
+            )
+        )(jnp.zeros((2,), jnp.int32))
 
     for alpha in (0.0, 0.6, 2.0):
         full_tokens, full_scores, full_steps = run(False, alpha)

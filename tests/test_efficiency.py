@@ -11,6 +11,7 @@
 
 Tiny configs (the 8 fake CPU devices of conftest.py split the batch).
 """
+
 from __future__ import annotations
 
 import json
@@ -23,12 +24,12 @@ import numpy as np
 import optax
 import pytest
 
-from train.data.batching import TokenBatcher
-from train.lm import make_loss_fn as lm_loss_fn
 from train.core.loop import LoopConfig, train_loop
 from train.core.metrics import MetricsWriter
 from train.core.parallel import DataParallel
 from train.core.state import TrainState
+from train.data.batching import TokenBatcher
+from train.lm import make_loss_fn as lm_loss_fn
 from train.translate import make_loss_fn
 from transformer_jax import Transformer, TransformerConfig
 from xl_jax import TransformerXL, TransformerXLConfig, init_memory
@@ -44,8 +45,15 @@ def _one_device() -> DataParallel:
 
 
 def _transformer(vocab: int = 32):
-    cfg = TransformerConfig.tiny(src_vocab_size=vocab, tgt_vocab_size=vocab, d_model=32,
-                                 d_ff=64, n_heads=2, n_encoder_layers=1, n_decoder_layers=1)
+    cfg = TransformerConfig.tiny(
+        src_vocab_size=vocab,
+        tgt_vocab_size=vocab,
+        d_model=32,
+        d_ff=64,
+        n_heads=2,
+        n_encoder_layers=1,
+        n_decoder_layers=1,
+    )
     model = Transformer(cfg)
     dummy = jnp.ones((1, 4), jnp.int32)
     params = model.init(jax.random.PRNGKey(0), dummy, dummy)["params"]
@@ -55,10 +63,12 @@ def _transformer(vocab: int = 32):
 
 def _xl(cfg: TransformerXLConfig, batch: int):
     model = TransformerXL(cfg)
-    params = model.init(jax.random.PRNGKey(0), jnp.ones((1, 4), jnp.int32),
-                        init_memory(cfg, 1))["params"]
-    state = TrainState.create(params=params, tx=optax.adam(1e-3), rng=jax.random.PRNGKey(1),
-                              extra=init_memory(cfg, batch))
+    params = model.init(jax.random.PRNGKey(0), jnp.ones((1, 4), jnp.int32), init_memory(cfg, 1))[
+        "params"
+    ]
+    state = TrainState.create(
+        params=params, tx=optax.adam(1e-3), rng=jax.random.PRNGKey(1), extra=init_memory(cfg, batch)
+    )
     return lm_loss_fn(model), state
 
 
@@ -66,11 +76,14 @@ def _batches(kind: str, n_rows: int, seed: int = 0):
     rng = np.random.default_rng(seed)
     while True:
         if kind == "transformer":
-            yield {k: rng.integers(3, 32, (n_rows, 10), dtype=np.int32)
-                   for k in ("src", "tgt_in", "tgt_out")}
+            yield {
+                k: rng.integers(3, 32, (n_rows, 10), dtype=np.int32)
+                for k in ("src", "tgt_in", "tgt_out")
+            }
         else:
-            yield {k: rng.integers(0, 64, (n_rows, 8), dtype=np.int32)
-                   for k in ("inputs", "targets")}
+            yield {
+                k: rng.integers(0, 64, (n_rows, 8), dtype=np.int32) for k in ("inputs", "targets")
+            }
 
 
 def _setup(kind: str):
@@ -87,8 +100,11 @@ _HOST_OP = re.compile(r"= [^=]*\b(send|recv|send-done|recv-done|infeed|outfeed)\
 
 
 def _host_instructions(compiled) -> list[str]:
-    return [line.strip() for line in compiled.as_text().splitlines()
-            if _HOST_CALL.search(line) or _HOST_OP.search(line)]
+    return [
+        line.strip()
+        for line in compiled.as_text().splitlines()
+        if _HOST_CALL.search(line) or _HOST_OP.search(line)
+    ]
 
 
 @pytest.mark.parametrize("kind", ["transformer", "xl"])
@@ -148,12 +164,17 @@ def test_loop_reads_metrics_only_through_one_fetch_per_logging_interval(tmp_path
     gets = []
     device_get = jax.device_get
     monkeypatch.setattr(jax, "device_get", lambda x: gets.append(1) or device_get(x))
-    result = train_loop(state, dp=dp, train_step=step, batches=_batches("transformer", 8),
-                        config=LoopConfig(steps=30, log_every=10, progress=False),
-                        writer=MetricsWriter(str(tmp_path)))
+    result = train_loop(
+        state,
+        dp=dp,
+        train_step=step,
+        batches=_batches("transformer", 8),
+        config=LoopConfig(steps=30, log_every=10, progress=False),
+        writer=MetricsWriter(str(tmp_path)),
+    )
     assert result.reason == "steps"
-    assert fetched == [10, 10, 10]          # three intervals, each fetched whole
-    assert len(gets) == 1 + 3               # the start step, then one transfer per interval
+    assert fetched == [10, 10, 10]  # three intervals, each fetched whole
+    assert len(gets) == 1 + 3  # the start step, then one transfer per interval
     lines = [json.loads(line) for line in (tmp_path / "metrics.jsonl").read_text().splitlines()]
     assert [r["step"] for r in lines] == [10, 20, 30]
     assert all(np.isfinite(r["loss"]) for r in lines)
@@ -179,8 +200,17 @@ def test_train_step_donates_the_state_buffers(kind):
 def _xl_step_temp_bytes(n_layers: int, *, b: int, h: int, t: int, m: int, **overrides) -> int:
     """Temporary bytes of the compiled XL train step on one device (d_head 4, d_model 32: the
     [B, H, T, M + T] scores dwarf every [B, T, D] or [B, M + T, 3 H K] activation)."""
-    cfg = TransformerXLConfig.tiny(n_layers=n_layers, n_heads=h, d_head=4, d_model=32,
-                                   d_inner=64, vocab_size=32, tgt_len=t, mem_len=m, **overrides)
+    cfg = TransformerXLConfig.tiny(
+        n_layers=n_layers,
+        n_heads=h,
+        d_head=4,
+        d_model=32,
+        d_inner=64,
+        vocab_size=32,
+        tgt_len=t,
+        mem_len=m,
+        **overrides,
+    )
     loss_fn, state = _xl(cfg, batch=b)
     dp = _one_device()
     state = dp.put_state(state)
@@ -194,7 +224,7 @@ def test_xl_step_does_not_keep_a_score_tensor_per_layer():
     tensor per layer: the backward pass holds the scores of the layer it is computing only.
     The same measure with remat='none' (everything kept) shows the tensors it is looking for."""
     b, h, t, m = 2, 8, 64, 192
-    score = b * h * t * (m + t) * 4      # one layer's float32 scores (1 MiB)
+    score = b * h * t * (m + t) * 4  # one layer's float32 scores (1 MiB)
     default = TransformerXLConfig.tiny().remat
     per_layer = {}
     for mode in (default, "none"):
@@ -209,8 +239,13 @@ def test_xl_step_does_not_keep_a_score_tensor_per_layer():
 # ----------------------------------------------------------------------------- recompilation
 def test_trainer_compiles_once_per_shape_then_never_again_over_100_bucketed_steps(tmp_path):
     rng = np.random.default_rng(0)
-    pairs = [(list(rng.integers(4, 32, rng.integers(2, 22))),
-              list(rng.integers(4, 32, rng.integers(1, 22)))) for _ in range(400)]
+    pairs = [
+        (
+            list(rng.integers(4, 32, rng.integers(2, 22))),
+            list(rng.integers(4, 32, rng.integers(1, 22))),
+        )
+        for _ in range(400)
+    ]
     batcher = TokenBatcher(pairs, tokens_per_batch=512, buckets=(8, 16, 24), num_devices=8)
     shapes = batcher.shape_set()
     assert len(shapes) == 3
@@ -224,30 +259,37 @@ def test_trainer_compiles_once_per_shape_then_never_again_over_100_bucketed_step
             break
     warm_steps = first_seen[-1] + 1
 
-    yielded = []                            # shapes of the batches handed to the trainer
+    yielded = []  # shapes of the batches handed to the trainer
 
     def batches(start):
         for batch in batcher.iterate(start):
             yielded.append(batch["src"].shape)
             yield batch
 
-    compiles = []                           # the batch being trained when a compile happened
-    listener = lambda event, duration, **kw: compiles.append(len(yielded) - 1) \
-        if event == COMPILE_EVENT and yielded else None  # noqa: E731
+    compiles = []  # the batch being trained when a compile happened
+
+    def listener(event, duration, **kw):
+        if event == COMPILE_EVENT and yielded:
+            compiles.append(len(yielded) - 1)
+
     loss_fn, state = _transformer()
     dp = _one_device()
     state = dp.put_state(state)
     step = dp.compile_train_step(loss_fn, state)
     jax.monitoring.register_event_duration_secs_listener(listener)
     try:
-        result = train_loop(state, dp=dp, train_step=step, batches=batches(0),
-                            config=LoopConfig(steps=warm_steps + 100, log_every=50,
-                                              progress=False),
-                            writer=MetricsWriter(str(tmp_path)))
+        result = train_loop(
+            state,
+            dp=dp,
+            train_step=step,
+            batches=batches(0),
+            config=LoopConfig(steps=warm_steps + 100, log_every=50, progress=False),
+            writer=MetricsWriter(str(tmp_path)),
+        )
     finally:
         jax.monitoring.unregister_event_duration_listener(listener)
     assert int(result.state.step) == warm_steps + 100 and len(yielded) == warm_steps + 100
-    assert set(yielded[warm_steps:]) == set(shapes)   # the 100 steps used every shape
+    assert set(yielded[warm_steps:]) == set(shapes)  # the 100 steps used every shape
     # Every compilation while training happened at a shape's first batch, none after warm-up.
     during = [k for k in compiles if k < len(yielded)]
     assert len(during) >= len(shapes) and set(during) <= set(first_seen)

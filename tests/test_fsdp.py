@@ -4,6 +4,7 @@ params, Adam moments and the EMA really split; the compiled step's per-device ar
 about 1/8 of the replicated ones; bad settings are clear errors.
 (Resuming across shardings: tests/test_train_translate.py.)
 """
+
 from __future__ import annotations
 
 import jax
@@ -23,23 +24,36 @@ V, ROWS, LEN, STEPS = 64, 16, 7, 3
 LR = 1e-2
 
 
-@pytest.mark.parametrize("shape, spec", [
-    ((1000, 64), P(DATA_AXIS)),             # [V, D]: the vocabulary axis is the larger
-    ((64, 1000), P(None, DATA_AXIS)),
-    ((64, 64), P(DATA_AXIS)),               # a tie: the first axis
-    ((7, 24, 5), P(None, DATA_AXIS)),       # the only divisible axis, though not the largest
-    ((1000, 60), P(DATA_AXIS)),
-    ((30,), P()),                           # no axis divides: replicated
-    ((), P()),                              # a scalar (Adam's step count)
-])
+@pytest.mark.parametrize(
+    "shape, spec",
+    [
+        ((1000, 64), P(DATA_AXIS)),  # [V, D]: the vocabulary axis is the larger
+        ((64, 1000), P(None, DATA_AXIS)),
+        ((64, 64), P(DATA_AXIS)),  # a tie: the first axis
+        ((7, 24, 5), P(None, DATA_AXIS)),  # the only divisible axis, though not the largest
+        ((1000, 60), P(DATA_AXIS)),
+        ((30,), P()),  # no axis divides: replicated
+        ((), P()),  # a scalar (Adam's step count)
+    ],
+)
 def test_fsdp_spec_splits_the_largest_divisible_axis(shape, spec):
     assert fsdp_spec(shape, 8) == spec
 
 
 def make_model() -> Transformer:
-    return Transformer(TransformerConfig.tiny(
-        src_vocab_size=V, tgt_vocab_size=V, d_model=64, n_heads=2, d_ff=256,
-        n_encoder_layers=1, n_decoder_layers=1, dropout=0.0, attention_dropout=0.0))
+    return Transformer(
+        TransformerConfig.tiny(
+            src_vocab_size=V,
+            tgt_vocab_size=V,
+            d_model=64,
+            n_heads=2,
+            d_ff=256,
+            n_encoder_layers=1,
+            n_decoder_layers=1,
+            dropout=0.0,
+            attention_dropout=0.0,
+        )
+    )
 
 
 def make_batch(step: int) -> dict[str, np.ndarray]:
@@ -61,8 +75,10 @@ def runs():
     params = model.init({"params": jax.random.PRNGKey(0)}, dummy, dummy)["params"]
     initial = jax.device_get(TrainState.create(params=params, tx=tx, rng=jax.random.PRNGKey(7)))
     loss_fn = make_loss_fn(model, smoothing=0.1, pad_id=0)
-    return {sharding: train(DataParallel("jit", sharding=sharding), loss_fn, initial)
-            for sharding in ("replicated", "fsdp")}
+    return {
+        sharding: train(DataParallel("jit", sharding=sharding), loss_fn, initial)
+        for sharding in ("replicated", "fsdp")
+    }
 
 
 def train(dp: DataParallel, loss_fn, initial: TrainState):
@@ -86,20 +102,27 @@ def test_fsdp_trains_like_replicated_with_the_state_split(runs):
     # The same parameters after the steps. Not the key biases: softmax over keys ignores them
     # (q . b_k is the same for every key), so their true gradient is 0 and Adam turns the
     # rounding noise of either summation order into steps of the full learning rate.
-    for (path, a), b in zip(jax.tree_util.tree_flatten_with_path(state.params)[0],
-                            jax.tree.leaves(rep_state.params)):
+    for (path, a), b in zip(
+        jax.tree_util.tree_flatten_with_path(state.params)[0], jax.tree.leaves(rep_state.params)
+    ):
         if "['key']['bias']" not in jax.tree_util.keystr(path):
-            np.testing.assert_allclose(np.asarray(a), np.asarray(b), rtol=0, atol=LR / 100,
-                                       err_msg=jax.tree_util.keystr(path))
+            np.testing.assert_allclose(
+                np.asarray(a),
+                np.asarray(b),
+                rtol=0,
+                atol=LR / 100,
+                err_msg=jax.tree_util.keystr(path),
+            )
     # Each big leaf is split 8 ways on its largest axis; a replicated run's is whole.
     inner = state.params["encoder"]["layers_0"]["ffn"]["inner"]
-    assert inner["kernel"].sharding.spec == P(None, DATA_AXIS)              # [D, F] = [64, 256]
+    assert inner["kernel"].sharding.spec == P(None, DATA_AXIS)  # [D, F] = [64, 256]
     assert inner["kernel"].addressable_shards[0].data.shape == (64, 256 // 8)
-    assert inner["bias"].sharding.spec == P(DATA_AXIS)                      # [F]
-    assert rep_state.params["encoder"]["layers_0"]["ffn"]["inner"]["kernel"] \
-        .sharding.is_fully_replicated
+    assert inner["bias"].sharding.spec == P(DATA_AXIS)  # [F]
+    assert rep_state.params["encoder"]["layers_0"]["ffn"]["inner"][
+        "kernel"
+    ].sharding.is_fully_replicated
     # Adam's moments and the EMA are split like the params; the step count is replicated.
-    mu = state.opt_state[1][0].mu          # chain(clip, adam, ema): adam's ScaleByAdamState
+    mu = state.opt_state[1][0].mu  # chain(clip, adam, ema): adam's ScaleByAdamState
     ema = find_params_ema(state.opt_state)
     for tree in (mu, ema):
         for leaf, param in zip(jax.tree.leaves(tree), jax.tree.leaves(state.params)):
@@ -108,16 +131,19 @@ def test_fsdp_trains_like_replicated_with_the_state_split(runs):
     # Decoding wants whole weights: `replicate` gathers them, values unchanged.
     whole = DataParallel("jit", sharding="fsdp").replicate(state.params)
     assert all(x.sharding.is_fully_replicated for x in jax.tree.leaves(whole))
-    np.testing.assert_array_equal(np.asarray(inner["kernel"]),
-                                  np.asarray(whole["encoder"]["layers_0"]["ffn"]["inner"]
-                                             ["kernel"]))
+    np.testing.assert_array_equal(
+        np.asarray(inner["kernel"]),
+        np.asarray(whole["encoder"]["layers_0"]["ffn"]["inner"]["kernel"]),
+    )
 
 
 def test_fsdp_keeps_about_an_eighth_of_the_state_per_device(runs):
     # Per-device bytes of the compiled step's arguments: the state and the batch.
     ratio = runs["fsdp"][2] / runs["replicated"][2]
-    print(f"fsdp / replicated argument bytes per device: {runs['fsdp'][2]} / "
-          f"{runs['replicated'][2]} = {ratio:.4f}")
+    print(
+        f"fsdp / replicated argument bytes per device: {runs['fsdp'][2]} / "
+        f"{runs['replicated'][2]} = {ratio:.4f}"
+    )
     # 1/8 = 0.125 plus what stays whole: scalars, the step, the rng, the leaves no axis of
     # which 8 divides (none here) and the batch (split in both).
     assert ratio < 0.2, ratio

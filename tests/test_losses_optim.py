@@ -1,4 +1,5 @@
 """Label-smoothed cross-entropy, the Noam schedule and the paper's Adam, against their formulas."""
+
 from __future__ import annotations
 
 import functools
@@ -11,8 +12,14 @@ import optax
 import pytest
 from absl.testing import parameterized
 
-from transformer_jax import (OptimizerConfig, label_smoothed_cross_entropy, make_optimizer,
-                             noam_schedule, smoothed_target_distribution, token_cross_entropy)
+from transformer_jax import (
+    OptimizerConfig,
+    label_smoothed_cross_entropy,
+    make_optimizer,
+    noam_schedule,
+    smoothed_target_distribution,
+    token_cross_entropy,
+)
 from transformer_jax.optim import find_params_ema, params_ema
 
 
@@ -50,8 +57,9 @@ class LabelSmoothingTest(chex.TestCase):
         targets = rng.integers(1, 7, size=(3, 4)).astype(np.int32)
         targets[0, 2:] = 0
         targets[2, 3] = 0
-        loss = self.variant(functools.partial(label_smoothed_cross_entropy,
-                                              smoothing=smoothing, pad_id=0))
+        loss = self.variant(
+            functools.partial(label_smoothed_cross_entropy, smoothing=smoothing, pad_id=0)
+        )
         loss_sum, n_tokens = loss(jnp.asarray(logits), jnp.asarray(targets))
         ref_sum, ref_count = _explicit_smoothed_ce(logits, targets, smoothing, 0)
         assert int(n_tokens) == ref_count == 9
@@ -59,8 +67,7 @@ class LabelSmoothingTest(chex.TestCase):
 
     @chex.variants(with_jit=True, without_jit=True)
     @parameterized.parameters(0.0, 0.1)
-    def test_label_smoothing_gradient_is_autodiffs_of_the_explicit_distribution(self,
-                                                                               smoothing):
+    def test_label_smoothing_gradient_is_autodiffs_of_the_explicit_distribution(self, smoothing):
         # The loss has a closed-form VJP ((softmax - q) per real position); it must be the
         # gradient autodiff takes through log_softmax against the written-out q, pad rows
         # zero.
@@ -69,11 +76,12 @@ class LabelSmoothingTest(chex.TestCase):
         targets = np.asarray(rng.integers(1, 7, size=(3, 4)), np.int32)
         targets[0, 2:] = 0
         targets = jnp.asarray(targets)
-        scale = jnp.float32(0.7)   # a cotangent other than 1
+        scale = jnp.float32(0.7)  # a cotangent other than 1
 
         def ours(x):
-            return scale * label_smoothed_cross_entropy(x, targets, smoothing=smoothing,
-                                                         pad_id=0)[0]
+            return (
+                scale * label_smoothed_cross_entropy(x, targets, smoothing=smoothing, pad_id=0)[0]
+            )
 
         def explicit(x):
             q = smoothed_target_distribution(targets, 7, smoothing=smoothing, pad_id=0)
@@ -82,11 +90,14 @@ class LabelSmoothingTest(chex.TestCase):
         chex.assert_trees_all_close(self.variant(ours)(logits), explicit(logits), rtol=1e-5)
         got, want = self.variant(jax.grad(ours))(logits), jax.grad(explicit)(logits)
         chex.assert_trees_all_close(got, want, rtol=1e-5, atol=1e-6)
-        assert float(jnp.abs(got[0, 2:]).max()) == 0.0          # pad targets: no gradient
+        assert float(jnp.abs(got[0, 2:]).max()) == 0.0  # pad targets: no gradient
         # The unsmoothed per-position form without an excluded id is the plain NLL.
         nll = self.variant(jax.grad(lambda x: jnp.sum(token_cross_entropy(x, targets))))(logits)
-        want = jax.grad(lambda x: -jnp.sum(jnp.take_along_axis(
-            jax.nn.log_softmax(x), targets[..., None], axis=-1)))(logits)
+        want = jax.grad(
+            lambda x: (
+                -jnp.sum(jnp.take_along_axis(jax.nn.log_softmax(x), targets[..., None], axis=-1))
+            )
+        )(logits)
         chex.assert_trees_all_close(nll, want, rtol=1e-5, atol=1e-6)
 
 
@@ -109,23 +120,26 @@ def test_label_smoothing_differs_from_kl_by_the_entropy_of_q():
 
 def test_bad_smoothing_raises():
     with pytest.raises(ValueError, match="smoothing"):
-        label_smoothed_cross_entropy(jnp.zeros((1, 1, 5)), jnp.ones((1, 1), jnp.int32),
-                                     smoothing=1.0, pad_id=0)
+        label_smoothed_cross_entropy(
+            jnp.zeros((1, 1, 5)), jnp.ones((1, 1), jnp.int32), smoothing=1.0, pad_id=0
+        )
 
 
 @pytest.mark.parametrize("d_model,warmup,factor", [(512, 4000, 1.0), (64, 10, 2.0)])
 def test_noam_equals_formula_at_step_one_warmup_and_ten_warmups(d_model, warmup, factor):
     sched = noam_schedule(d_model, warmup, factor)
     for step in (1, warmup, 10 * warmup):
-        expected = factor * d_model ** -0.5 * min(step ** -0.5, step * warmup ** -1.5)
+        expected = factor * d_model**-0.5 * min(step**-0.5, step * warmup**-1.5)
         # optax's count is the number of updates done so far: step - 1.
         np.testing.assert_allclose(float(sched(step - 1)), expected, rtol=1e-6)
     # Peak at warm-up, linear before it, 1/sqrt(step) after.
-    np.testing.assert_allclose(float(sched(warmup - 1)), factor / np.sqrt(d_model * warmup),
-                               rtol=1e-6)
+    np.testing.assert_allclose(
+        float(sched(warmup - 1)), factor / np.sqrt(d_model * warmup), rtol=1e-6
+    )
     np.testing.assert_allclose(float(sched(0)) * warmup, float(sched(warmup - 1)), rtol=1e-5)
-    np.testing.assert_allclose(float(sched(4 * warmup - 1)) * 2, float(sched(warmup - 1)),
-                               rtol=1e-5)
+    np.testing.assert_allclose(
+        float(sched(4 * warmup - 1)) * 2, float(sched(warmup - 1)), rtol=1e-5
+    )
 
 
 def _numpy_adam(grads, lrs, b1=0.9, b2=0.98, eps=1e-9):
@@ -134,7 +148,7 @@ def _numpy_adam(grads, lrs, b1=0.9, b2=0.98, eps=1e-9):
     for t, (g, lr) in enumerate(zip(grads, lrs), start=1):
         m = b1 * m + (1 - b1) * g
         v = b2 * v + (1 - b2) * g * g
-        m_hat, v_hat = m / (1 - b1 ** t), v / (1 - b2 ** t)
+        m_hat, v_hat = m / (1 - b1**t), v / (1 - b2**t)
         updates.append(-lr * m_hat / (np.sqrt(v_hat) + eps))
     return updates
 
@@ -142,8 +156,9 @@ def _numpy_adam(grads, lrs, b1=0.9, b2=0.98, eps=1e-9):
 @pytest.mark.parametrize("clip_norm", [None, 1.0])
 def test_optimizer_is_adam_0_9_0_98_on_noam_with_optional_clipping(clip_norm):
     d_model, warmup = 16, 4
-    tx, _ = make_optimizer(OptimizerConfig(schedule="noam", d_model=d_model,
-                                           warmup_steps=warmup, clip_norm=clip_norm))
+    tx, _ = make_optimizer(
+        OptimizerConfig(schedule="noam", d_model=d_model, warmup_steps=warmup, clip_norm=clip_norm)
+    )
     grads = [np.array([3.0, -4.0]), np.array([0.1, 0.2]), np.array([-0.3, 0.05])]
     clipped = [g * min(1.0, clip_norm / np.linalg.norm(g)) if clip_norm else g for g in grads]
     lrs = [float(noam_schedule(d_model, warmup)(i)) for i in range(3)]
@@ -165,8 +180,10 @@ def test_params_ema_averages_the_updated_params_and_leaves_updates_alone():
     ema = None
     rng = np.random.default_rng(0)
     for n in range(1, 6):
-        grads = {"w": jnp.asarray(rng.normal(size=2), jnp.float32),
-                 "b": jnp.asarray(rng.normal(), jnp.float32)}
+        grads = {
+            "w": jnp.asarray(rng.normal(size=2), jnp.float32),
+            "b": jnp.asarray(rng.normal(), jnp.float32),
+        }
         u_plain, s_plain = plain.update(grads, s_plain, p_plain)
         u, s = tx.update(grads, s, p)
         p_plain, p = optax.apply_updates(p_plain, u_plain), optax.apply_updates(p, u)

@@ -5,6 +5,7 @@ folder a user would download, and the loaded Transformer must give the same logi
 greedy tokens. The tokenizer is compared with transformers' `MarianTokenizer` on SentencePiece
 models trained here.
 """
+
 from __future__ import annotations
 
 import json
@@ -15,7 +16,6 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
-
 from helpers import (
     LANGUAGE_CODE,
     MARIAN_EOS,
@@ -24,6 +24,7 @@ from helpers import (
     save_marian,
     save_tokenizer,
 )
+
 from transformer_jax import (
     GenerationDefaults,
     MarianTokenizer,
@@ -39,7 +40,7 @@ torch = pytest.importorskip("torch")
 pytestmark = pytest.mark.filterwarnings("ignore:Recommended. pip install sacremoses")
 
 EOS = MARIAN_EOS
-MAX_LEN = 12   # greedy output positions after the start token
+MAX_LEN = 12  # greedy output positions after the start token
 
 
 def _relative_error(ours, ref) -> float:
@@ -56,27 +57,38 @@ def _source_batch(pad, *, high):
     return src
 
 
-@pytest.mark.parametrize("share,activation,tie", [
-    (True, "swish", True),     # OPUS-MT's usual checkpoint
-    (False, "relu", True),     # separate source / target vocabularies
-    (True, "gelu", False),     # an untied output projection (lm_head)
-])
+@pytest.mark.parametrize(
+    "share,activation,tie",
+    [
+        (True, "swish", True),  # OPUS-MT's usual checkpoint
+        (False, "relu", True),  # separate source / target vocabularies
+        (True, "gelu", False),  # an untied output projection (lm_head)
+    ],
+)
 def test_logits_equal_transformers_on_padded_batches(tmp_path, share, activation, tie):
-    hf = save_marian(tmp_path, decoder_vocab_size=None if share else 33, share=share,
-                     activation=activation, tie=tie)
+    hf = save_marian(
+        tmp_path,
+        decoder_vocab_size=None if share else 33,
+        share=share,
+        activation=activation,
+        tie=tie,
+    )
     model, params, tokenizer = load_marian(tmp_path)
-    assert tokenizer is None   # no tokenizer files in the folder
+    assert tokenizer is None  # no tokenizer files in the folder
     cfg = model.config
     assert (cfg.n_encoder_layers, cfg.n_decoder_layers, cfg.activation) == (2, 3, activation)
     assert cfg.bos_id == cfg.pad_id == hf.config.pad_token_id
     pad = cfg.pad_id
     src = _source_batch(pad, high=pad)
     tgt = np.random.default_rng(1).integers(1, pad, size=(3, 6)).astype(np.int32)
-    tgt[:, 0] = pad            # Marian's decoder starts from pad
-    tgt[1, 3:] = pad           # right padding
+    tgt[:, 0] = pad  # Marian's decoder starts from pad
+    tgt[1, 3:] = pad  # right padding
     with torch.no_grad():
-        ref = hf(input_ids=torch.tensor(src), attention_mask=torch.tensor(src != pad),
-                 decoder_input_ids=torch.tensor(tgt)).logits.numpy()
+        ref = hf(
+            input_ids=torch.tensor(src),
+            attention_mask=torch.tensor(src != pad),
+            decoder_input_ids=torch.tensor(tgt),
+        ).logits.numpy()
     logits = model.apply({"params": params}, jnp.asarray(src), jnp.asarray(tgt))
     assert logits.shape == ref.shape == (3, 6, cfg.tgt_vocab_size)
     assert _relative_error(logits, ref) < 1e-5
@@ -84,8 +96,14 @@ def test_logits_equal_transformers_on_padded_batches(tmp_path, share, activation
 
 # ------------------------------------------------------------------ tokenizer
 
-ODD_TEXT = ["", "  Zwei Hunde  spielen im Schnee ", f"{LANGUAGE_CODE} Ein Kind lacht.",
-            ">>xyz<< Ein Kind", "Ein Mann </s> lacht <unk>", "Käse 漢字 ✓ Qq"]
+ODD_TEXT = [
+    "",
+    "  Zwei Hunde  spielen im Schnee ",
+    f"{LANGUAGE_CODE} Ein Kind lacht.",
+    ">>xyz<< Ein Kind",
+    "Ein Mann </s> lacht <unk>",
+    "Käse 漢字 ✓ Qq",
+]
 
 
 @pytest.mark.parametrize("separate", [False, True])
@@ -98,7 +116,8 @@ def test_tokenizer_equals_transformers(tmp_path, separate):
     np.testing.assert_array_equal(ids, hf(texts, padding=True)["input_ids"])
     np.testing.assert_array_equal(
         ours.encode(texts, max_len=5),
-        hf(texts, padding=True, truncation=True, max_length=5)["input_ids"])
+        hf(texts, padding=True, truncation=True, max_length=5)["input_ids"],
+    )
     assert (ours.pad_id, ours.eos_id) == (hf.pad_token_id, hf.eos_token_id)
 
     # Target side: what a search returns (tokens, EOS, then pad), and <unk> inside.
@@ -107,8 +126,9 @@ def test_tokenizer_equals_transformers(tmp_path, separate):
     decoded = ours.decode(tgt)
     # transformers 5 decodes a joint vocabulary with the *source* SentencePiece model unless
     # told otherwise; 4.x, and this tokenizer, decode the target side with the target model.
-    assert decoded == [hf.decode(row, skip_special_tokens=True, use_source_tokenizer=False)
-                       for row in tgt]
+    assert decoded == [
+        hf.decode(row, skip_special_tokens=True, use_source_tokenizer=False) for row in tgt
+    ]
     assert decoded[1] == TARGET_TEXT[1] and ours.decode(tgt[1]) == TARGET_TEXT[1]
 
 
@@ -125,18 +145,25 @@ def test_translation_recipe_equals_transformers_greedy_generate(tmp_path):
     src = tokenizer.encode(SOURCE_TEXT[:4])
     tokens = np.asarray(greedy_decode(model, params, jnp.asarray(src), max_len=MAX_LEN))
     with torch.no_grad():
-        out = hf.generate(input_ids=torch.tensor(src), attention_mask=torch.tensor(src != pad),
-                          num_beams=1, do_sample=False, max_length=MAX_LEN + 1,
-                          bad_words_ids=[[pad]],      # as OPUS-MT's generation configs say
-                          forced_eos_token_id=None, output_logits=True,
-                          return_dict_in_generate=True)
-    ref = out.sequences.numpy()[:, 1:]   # without the start token; stops once all have ended
-    np.testing.assert_array_equal(tokens[:, :ref.shape[1]], ref)
-    assert (tokens[:, ref.shape[1]:] == pad).all()
+        out = hf.generate(
+            input_ids=torch.tensor(src),
+            attention_mask=torch.tensor(src != pad),
+            num_beams=1,
+            do_sample=False,
+            max_length=MAX_LEN + 1,
+            bad_words_ids=[[pad]],  # as OPUS-MT's generation configs say
+            forced_eos_token_id=None,
+            output_logits=True,
+            return_dict_in_generate=True,
+        )
+    ref = out.sequences.numpy()[:, 1:]  # without the start token; stops once all have ended
+    np.testing.assert_array_equal(tokens[:, : ref.shape[1]], ref)
+    assert (tokens[:, ref.shape[1] :] == pad).all()
     assert tokenizer.decode(tokens) == hf_tokenizer.batch_decode(
-        ref, skip_special_tokens=True, use_source_tokenizer=False)
+        ref, skip_special_tokens=True, use_source_tokenizer=False
+    )
 
-    step_logits = np.stack([x.numpy() for x in out.logits], axis=1)   # [B, T, V]
+    step_logits = np.stack([x.numpy() for x in out.logits], axis=1)  # [B, T, V]
     tgt = np.concatenate([np.full((len(src), 1), pad), ref[:, :-1]], axis=1).astype(np.int32)
     logits = model.apply({"params": params}, jnp.asarray(src), jnp.asarray(tgt))
     assert _relative_error(logits, step_logits) < 1e-5
@@ -146,14 +173,14 @@ def test_generation_defaults(tmp_path):
     save_marian(tmp_path)
     assert marian_generation_defaults(tmp_path) == GenerationDefaults(beam_size=1, max_len=19)
     config = json.loads((tmp_path / "config.json").read_text())
-    (tmp_path / "config.json").write_text(json.dumps({**config, "num_beams": 6,
-                                                      "max_length": 512}))
+    (tmp_path / "config.json").write_text(json.dumps({**config, "num_beams": 6, "max_length": 512}))
     generation = json.loads((tmp_path / "generation_config.json").read_text())
     (tmp_path / "generation_config.json").write_text(json.dumps({**generation, "num_beams": 4}))
     assert marian_generation_defaults(tmp_path) == GenerationDefaults(beam_size=4, max_len=511)
 
 
 # ------------------------------------------------------------------ formats and errors
+
 
 @pytest.fixture(scope="module")
 def saved(tmp_path_factory):
@@ -181,10 +208,12 @@ def test_pytorch_bin_loads_like_safetensors(saved, tmp_path):
 
 def test_pytorch_bin_without_torch_says_to_convert(saved, tmp_path, monkeypatch):
     folder = _copy(saved, tmp_path)
-    torch.save(transformers.MarianMTModel.from_pretrained(folder).state_dict(),
-               folder / "pytorch_model.bin")
+    torch.save(
+        transformers.MarianMTModel.from_pretrained(folder).state_dict(),
+        folder / "pytorch_model.bin",
+    )
     (folder / "model.safetensors").unlink()
-    monkeypatch.setitem(sys.modules, "torch", None)   # `import torch` now fails
+    monkeypatch.setitem(sys.modules, "torch", None)  # `import torch` now fails
     with pytest.raises(ImportError, match="pytorch_model.bin.*model.safetensors"):
         read_marian_weights(folder)
 
@@ -194,16 +223,22 @@ def _edit_config(folder, **fields):
     (folder / "config.json").write_text(json.dumps({**config, **fields}))
 
 
-@pytest.mark.parametrize("fields,error,match", [
-    (dict(activation_function="gelu_new"), ValueError, "activation_function 'gelu_new'"),
-    (dict(normalize_before=True), ValueError, "normalize_before"),
-    (dict(decoder_attention_heads=2), ValueError, "decoder_attention_heads"),
-    (dict(d_model=None), ValueError, "'d_model'"),
-    (dict(eos_token_id=39), ValueError, "eos_id"),
-    (dict(model_type="bart"), ValueError, "model_type"),
-    (dict(encoder_ffn_dim=48, decoder_ffn_dim=48), ValueError,
-     r"layers.0.fc1.bias has shape \(64,\), but config.json makes it \(48,\)"),
-])
+@pytest.mark.parametrize(
+    "fields,error,match",
+    [
+        (dict(activation_function="gelu_new"), ValueError, "activation_function 'gelu_new'"),
+        (dict(normalize_before=True), ValueError, "normalize_before"),
+        (dict(decoder_attention_heads=2), ValueError, "decoder_attention_heads"),
+        (dict(d_model=None), ValueError, "'d_model'"),
+        (dict(eos_token_id=39), ValueError, "eos_id"),
+        (dict(model_type="bart"), ValueError, "model_type"),
+        (
+            dict(encoder_ffn_dim=48, decoder_ffn_dim=48),
+            ValueError,
+            r"layers.0.fc1.bias has shape \(64,\), but config.json makes it \(48,\)",
+        ),
+    ],
+)
 def test_bad_config_is_an_error_naming_it(saved, tmp_path, fields, error, match):
     folder = _copy(saved, tmp_path)
     _edit_config(folder, **fields)
@@ -224,9 +259,12 @@ def test_missing_and_unexpected_files_are_errors_naming_them(saved, tmp_path):
         load_marian(folder)
 
     from safetensors.numpy import load_file, save_file
+
     state = load_file(tmp_path / "weights.safetensors")
-    save_file({**state, "model.encoder.layernorm_embedding.weight": np.ones(32, np.float32)},
-              folder / "model.safetensors")
+    save_file(
+        {**state, "model.encoder.layernorm_embedding.weight": np.ones(32, np.float32)},
+        folder / "model.safetensors",
+    )
     with pytest.raises(ValueError, match="layernorm_embedding"):
         load_marian(folder)
     del state["model.decoder.layers.2.fc2.bias"]
@@ -240,6 +278,6 @@ def test_missing_and_unexpected_files_are_errors_naming_them(saved, tmp_path):
 
 def test_tokenizer_that_disagrees_with_the_config_is_an_error(saved, tmp_path):
     folder = _copy(saved, tmp_path)
-    save_tokenizer(folder)     # its <pad> is not the model's id 39
+    save_tokenizer(folder)  # its <pad> is not the model's id 39
     with pytest.raises(ValueError, match="pad_token_id"):
         load_marian(folder)

@@ -1,6 +1,7 @@
 """The package installs like one: a wheel built from the repository, installed into a fresh
 virtual environment, runs the main job from another directory with the data it ships, and its
 console scripts exist. The model libraries import without the training extra's packages."""
+
 from __future__ import annotations
 
 import os
@@ -19,8 +20,12 @@ pytestmark = pytest.mark.slow
 @pytest.fixture(scope="module")
 def wheel(tmp_path_factory):
     out = tmp_path_factory.mktemp("wheel")
-    built = subprocess.run([sys.executable, "-m", "pip", "wheel", "--no-deps", "-q", "-w",
-                            str(out), REPO], capture_output=True, text=True, timeout=600)
+    built = subprocess.run(
+        [sys.executable, "-m", "pip", "wheel", "--no-deps", "-q", "-w", str(out), REPO],
+        capture_output=True,
+        text=True,
+        timeout=600,
+    )
     assert built.returncode == 0, built.stdout + built.stderr
     (path,) = out.glob("attention_jax-*.whl")
     return path
@@ -38,20 +43,38 @@ def test_the_wheel_ships_code_data_and_licenses_but_no_tests(wheel):
 
 def test_a_fresh_venv_runs_the_main_job_from_another_directory(wheel, tmp_path):
     venv = tmp_path / "venv"
-    subprocess.run([sys.executable, "-m", "venv", "--without-pip", str(venv)], check=True,
-                   timeout=120)
+    subprocess.run(
+        [sys.executable, "-m", "venv", "--without-pip", str(venv)], check=True, timeout=120
+    )
     python = venv / "bin" / "python"
     # The dependencies come from this interpreter's site-packages (a plain path entry: the
     # editable install's finder there is not loaded), the package itself only from the wheel.
-    site = subprocess.run([str(python), "-c", "import sysconfig; "
-                           "print(sysconfig.get_paths()['purelib'])"],
-                          capture_output=True, text=True, check=True).stdout.strip()
+    site = subprocess.run(
+        [str(python), "-c", "import sysconfig; print(sysconfig.get_paths()['purelib'])"],
+        capture_output=True,
+        text=True,
+        check=True,
+    ).stdout.strip()
     with open(os.path.join(site, "deps.pth"), "w") as f:
         f.write(sysconfig.get_paths()["purelib"] + "\n")
     installed = subprocess.run(
-        [sys.executable, "-m", "pip", "--python", str(python), "install", "-q", "--no-deps",
-         "--ignore-installed", "--no-compile", str(wheel)],
-        capture_output=True, text=True, timeout=300)
+        [
+            sys.executable,
+            "-m",
+            "pip",
+            "--python",
+            str(python),
+            "install",
+            "-q",
+            "--no-deps",
+            "--ignore-installed",
+            "--no-compile",
+            str(wheel),
+        ],
+        capture_output=True,
+        text=True,
+        timeout=300,
+    )
     assert installed.returncode == 0, installed.stdout + installed.stderr
     for script in ("attention-jax-translate", "attention-jax-lm"):
         assert (venv / "bin" / script).exists()
@@ -60,14 +83,39 @@ def test_a_fresh_venv_runs_the_main_job_from_another_directory(wheel, tmp_path):
     elsewhere.mkdir()
     env = {k: v for k, v in os.environ.items() if k not in ("PYTHONPATH", "XLA_FLAGS")}
     env.update(JAX_PLATFORMS="cpu", TFDS_DATA_DIR=str(tmp_path / "tfds"))
-    where = subprocess.run([str(python), "-c", "import train; print(train.__file__)"],
-                           cwd=elsewhere, env=env, capture_output=True, text=True, timeout=60)
+    where = subprocess.run(
+        [str(python), "-c", "import train; print(train.__file__)"],
+        cwd=elsewhere,
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=60,
+    )
     assert where.stdout.startswith(str(venv)), where.stdout + where.stderr
     done = subprocess.run(
-        [str(venv / "bin" / "attention-jax-translate"), "--preset", "tiny", "--workdir", "run",
-         "--steps", "2", "--log_every", "1", "--eval_sentences", "8", "--beam_size", "1",
-         "--plots", "false"],
-        cwd=elsewhere, env=env, capture_output=True, text=True, timeout=600)
+        [
+            str(venv / "bin" / "attention-jax-translate"),
+            "--preset",
+            "tiny",
+            "--workdir",
+            "run",
+            "--steps",
+            "2",
+            "--log_every",
+            "1",
+            "--eval_sentences",
+            "8",
+            "--beam_size",
+            "1",
+            "--plots",
+            "false",
+        ],
+        cwd=elsewhere,
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=600,
+    )
     assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-3000:]
     assert "final: step 2, test BLEU" in done.stdout
     # Not a terminal: one plain line per logging interval, no progress-bar stream.
@@ -77,11 +125,19 @@ def test_a_fresh_venv_runs_the_main_job_from_another_directory(wheel, tmp_path):
 
 def test_the_model_libraries_need_only_jax_flax_optax_and_numpy():
     """Importing transformer_jax and xl_jax loads none of the training extra's packages."""
-    code = ("import sys, transformer_jax, xl_jax; "
-            "heavy = {'tensorflow_datasets', 'orbax', 'sacrebleu', 'matplotlib', 'tqdm', "
-            "'tensorboardX', 'sentencepiece', 'safetensors', 'torch'}; "
-            "print(sorted(heavy & set(sys.modules)))")
-    done = subprocess.run([sys.executable, "-c", code], cwd=REPO, capture_output=True,
-                          text=True, timeout=120, env=dict(os.environ, JAX_PLATFORMS="cpu"))
+    code = (
+        "import sys, transformer_jax, xl_jax; "
+        "heavy = {'tensorflow_datasets', 'orbax', 'sacrebleu', 'matplotlib', 'tqdm', "
+        "'tensorboardX', 'sentencepiece', 'safetensors', 'torch'}; "
+        "print(sorted(heavy & set(sys.modules)))"
+    )
+    done = subprocess.run(
+        [sys.executable, "-c", code],
+        cwd=REPO,
+        capture_output=True,
+        text=True,
+        timeout=120,
+        env=dict(os.environ, JAX_PLATFORMS="cpu"),
+    )
     assert done.returncode == 0, done.stderr
     assert done.stdout.strip() == "[]"

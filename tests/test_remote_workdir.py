@@ -7,6 +7,7 @@ google-cloud-storage, not installed here) by the same mapping of the checkpoint 
 Everything of ours that touches the work directory goes through epath or the local mirror,
 so this exercises our code paths for a remote W.
 """
+
 from __future__ import annotations
 
 import json
@@ -21,8 +22,22 @@ from train import lm
 from train.core import checkpoint as checkpoint_module
 from train.core import workdir as workdir_module
 
-BACKEND_CALLS = ("open", "exists", "isdir", "listdir", "glob", "walk", "makedirs", "mkdir",
-                 "rmtree", "remove", "rename", "replace", "stat", "copy")
+BACKEND_CALLS = (
+    "open",
+    "exists",
+    "isdir",
+    "listdir",
+    "glob",
+    "walk",
+    "makedirs",
+    "mkdir",
+    "rmtree",
+    "remove",
+    "rename",
+    "replace",
+    "stat",
+    "copy",
+)
 
 
 @pytest.fixture
@@ -33,11 +48,14 @@ def bucket(tmp_path, monkeypatch):
 
     def local(path: str) -> str:
         path = os.fspath(path)
-        return str(root / path[len("gs://"):]) if path.startswith("gs://") else path
+        return str(root / path[len("gs://") :]) if path.startswith("gs://") else path
 
     def redirect(original, path, *args, **kwargs):
-        if args and isinstance(args[0], (str, os.PathLike)) and \
-                os.fspath(args[0]).startswith("gs://"):
+        if (
+            args
+            and isinstance(args[0], (str, os.PathLike))
+            and os.fspath(args[0]).startswith("gs://")
+        ):
             args = (local(args[0]),) + args[1:]  # rename / replace / copy targets
         return original(local(path), *args, **kwargs)
 
@@ -50,15 +68,25 @@ def bucket(tmp_path, monkeypatch):
 
 
 def _config(data_dir, steps):
-    return lm.make_config("ptb", "tiny", steps=steps, decay_steps=6, learning_rate=0.05,
-                          log_every=1, checkpoint_every=3, eval_tokens=600, plots=False,
-                          progress=False, data_dir=str(data_dir))
+    return lm.make_config(
+        "ptb",
+        "tiny",
+        steps=steps,
+        decay_steps=6,
+        learning_rate=0.05,
+        log_every=1,
+        checkpoint_every=3,
+        eval_tokens=600,
+        plots=False,
+        progress=False,
+        data_dir=str(data_dir),
+    )
 
 
 @pytest.mark.slow
 def test_a_bucket_workdir_holds_the_run_and_resumes_on_a_fresh_machine(
-        bucket, tmp_path, monkeypatch):
-    data_dir = tmp_path / "tfds"
+    bucket, tmp_path, monkeypatch, data_dir, lm_straight
+):
     uri = "gs://runs-bucket/lm"
     lm.train_and_evaluate(_config(data_dir, 3), uri)
     run = bucket / "runs-bucket" / "lm"
@@ -74,14 +102,15 @@ def test_a_bucket_workdir_holds_the_run_and_resumes_on_a_fresh_machine(
     assert lm.train_and_evaluate(_config(data_dir, 6), uri)["step"] == 6
     resumed = train_losses(run)
 
-    straight = tmp_path / "straight"
-    lm.train_and_evaluate(_config(data_dir, 6), str(straight))
+    config, straight, _ = lm_straight  # the same run, uninterrupted and local
+    assert config == _config(data_dir, 6)
     expected = train_losses(straight)
     assert [s for s, _ in resumed] == [s for s, _ in expected] == list(range(1, 7))
     for (_, a), (_, b) in zip(resumed, expected):
         assert a == pytest.approx(b, rel=1e-6)
-    assert sorted(p.name for p in (run / "checksums").iterdir()) == \
-        sorted(p.name for p in (straight / "checksums").iterdir())
+    assert sorted(p.name for p in (run / "checksums").iterdir()) == sorted(
+        p.name for p in (straight / "checksums").iterdir()
+    )
 
 
 def test_the_mirror_sends_only_what_changed(bucket, tmp_path):

@@ -1,6 +1,7 @@
 """The shared run layer: a work directory saved before fields were added still resumes (the
 saved config is compared in today's form), and TensorBoard's curves show each step once after
 a resume (the resumed writer purges what the lost steps logged)."""
+
 from __future__ import annotations
 
 import json
@@ -24,32 +25,47 @@ def test_a_config_saved_before_newer_fields_existed_still_resumes(tmp_path):
         old.pop(newer)
     old["model_config"].pop("softmax_tails")
     save_run_config(str(tmp_path), old)
-    assert check_run_config(str(tmp_path), config_to_dict(config), may_change=config.MAY_CHANGE,
-                            normalize=lambda saved: normal_form(TASK, saved)) == []
+    assert (
+        check_run_config(
+            str(tmp_path),
+            config_to_dict(config),
+            may_change=config.MAY_CHANGE,
+            normalize=lambda saved: normal_form(TASK, saved),
+        )
+        == []
+    )
     # A real difference is still one.
     with pytest.raises(ValueError, match="seed: saved 0, given 1"):
-        check_run_config(str(tmp_path), config_to_dict(lm.replace(config, seed=1)),
-                         may_change=config.MAY_CHANGE,
-                         normalize=lambda saved: normal_form(TASK, saved))
+        check_run_config(
+            str(tmp_path),
+            config_to_dict(lm.replace(config, seed=1)),
+            may_change=config.MAY_CHANGE,
+            normalize=lambda saved: normal_form(TASK, saved),
+        )
     with open(os.path.join(tmp_path, CONFIG_FILE), "w") as f:
         json.dump({**old, "no_such_field": 1}, f)
     with pytest.raises(Exception, match="does not describe a run this version can resume"):
-        check_run_config(str(tmp_path), config_to_dict(config), may_change=config.MAY_CHANGE,
-                         normalize=lambda saved: normal_form(TASK, saved))
+        check_run_config(
+            str(tmp_path),
+            config_to_dict(config),
+            may_change=config.MAY_CHANGE,
+            normalize=lambda saved: normal_form(TASK, saved),
+        )
 
 
 def _events(directory):
     """Every event of the TFRecord files in `directory`, file by file in name order."""
     from tensorboardX.proto import event_pb2
+
     out = []
     for name in sorted(os.listdir(directory)):
         with open(os.path.join(directory, name), "rb") as f:
             data = f.read()
         at = 0
         while at < len(data):
-            (length,) = struct.unpack("<Q", data[at:at + 8])
+            (length,) = struct.unpack("<Q", data[at : at + 8])
             event = event_pb2.Event()
-            event.ParseFromString(data[at + 12:at + 12 + length])
+            event.ParseFromString(data[at + 12 : at + 12 + length])
             out.append(event)
             at += 12 + length + 4
     return out
@@ -69,12 +85,8 @@ def _curve(directory, tag):
 
 
 @pytest.mark.slow
-def test_tensorboard_shows_each_step_once_after_a_resume(tmp_path):
-    data_dir = tmp_path / "tfds"
-    fields = dict(steps=6, decay_steps=6, log_every=1, checkpoint_every=3, eval_tokens=300,
-                  plots=False, progress=False, data_dir=str(data_dir))
-    straight = lm.make_config("ptb", "tiny", **fields)
-    lm.train_and_evaluate(straight, str(tmp_path / "straight"))
+def test_tensorboard_shows_each_step_once_after_a_resume(tmp_path, lm_straight):
+    straight, straight_dir, _ = lm_straight  # 6 steps, a checkpoint every 3
     resumed = tmp_path / "resumed"
     lm.train_and_evaluate(lm.replace(straight, steps=3), str(resumed))
     # Steps 4, 5 and 8 logged by a run (with a larger step budget) that died before saving
@@ -82,14 +94,18 @@ def test_tensorboard_shows_each_step_once_after_a_resume(tmp_path):
     with open(resumed / "metrics.jsonl", "a") as f:
         f.write(json.dumps({"step": 4, "split": "train", "loss": 99.0}) + "\n")
     from tensorboardX import SummaryWriter
+
     with SummaryWriter(str(resumed / TENSORBOARD_DIR)) as lost:
         lost.add_scalar("train/loss", 99.0, 4)
         lost.add_scalar("train/loss", 99.0, 5)
         lost.add_scalar("train/loss", 99.0, 8)
     lm.train_and_evaluate(straight, str(resumed))
-    want = _curve(tmp_path / "straight" / TENSORBOARD_DIR, "train/loss")
+    want = _curve(straight_dir / TENSORBOARD_DIR, "train/loss")
     got = _curve(resumed / TENSORBOARD_DIR, "train/loss")
     assert sorted(got) == [1, 2, 3, 4, 5, 6] and got == pytest.approx(want, rel=1e-6)
-    hparams = [e for e in _events(resumed / TENSORBOARD_DIR)
-               if any(v.tag == "_hparams_/session_start_info" for v in e.summary.value)]
+    hparams = [
+        e
+        for e in _events(resumed / TENSORBOARD_DIR)
+        if any(v.tag == "_hparams_/session_start_info" for v in e.summary.value)
+    ]
     assert hparams  # the run's config, for TensorBoard's hyperparameter view

@@ -7,6 +7,7 @@ sum to 1 and skip pads; padding invariance; cached decode_step == teacher-forced
 and beam decoding consistent with the teacher-forced pass; overfitting a tiny batch; rng-driven
 teacher forcing; the local-p and local-m windows; stacked GRU/LSTM layers.
 """
+
 from __future__ import annotations
 
 import dataclasses
@@ -60,29 +61,38 @@ CASES = {
     # Stacked layers and LSTM cells, with and without a bridge.
     "gru_lstm_2layers": ("gru", {"cell": "lstm", "n_layers": 2}),
     "bahdanau_lstm_2layers": ("bahdanau", {"cell": "lstm", "n_layers": 2}),
-    "luong_gru_2layers_bidirectional": ("luong", {"n_layers": 2, "bidirectional": True,
-                                                  "luong_score": "general"}),
+    "luong_gru_2layers_bidirectional": (
+        "luong",
+        {"n_layers": 2, "bidirectional": True, "luong_score": "general"},
+    ),
 }
 ATTENTION_CASES = [name for name in CASES if not name.startswith("gru")]
 # One case per model class, for the slower decoding and training checks.
-MAIN_CASES = ["gru", "bahdanau", "luong_dot", "luong_local", "luong_local_m", "hard_attention",
-              "bahdanau_lstm_2layers"]
-
+MAIN_CASES = [
+    "gru",
+    "bahdanau",
+    "luong_dot",
+    "luong_local",
+    "luong_local_m",
+    "hard_attention",
+    "bahdanau_lstm_2layers",
+]
 
 
 def build(case: str):
     name, overrides = CASES[case]
-    return make_baseline(name, src_vocab_size=VOCAB, tgt_vocab_size=VOCAB, preset="tiny",
-                         **overrides)
+    return make_baseline(
+        name, src_vocab_size=VOCAB, tgt_vocab_size=VOCAB, preset="tiny", **overrides
+    )
 
 
-@functools.lru_cache(maxsize=None)
+@functools.cache
 def model_and_params(case: str):
     model = build(case)
     return model, random_params(model, SRC, TGT)
 
 
-@functools.lru_cache(maxsize=None)
+@functools.cache
 def forward(case: str):
     """Teacher-forced (logits [B, T, V], attention maps) on SRC, TGT, one compile per case."""
     model, params = model_and_params(case)
@@ -202,9 +212,15 @@ def ref_forward(model, params, src_row, tgt_row):
     if bridged:
         states = []
         for layer, final in enumerate(finals):
-            bridge = lambda name, x: np.tanh(dense(d[layer_key(name, layer)], x))  # noqa: E731
-            states.append((bridge("bridge_c", final[0]), bridge("bridge", final[1]))
-                          if c.cell == "lstm" else bridge("bridge", final))
+
+            def bridge(name, x, layer=layer):
+                return np.tanh(dense(d[layer_key(name, layer)], x))
+
+            states.append(
+                (bridge("bridge_c", final[0]), bridge("bridge", final[1]))
+                if c.cell == "lstm"
+                else bridge("bridge", final)
+            )
     context_vector = top(finals[-1])
     feed = np.zeros(c.dec_hidden)
     n = len(tokens)
@@ -238,7 +254,7 @@ def ref_forward(model, params, src_row, tgt_row):
                 align = np.zeros(n)
                 align[window] = softmax(scores[window])
                 sigma = c.local_window / 2
-                a = align * np.exp(-((s - centre) ** 2) / (2 * sigma ** 2))
+                a = align * np.exp(-((s - centre) ** 2) / (2 * sigma**2))
             else:
                 a = softmax(scores)
             context = a @ enc
@@ -279,9 +295,14 @@ def test_config_validation_names_the_field():
 
 
 def test_registry_builds_tutorial_sizes():
-    expected = {"gru": GRUSeq2Seq, "bahdanau": BahdanauSeq2Seq, "luong": LuongSeq2Seq,
-                "luong_local": LuongLocalSeq2Seq, "luong_local_m": LuongLocalMSeq2Seq,
-                "hard_attention": HardAttentionSeq2Seq}
+    expected = {
+        "gru": GRUSeq2Seq,
+        "bahdanau": BahdanauSeq2Seq,
+        "luong": LuongSeq2Seq,
+        "luong_local": LuongLocalSeq2Seq,
+        "luong_local_m": LuongLocalMSeq2Seq,
+        "hard_attention": HardAttentionSeq2Seq,
+    }
     for name, cls in expected.items():
         model = make_baseline(name, src_vocab_size=100, tgt_vocab_size=90)
         assert type(model) is cls and BASELINES[name].model_cls is cls
@@ -290,8 +311,9 @@ def test_registry_builds_tutorial_sizes():
         assert (c.src_vocab_size, c.tgt_vocab_size) == (100, 90)
     assert make_baseline("bahdanau", src_vocab_size=9, tgt_vocab_size=9).config.bidirectional
     assert not make_baseline("luong", src_vocab_size=9, tgt_vocab_size=9).config.bidirectional
-    assert make_baseline("gru", src_vocab_size=9, tgt_vocab_size=9, dropout=0.1).config.dropout \
-        == 0.1
+    assert (
+        make_baseline("gru", src_vocab_size=9, tgt_vocab_size=9, dropout=0.1).config.dropout == 0.1
+    )
 
 
 @pytest.mark.parametrize("case", CASES)
@@ -302,12 +324,12 @@ def test_matches_numpy_reference(case):
     assert logits.dtype == jnp.float32
     for b in range(len(SRC)):
         ref_logits, ref_weights = ref_forward(model, params, SRC[b], TGT[b])
-        chex.assert_trees_all_close(logits[b], ref_logits.astype(np.float32), atol=2e-5,
-                                    rtol=2e-5)
+        chex.assert_trees_all_close(logits[b], ref_logits.astype(np.float32), atol=2e-5, rtol=2e-5)
         if ref_weights is not None:
             n = ref_weights.shape[1]
-            chex.assert_trees_all_close(maps["weights"][b, :, :n],
-                                        ref_weights.astype(np.float32), atol=2e-6)
+            chex.assert_trees_all_close(
+                maps["weights"][b, :, :n], ref_weights.astype(np.float32), atol=2e-6
+            )
 
 
 @pytest.mark.parametrize("case", ATTENTION_CASES)
@@ -335,8 +357,7 @@ def test_padding_invariance(case):
 @pytest.mark.parametrize("case", CASES)
 def test_decode_step_matches_teacher_forcing(case):
     model, params = model_and_params(case)
-    chex.assert_trees_all_close(run_cached(model, params, SRC, TGT), forward(case)[0],
-                                atol=1e-5)
+    chex.assert_trees_all_close(run_cached(model, params, SRC, TGT), forward(case)[0], atol=1e-5)
 
 
 @pytest.mark.slow
@@ -357,12 +378,13 @@ def test_teacher_forcing_ratio_draws_from_rng(case):
     model, params = model_and_params(case)
 
     def run(key, ratio=0.5):
-        return jit_apply(model, params, SRC, TGT, teacher_forcing=ratio,
-                         rngs={"sample": jax.random.key(key)})
+        return jit_apply(
+            model, params, SRC, TGT, teacher_forcing=ratio, rngs={"sample": jax.random.key(key)}
+        )
 
     # Ratio 1 feeds the target at every step whatever the coins: the teacher-forced output.
     chex.assert_trees_all_close(run(3, ratio=1.0), forward(case)[0], atol=1e-6)
-    assert not np.allclose(run(3), forward(case)[0])                # some steps fed a guess
+    assert not np.allclose(run(3), forward(case)[0])  # some steps fed a guess
     assert any(not np.allclose(run(3), run(k)) for k in (4, 5, 6))  # other keys differ
     with pytest.raises(InvalidRngError):  # a ratio below 1 without the rng stream fails
         model.apply({"params": params}, SRC, TGT, teacher_forcing=0.5)
@@ -373,31 +395,36 @@ def test_teacher_forcing_ratio_draws_from_rng(case):
     # of decode_step feeding back its (unmasked) argmax.
     free = run(3, ratio=0.0)
     fed = np.concatenate([TGT[:, :1], np.argmax(free, axis=-1)[:, :-1]], axis=1)
-    chex.assert_trees_all_close(free, run_cached(model, params, SRC, fed.astype(np.int32)),
-                                atol=1e-5)
+    chex.assert_trees_all_close(
+        free, run_cached(model, params, SRC, fed.astype(np.int32)), atol=1e-5
+    )
 
 
 def test_dropout_needs_rng_and_is_off_when_deterministic():
-    model = make_baseline("bahdanau", src_vocab_size=VOCAB, tgt_vocab_size=VOCAB,
-                          preset="tiny", dropout=0.5)
+    model = make_baseline(
+        "bahdanau", src_vocab_size=VOCAB, tgt_vocab_size=VOCAB, preset="tiny", dropout=0.5
+    )
     params = model_and_params("bahdanau")[1]  # same shapes: dropout has no parameters
     chex.assert_trees_all_close(jit_apply(model, params, SRC, TGT), forward("bahdanau")[0])
 
     def noisy(key):
-        return jit_apply(model, params, SRC, TGT, deterministic=False,
-                         rngs={"dropout": jax.random.key(key)})
+        return jit_apply(
+            model, params, SRC, TGT, deterministic=False, rngs={"dropout": jax.random.key(key)}
+        )
 
     assert not np.allclose(noisy(1), forward("bahdanau")[0])
-    assert not np.allclose(noisy(1), noisy(2))   # the masks come from the key
+    assert not np.allclose(noisy(1), noisy(2))  # the masks come from the key
     with pytest.raises(InvalidRngError, match="dropout"):
         model.apply({"params": params}, SRC, TGT, deterministic=False)
 
 
 def test_local_window_is_around_the_predicted_centre():
-    model = make_baseline("luong_local", src_vocab_size=VOCAB, tgt_vocab_size=VOCAB,
-                          preset="tiny", local_window=2)
-    src = np.array([[3 + i for i in range(14)] + [2, 0, 0, 0],
-                    [5, 6, 7, 8, 9, 2] + [0] * 12], np.int32)
+    model = make_baseline(
+        "luong_local", src_vocab_size=VOCAB, tgt_vocab_size=VOCAB, preset="tiny", local_window=2
+    )
+    src = np.array(
+        [[3 + i for i in range(14)] + [2, 0, 0, 0], [5, 6, 7, 8, 9, 2] + [0] * 12], np.int32
+    )
     tgt = np.array([[1, 4, 5, 6, 7, 8, 9, 10]] * 2, np.int32)
     params = random_params(model, src, tgt)
     # Spread the predicted centres over the sentence: a large v_p makes sigmoid(.) vary.
@@ -409,12 +436,13 @@ def test_local_window_is_around_the_predicted_centre():
     assert np.all(centre >= 0.0) and np.all(centre <= lengths[:, None])
     assert np.ptp(centre[0]) > 2.0, centre  # the centres really move, so the test means it
     s = np.arange(src.shape[1])
-    inside = ((np.abs(s[None, None, :] - centre[..., None]) <= 2)
-              & (s[None, None, :] < lengths[:, None, None]))
+    inside = (np.abs(s[None, None, :] - centre[..., None]) <= 2) & (
+        s[None, None, :] < lengths[:, None, None]
+    )
     assert np.all(weights[~inside] == 0.0)
     assert np.all(weights[inside] > 0.0)
     # Dividing out the Gaussian (sigma = D / 2 = 1) leaves a softmax over the window.
-    gauss = np.exp(-((s[None, None, :] - centre[..., None]) ** 2) / (2 * 1.0 ** 2))
+    gauss = np.exp(-((s[None, None, :] - centre[..., None]) ** 2) / (2 * 1.0**2))
     align = np.where(inside, weights / gauss, 0.0)
     chex.assert_trees_all_close(align.sum(-1), np.ones(align.shape[:2]), atol=1e-5)
 
@@ -422,30 +450,38 @@ def test_local_window_is_around_the_predicted_centre():
 def test_default_cell_and_layers_keep_the_single_gru_parameter_tree():
     """gru / 1 layer is the tree these models always had; layer l > 0 and LSTM gates add to
     it under their own names."""
+
     def tree(name, **overrides):
-        params = jax.eval_shape(build_named(name, **overrides).init, jax.random.key(0), SRC,
-                                TGT)["params"]
-        return {"/".join(str(k.key) for k in path)
-                for path, _ in jax.tree_util.tree_flatten_with_path(params)[0]}
+        params = jax.eval_shape(build_named(name, **overrides).init, jax.random.key(0), SRC, TGT)[
+            "params"
+        ]
+        return {
+            "/".join(str(k.key) for k in path)
+            for path, _ in jax.tree_util.tree_flatten_with_path(params)[0]
+        }
 
     gru = tree("bahdanau")
     assert "encoder/forward_cell/hn/kernel" in gru and "decoder/cell/hn/kernel" in gru
     assert "decoder/bridge/kernel" in gru and not any("_1" in k for k in gru)
     stacked = tree("bahdanau", n_layers=2)
     assert gru < stacked
-    assert {k for k in stacked - gru} >= {"encoder/forward_cell_1/hn/kernel",
-                                          "decoder/cell_1/hn/kernel", "decoder/bridge_1/kernel"}
+    assert {k for k in stacked - gru} >= {
+        "encoder/forward_cell_1/hn/kernel",
+        "decoder/cell_1/hn/kernel",
+        "decoder/bridge_1/kernel",
+    }
     lstm = tree("luong", cell="lstm")
     assert "decoder/cell/ii/kernel" in lstm and "encoder/cell/hf/bias" in lstm
 
 
 def build_named(name, **overrides):
-    return make_baseline(name, src_vocab_size=VOCAB, tgt_vocab_size=VOCAB, preset="tiny",
-                         **overrides)
+    return make_baseline(
+        name, src_vocab_size=VOCAB, tgt_vocab_size=VOCAB, preset="tiny", **overrides
+    )
 
 
 def _encoder_outputs(module, src, *, deterministic):
-    return module.encoder(src, deterministic=deterministic)[0]             # [B, S, enc_out]
+    return module.encoder(src, deterministic=deterministic)[0]  # [B, S, enc_out]
 
 
 def _first_decoder_step(module, src, tgt, *, deterministic):
@@ -463,13 +499,14 @@ def test_dropout_between_layers_only_when_stacked():
         model = build_named("luong", n_layers=n_layers, dropout=0.5)
         params = random_params(model, SRC, TGT)
         for side in ("encoder", "decoder"):
-            params[side]["embed"]["embedding"] = jnp.zeros_like(
-                params[side]["embed"]["embedding"])
-        for method, args in ((_encoder_outputs, (SRC,)), (_first_decoder_step, (SRC, TGT)),
-                             (None, (SRC, TGT))):
+            params[side]["embed"]["embedding"] = jnp.zeros_like(params[side]["embed"]["embedding"])
+        for method, args in (
+            (_encoder_outputs, (SRC,)),
+            (_first_decoder_step, (SRC, TGT)),
+            (None, (SRC, TGT)),
+        ):
             clean = jit_apply(model, params, *args, method=method, deterministic=True)
-            noisy = jit_apply(model, params, *args, method=method, deterministic=False,
-                              rngs=rngs)
+            noisy = jit_apply(model, params, *args, method=method, deterministic=False, rngs=rngs)
             if n_layers == 1:
                 chex.assert_trees_all_close(noisy, clean, atol=1e-6)
             else:
@@ -478,12 +515,12 @@ def test_dropout_between_layers_only_when_stacked():
 
 def test_local_m_window_is_centred_on_the_decoder_step():
     model = build_named("luong_local_m", local_window=1)
-    src = np.array([[3, 4, 5, 6, 7, 8, 2, 0]], np.int32)            # 7 real tokens
-    tgt = np.array([[1, 4, 5, 6, 7, 8, 9, 10, 11, 12]], np.int32)    # longer than the source
+    src = np.array([[3, 4, 5, 6, 7, 8, 2, 0]], np.int32)  # 7 real tokens
+    tgt = np.array([[1, 4, 5, 6, 7, 8, 9, 10, 11, 12]], np.int32)  # longer than the source
     params = random_params(model, src, tgt)
     aux = jit_apply(model, params, src, tgt, method="logits_and_attention")[1]
     weights, centre = np.asarray(aux["weights"][0]), np.asarray(aux["centre"][0])
-    np.testing.assert_array_equal(centre, np.minimum(np.arange(10), 6))   # p_t = t, clamped
+    np.testing.assert_array_equal(centre, np.minimum(np.arange(10), 6))  # p_t = t, clamped
     s = np.arange(src.shape[1])
     inside = np.abs(s[None, :] - centre[:, None]) <= 1
     assert np.all(weights[~inside] == 0.0) and np.all(weights[inside & (s < 7)] > 0.0)
@@ -493,9 +530,11 @@ def test_local_m_window_is_centred_on_the_decoder_step():
 def test_train_registry_builds_the_new_models_and_stacked_cells():
     from train.translate import registry
     from transformer_jax import losses
+
     assert {"luong_local_m", "hard_attention"} <= set(registry.names())
-    config = registry.build_model_config("gru", "cpu", vocab_size=100,
-                                         overrides={"cell": "lstm", "n_layers": 2})
+    config = registry.build_model_config(
+        "gru", "cpu", vocab_size=100, overrides={"cell": "lstm", "n_layers": 2}
+    )
     assert (config.cell, config.n_layers, config.bidirectional) == ("lstm", 2, False)
     hard = registry.get("hard_attention")
     assert hard.module_cls is HardAttentionSeq2Seq

@@ -3,6 +3,7 @@ row per model with the right columns and finite numbers, compare.json says what 
 says, the numbers are the ones the runs logged (metrics.jsonl, sacreBLEU of the written
 translations), the validation curve and its plot exist, and a second run reuses the rows.
 """
+
 from __future__ import annotations
 
 import json
@@ -17,23 +18,42 @@ import sacrebleu
 from train.data.datasets import load_multi30k
 from train.translate import compare
 
+# Every test here trains runs (several processes, or every model).
+pytestmark = pytest.mark.slow
+
 MODELS = ["gru", "transformer"]
 STEPS, EVAL_EVERY, SENTENCES = 4, 2, 16
 # Written out here, not taken from compare.py, so a renamed or dropped column fails.
-HEADER = ["model", "parameters", "train min", "steps", "val ppl", "test ppl",
-          "test BLEU greedy", "test BLEU beam 4"]
+HEADER = [
+    "model",
+    "parameters",
+    "train min",
+    "steps",
+    "val ppl",
+    "test ppl",
+    "test BLEU greedy",
+    "test BLEU beam 4",
+]
 
 
 def run_fields(data_dir):
-    return dict(steps=STEPS, eval_every=EVAL_EVERY, log_every=1, eval_sentences=SENTENCES,
-                eval_batch_size=16, progress=False, plots=False, data_dir=str(data_dir))
+    return dict(
+        steps=STEPS,
+        eval_every=EVAL_EVERY,
+        log_every=1,
+        eval_sentences=SENTENCES,
+        eval_batch_size=16,
+        progress=False,
+        plots=False,
+        data_dir=str(data_dir),
+    )
 
 
 @pytest.fixture(scope="module")
-def compared(tmp_path_factory):
+def compared(tmp_path_factory, data_dir):
     """(workdir, returned summary, run fields) of one tiny comparison."""
     workdir = tmp_path_factory.mktemp("compare")
-    fields = run_fields(tmp_path_factory.mktemp("tfds"))
+    fields = run_fields(data_dir)
     summary = compare.compare(str(workdir), models=MODELS, preset="tiny", overrides=fields)
     return workdir, summary, fields
 
@@ -99,18 +119,25 @@ def test_the_numbers_are_the_ones_the_runs_logged(compared):
         assert val[-1]["step"] == test[-1]["step"] == STEPS
         chex.assert_trees_all_close(
             np.array([row["val_nll"], row["val_ppl"], row["test_ppl"], row["bleu_beam"]]),
-            np.array([val[-1]["nll"], math.exp(val[-1]["nll"]), test[-1]["ppl"],
-                      test[-1]["bleu"]]), rtol=1e-9)
-        assert train[-1]["elapsed"] <= row["train_seconds"] < train[-1]["elapsed"] + 60
+            np.array([val[-1]["nll"], math.exp(val[-1]["nll"]), test[-1]["ppl"], test[-1]["bleu"]]),
+            rtol=1e-9,
+        )
+        # Training time runs on past the last training line (the final evaluation and save)
+        # and is part of the whole run's time: an order of events, not a speed.
+        assert train[-1]["elapsed"] <= row["train_seconds"] <= test[-1]["total_seconds"]
         assert row["test_sentences"] == SENTENCES
         # sacreBLEU recomputed from the translations each decoder wrote, against the shipped
         # references (the Multi30k test split), which the run also wrote beside them.
         directory = model_dir / "translations"
-        references = [en for _, en in load_multi30k("test_2016_flickr",
-                                                    data_dir=fields["data_dir"])[:SENTENCES]]
+        references = [
+            en
+            for _, en in load_multi30k("test_2016_flickr", data_dir=fields["data_dir"])[:SENTENCES]
+        ]
         assert read_lines(directory / "test_2016_flickr.reference.en") == references
-        for key, name in (("bleu_beam", f"test_2016_flickr.step{STEPS}.en"),
-                          ("bleu_greedy", f"test_2016_flickr.step{STEPS}.greedy.en")):
+        for key, name in (
+            ("bleu_beam", f"test_2016_flickr.step{STEPS}.en"),
+            ("bleu_greedy", f"test_2016_flickr.step{STEPS}.greedy.en"),
+        ):
             hypotheses = read_lines(directory / name)
             assert len(hypotheses) == len(references) == SENTENCES
             expected = sacrebleu.corpus_bleu(hypotheses, [references]).score
@@ -125,7 +152,7 @@ def test_the_validation_curve_and_its_plot(compared):
         assert curve["steps"] == list(range(EVAL_EVERY, STEPS + 1, EVAL_EVERY))
         elapsed = {r["step"]: r["elapsed"] for r in records if r["split"] == "train"}
         assert curve["seconds"] == [elapsed[s] for s in curve["steps"]]
-        assert all(0 < a < b for a, b in zip(curve["seconds"], curve["seconds"][1:]))
+        assert curve["seconds"] == sorted(curve["seconds"]) and curve["seconds"][0] >= 0
         assert curve["val_nll"] == [r["nll"] for r in records if r["split"] == "validation"]
     with open(workdir / "plots" / "compare_val_loss.png", "rb") as f:
         png = f.read()
@@ -136,8 +163,18 @@ def test_a_second_run_reuses_the_rows_through_the_cli(compared):
     workdir, summary, fields = compared
     before = {m: metrics_lines(workdir / m) for m in MODELS}
     os.remove(workdir / "compare.md")
-    argv = ["--workdir", str(workdir), "--preset", "tiny", "--models", *MODELS,
-            "--steps", str(STEPS), "--eval_every", str(EVAL_EVERY)]
+    argv = [
+        "--workdir",
+        str(workdir),
+        "--preset",
+        "tiny",
+        "--models",
+        *MODELS,
+        "--steps",
+        str(STEPS),
+        "--eval_every",
+        str(EVAL_EVERY),
+    ]
     for name in ("log_every", "eval_sentences", "eval_batch_size", "data_dir", "progress"):
         argv += ["--set", f"{name}={fields[name]}"]
     assert compare.main(argv) == 0
@@ -154,8 +191,9 @@ def test_another_budget_in_the_same_workdir_is_an_error(compared):
     workdir, _, fields = compared
     before = metrics_lines(workdir / "gru")
     with pytest.raises(ValueError, match="gru run of another setting"):
-        compare.compare(str(workdir), models=["gru"], preset="tiny",
-                        overrides={**fields, "steps": STEPS + 1})
+        compare.compare(
+            str(workdir), models=["gru"], preset="tiny", overrides={**fields, "steps": STEPS + 1}
+        )
     assert metrics_lines(workdir / "gru") == before
 
 
@@ -172,46 +210,77 @@ def test_val_curve_takes_the_time_of_the_last_training_line(tmp_path):
     with open(tmp_path / "metrics.jsonl", "w") as f:
         f.writelines(json.dumps(line) + "\n" for line in lines)
     assert compare.val_curve(str(tmp_path)) == {
-        "steps": [3, 4], "seconds": [10.0, 20.0], "val_nll": [4.0, math.inf]}
+        "steps": [3, 4],
+        "seconds": [10.0, 20.0],
+        "val_nll": [4.0, math.inf],
+    }
 
 
 def test_markdown_table_formats_each_column():
-    row = {"model": "luong", "params": 1234567, "train_seconds": 600.0, "steps": 1500,
-           "val_ppl": 12.3456, "test_ppl": 13.0, "bleu_greedy": 25.549, "bleu_beam": 27.0}
+    row = {
+        "model": "luong",
+        "params": 1234567,
+        "train_seconds": 600.0,
+        "steps": 1500,
+        "val_ppl": 12.3456,
+        "test_ppl": 13.0,
+        "bleu_greedy": 25.549,
+        "bleu_beam": 27.0,
+    }
     text = compare.markdown_table([row], beam_size=5)
     assert text.splitlines()[0].endswith("| test BLEU greedy | test BLEU beam 5 |")
     assert text.splitlines()[1] == "| --- | ---: | ---: | ---: | ---: | ---: | ---: | ---: |"
-    assert text.splitlines()[2] == ("| luong | 1,234,567 | 10.0 | 1500 | 12.35 | 13.00 | 25.55 "
-                                    "| 27.00 |")
+    assert text.splitlines()[2] == (
+        "| luong | 1,234,567 | 10.0 | 1500 | 12.35 | 13.00 | 25.55 | 27.00 |"
+    )
 
 
 def test_model_configs_share_the_tokenizer_and_validate_the_models(tmp_path):
-    configs = compare.model_configs(["transformer", "gru"], preset="tiny",
-                                    workdir=str(tmp_path), overrides={"steps": 7})
+    configs = compare.model_configs(
+        ["transformer", "gru"], preset="tiny", workdir=str(tmp_path), overrides={"steps": 7}
+    )
     assert list(configs) == ["transformer", "gru"]
     assert {c.tokenizer_dir for c in configs.values()} == {str(tmp_path / "tokenizer")}
     assert {c.steps for c in configs.values()} == {7}
     assert {c.eval_every for c in configs.values()} == {compare.EVAL_EVERY["tiny"]}
     assert configs["gru"].optimizer == "adam" and configs["transformer"].optimizer == "noam"
     assert compare.default_models()[0] == "gru" and compare.default_models()[-1] == "transformer"
-    for models, match in ((["gru", "gru"], "each model once"), (["rnn"], "not in the registry"),
-                          ([], "at least one")):
+    for models, match in (
+        (["gru", "gru"], "each model once"),
+        (["rnn"], "not in the registry"),
+        ([], "at least one"),
+    ):
         with pytest.raises(ValueError, match=match):
             compare.model_configs(models, preset="tiny", workdir=str(tmp_path))
     with pytest.raises(ValueError, match="steps"):
-        compare.model_configs(["gru"], preset="tiny", workdir=str(tmp_path),
-                              overrides={"steps": -1})
+        compare.model_configs(
+            ["gru"], preset="tiny", workdir=str(tmp_path), overrides={"steps": -1}
+        )
 
 
 def test_parse_args():
     workdir, kwargs = compare.parse_args(
-        ["--models", "gru", "transformer", "--preset", "tiny", "--minutes", "1.5",
-         "--set", "eval_sentences=8", "--workdir", "W"])
+        [
+            "--models",
+            "gru",
+            "transformer",
+            "--preset",
+            "tiny",
+            "--minutes",
+            "1.5",
+            "--set",
+            "eval_sentences=8",
+            "--workdir",
+            "W",
+        ]
+    )
     assert workdir == "W"
     assert kwargs["models"] == ["gru", "transformer"] and kwargs["preset"] == "tiny"
     assert kwargs["overrides"] == {"minutes": 1.5, "eval_sentences": 8}
-    assert kwargs["command"] == ("python -m train.compare --models gru transformer --preset "
-                                 "tiny --minutes 1.5 --set eval_sentences=8 --workdir W")
+    assert kwargs["command"] == (
+        "python -m train.compare --models gru transformer --preset "
+        "tiny --minutes 1.5 --set eval_sentences=8 --workdir W"
+    )
     workdir, kwargs = compare.parse_args([])
     assert kwargs["models"] is None and kwargs["preset"] == "cpu" and kwargs["overrides"] == {}
     assert workdir.startswith(os.path.join("runs", "compare-cpu-"))

@@ -3,6 +3,7 @@
 continues it with the same numbers, the char level reports bits per character, the schedule
 is the reference's, and the command line runs.
 """
+
 from __future__ import annotations
 
 import math
@@ -10,42 +11,52 @@ import os
 import subprocess
 import sys
 
+import jax
+import jax.numpy as jnp
 import numpy as np
 import pytest
-
 from helpers import REPO, train_losses
-from train import lm
-from train.core.metrics import read_metrics
-from transformer_jax.optim import make_schedule
 
+from train import lm
+from train.core.checkpoint import Checkpoints
+from train.core.metrics import read_metrics
+from train.core.task import eval_params, restore_for_inference
+from transformer_jax.optim import make_schedule
+from xl_jax.memory import init_memory
 
 
 def tiny_config(data_dir, dataset="ptb", **overrides):
-    fields = dict(steps=6, decay_steps=6, learning_rate=0.05, log_every=1, checkpoint_every=3,
-                  eval_tokens=600, plots=False, progress=False, data_dir=str(data_dir))
+    fields = dict(
+        steps=6,
+        decay_steps=6,
+        learning_rate=0.05,
+        log_every=1,
+        checkpoint_every=3,
+        eval_tokens=600,
+        plots=False,
+        progress=False,
+        data_dir=str(data_dir),
+    )
     fields.update(overrides)
     return lm.make_config(dataset, "tiny", **fields)
 
 
 @pytest.fixture(scope="module")
-def data_dir(tmp_path_factory):
-    return tmp_path_factory.mktemp("tfds")
-
-
-@pytest.fixture(scope="module")
-def straight(tmp_path_factory, data_dir):
-    workdir = tmp_path_factory.mktemp("lm_straight")
-    config = tiny_config(data_dir)
-    return config, workdir, lm.train_and_evaluate(config, str(workdir))
+def straight(lm_straight, data_dir):
+    """The session's uninterrupted run (conftest.py), which is this module's tiny config."""
+    assert lm_straight[0] == tiny_config(data_dir)
+    return lm_straight
 
 
 @pytest.fixture(scope="module")
 def untrained(tmp_path_factory, data_dir):
     """The final metrics of 0-step runs: the initial parameters' figures, per dataset."""
+
     def run(dataset):
         workdir = tmp_path_factory.mktemp(f"lm_untrained_{dataset}")
         config = tiny_config(data_dir, dataset=dataset, steps=0, checkpoint_every=0)
         return lm.train_and_evaluate(config, str(workdir))
+
     return run
 
 
@@ -81,15 +92,17 @@ def test_the_pmap_path_continues_with_the_same_numbers(straight, tmp_path):
     config, workdir, final = straight
     lm.train_and_evaluate(lm.replace(config, steps=3), str(tmp_path))
     resumed = lm.train_and_evaluate(lm.replace(config, parallel="pmap"), str(tmp_path))
-    np.testing.assert_allclose([loss for _, loss in train_losses(tmp_path)],
-                               [loss for _, loss in train_losses(workdir)], rtol=1e-5)
+    np.testing.assert_allclose(
+        [loss for _, loss in train_losses(tmp_path)],
+        [loss for _, loss in train_losses(workdir)],
+        rtol=1e-5,
+    )
     np.testing.assert_allclose(resumed["test_loss"], final["test_loss"], rtol=1e-5)
 
 
 @pytest.mark.slow
 def test_char_level_reports_bits_per_character(data_dir, tmp_path, untrained):
-    config = tiny_config(data_dir, dataset="ptb_char", steps=2, decay_steps=2,
-                         checkpoint_every=0)
+    config = tiny_config(data_dir, dataset="ptb_char", steps=2, decay_steps=2, checkpoint_every=0)
     assert config.model_config.vocab_size == 50
     final = lm.train_and_evaluate(config, str(tmp_path))
     assert math.isclose(final["test_bpc"], final["test_loss"] / math.log(2), rel_tol=1e-9)
@@ -101,13 +114,22 @@ def test_char_level_reports_bits_per_character(data_dir, tmp_path, untrained):
 
 
 def test_schedule_is_linear_warmup_then_cosine(data_dir):
-    config = lm.make_config("ptb", "tiny", learning_rate=0.1, warmup_steps=4, steps=10,
-                            decay_steps=20, min_learning_rate=0.01, data_dir=str(data_dir))
+    config = lm.make_config(
+        "ptb",
+        "tiny",
+        learning_rate=0.1,
+        warmup_steps=4,
+        steps=10,
+        decay_steps=20,
+        min_learning_rate=0.01,
+        data_dir=str(data_dir),
+    )
     schedule = make_schedule(config.optimizer_config())
     for count in range(25):
         t = count + 1
-        expected = (0.1 * t / 4 if t < 4 else
-                    0.01 + 0.09 * 0.5 * (1 + math.cos(math.pi * min(t, 20) / 20)))
+        expected = (
+            0.1 * t / 4 if t < 4 else 0.01 + 0.09 * 0.5 * (1 + math.cos(math.pi * min(t, 20) / 20))
+        )
         assert math.isclose(float(schedule(count)), expected, rel_tol=1e-5)
 
 
@@ -117,8 +139,18 @@ def test_bad_configs_are_clear_errors(data_dir, capsys):
     with pytest.raises(SystemExit):
         lm.config_from_args(["--dataset", "wikitext103"])
     assert "invalid choice: 'wikitext103'" in capsys.readouterr().err
-    config, _, _ = lm.config_from_args(["--preset", "tiny", "--model.d_inner", "40",
-                                     "--set", "eval_mem_len=5", "--dtype", "bfloat16"])
+    config, _, _ = lm.config_from_args(
+        [
+            "--preset",
+            "tiny",
+            "--model.d_inner",
+            "40",
+            "--set",
+            "eval_mem_len=5",
+            "--dtype",
+            "bfloat16",
+        ]
+    )
     assert config.model_config.d_inner == 40 and config.eval_mem_len == 5
     assert config.model_config.dtype == np.dtype("bfloat16")
 
@@ -127,10 +159,31 @@ def test_bad_configs_are_clear_errors(data_dir, capsys):
 def test_cli_smoke(tmp_path, data_dir):
     env = dict(os.environ, JAX_PLATFORMS="cpu", XLA_FLAGS="", PYTHONPATH=REPO)
     done = subprocess.run(
-        [sys.executable, "-m", "train.lm", "--preset", "tiny", "--workdir", str(tmp_path),
-         "--steps", "3", "--eval_tokens", "300", "--data_dir", str(data_dir), "--progress",
-         "false", "--plots", "false"],
-        cwd=REPO, env=env, capture_output=True, text=True, timeout=300)
+        [
+            sys.executable,
+            "-m",
+            "train.lm",
+            "--preset",
+            "tiny",
+            "--workdir",
+            str(tmp_path),
+            "--steps",
+            "3",
+            "--eval_tokens",
+            "300",
+            "--data_dir",
+            str(data_dir),
+            "--progress",
+            "false",
+            "--plots",
+            "false",
+        ],
+        cwd=REPO,
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=300,
+    )
     assert done.returncode == 0, done.stdout + done.stderr
     assert "final: step 3, test ppl" in done.stdout
     assert os.path.exists(os.path.join(tmp_path, "config.json"))
@@ -139,6 +192,7 @@ def test_cli_smoke(tmp_path, data_dir):
 @pytest.mark.parametrize("dataset", ["ptb", "ptb_char"])
 def test_gpu_preset_is_a_bf16_unrolled_model_that_stops_within_ten_minutes(dataset):
     import jax.numpy as jnp
+
     config = lm.make_config(dataset, "gpu")
     assert config.model_config.dtype == jnp.bfloat16 and config.model_config.remat == "none"
     assert config.model_config.vocab_size == lm.VOCAB_SIZES[dataset]
@@ -148,6 +202,7 @@ def test_gpu_preset_is_a_bf16_unrolled_model_that_stops_within_ten_minutes(datas
 def test_each_epoch_starts_with_an_empty_memory_as_the_reference_does(data_dir):
     import jax
     import jax.numpy as jnp
+
     from xl_jax.memory import init_memory, reset_rows
 
     config = lm.make_config("ptb", "tiny", data_dir=str(data_dir))
@@ -155,16 +210,20 @@ def test_each_epoch_starts_with_an_empty_memory_as_the_reference_does(data_dir):
     batches, from_step = lm.train_batches(stream, config)
     flags = [bool(b["reset"].all()) for b, _ in zip(from_step(0), range(8))]
     assert len(batches) == 3 and flags == [False, False, False, True, False, False, True, False]
-    assert not lm.train_batches(stream, lm.replace(config, reset_memory_each_epoch=False)
-                                )[1](3).__next__().get("reset", False)
+    assert (
+        not lm.train_batches(stream, lm.replace(config, reset_memory_each_epoch=False))[1](3)
+        .__next__()
+        .get("reset", False)
+    )
     mc = config.model_config
     memory = jax.tree.map(lambda x: x + 1, init_memory(mc, 2))
     cleared = reset_rows(memory, jnp.array([True, False]))
     empty = init_memory(mc, 2)
-    for got, was, zero in zip(jax.tree.leaves(cleared), jax.tree.leaves(memory),
-                              jax.tree.leaves(empty)):
-        np.testing.assert_array_equal(got[0], zero[0])   # row 0 emptied
-        np.testing.assert_array_equal(got[1], was[1])    # row 1 kept
+    for got, was, zero in zip(
+        jax.tree.leaves(cleared), jax.tree.leaves(memory), jax.tree.leaves(empty)
+    ):
+        np.testing.assert_array_equal(got[0], zero[0])  # row 0 emptied
+        np.testing.assert_array_equal(got[1], was[1])  # row 1 kept
 
 
 def test_a_process_share_of_the_lm_batches_is_its_rows_of_the_stream(data_dir):
@@ -175,21 +234,80 @@ def test_a_process_share_of_the_lm_batches_is_its_rows_of_the_stream(data_dir):
     for full, share, _ in zip(from_step(2), from_step(2, second_half), range(3)):
         assert set(share) == set(full)
         for key in full:
-            np.testing.assert_array_equal(share[key], full[key][config.batch_size // 2:])
+            np.testing.assert_array_equal(share[key], full[key][config.batch_size // 2 :])
 
 
 @pytest.mark.slow
 def test_generate_prints_a_sampled_continuation(straight, capsys):
     from train.lm import cli
     from train.lm.generate import generate_text
+
     _, workdir, _ = straight
-    args = ["--workdir", str(workdir), "--generate", "the company said", "--num_tokens", "12",
-            "--top_k", "40", "--temperature", "0.8", "--seed", "0"]
+    args = [
+        "--workdir",
+        str(workdir),
+        "--generate",
+        "the company said",
+        "--num_tokens",
+        "12",
+        "--top_k",
+        "40",
+        "--temperature",
+        "0.8",
+        "--seed",
+        "0",
+    ]
     assert cli.main(args) == 0
     printed = capsys.readouterr().out.strip()
     assert len(printed.split()) == 12  # words (an <eos> prints as a line break)
-    assert generate_text(str(workdir), "the company said", num_tokens=12, top_k=40,
-                         temperature=0.8, seed=0) == printed
+    assert (
+        generate_text(
+            str(workdir), "the company said", num_tokens=12, top_k=40, temperature=0.8, seed=0
+        )
+        == printed
+    )
     greedy = generate_text(str(workdir), "the company said", num_tokens=12, top_k=1)
-    assert greedy == generate_text(str(workdir), "the company said", num_tokens=12, top_k=1,
-                                   seed=5)  # top_k 1 does not depend on the seed
+    assert greedy == generate_text(
+        str(workdir), "the company said", num_tokens=12, top_k=1, seed=5
+    )  # top_k 1 does not depend on the seed
+
+
+def test_the_reported_perplexity_is_the_per_token_nll_of_the_saved_model(straight):
+    """The test perplexity the run reported, recomputed the slow, obvious way from the saved
+    parameters: the stream cut into eval_batch_size contiguous rows, segments of eval_tgt_len
+    in order with the memory carried from one to the next, and for every position a plain
+    log-softmax over the model's output and the next token's entry."""
+    config, workdir, final = straight
+    _, model, state, _ = restore_for_inference(lm.TASK, str(workdir), step=final["step"])
+    params = jax.device_get(eval_params(state))
+    rows, seg = config.eval_batch_size, config.eval_tgt_len
+    assert rows % jax.device_count() == 0  # so the run evaluated exactly these rows
+    stream = lm.load_stream(config, "test")
+    n = len(stream) // rows
+    table = stream[: rows * n].reshape(rows, n)  # row b: tokens [b n, (b + 1) n)
+    memory = init_memory(config.model_config, rows, mem_len=config.eval_mem_len)
+    apply = jax.jit(lambda inputs, memory: model.apply({"params": params}, inputs, memory))
+    total, count = 0.0, 0
+    for start in range(0, n - 1, seg):  # positions 0 .. n - 2 have a next token
+        stop = min(start + seg, n - 1)
+        inputs, targets = table[:, start:stop], table[:, start + 1 : stop + 1]
+        out, memory = apply(jnp.asarray(inputs), memory)
+        out = np.asarray(out, np.float64)  # [B, T, V]
+        logp = out - out.max(-1, keepdims=True)
+        logp -= np.log(np.exp(logp).sum(-1, keepdims=True))
+        total -= np.take_along_axis(logp, targets[..., None], -1).sum()
+        count += targets.size
+    assert count > 2 * rows * seg  # several segments: the memory was used
+    assert math.isclose(total / count, final["test_loss"], rel_tol=1e-4)
+    assert math.isclose(math.exp(total / count), final["test_ppl"], rel_tol=1e-4)
+
+
+def test_a_spent_time_budget_stops_the_run_with_reason_time(data_dir, tmp_path):
+    """--minutes counts from the start of the run, data preparation included: a budget of
+    60 microseconds is spent before the first step, so the run stops there, saves and still
+    evaluates."""
+    final = lm.train_and_evaluate(tiny_config(data_dir, steps=100, minutes=1e-6), str(tmp_path))
+    assert final["reason"] == "time" and final["step"] == 0
+    assert not train_losses(tmp_path)
+    assert Checkpoints(str(tmp_path)).all_steps() == [0]
+    assert math.isfinite(final["test_ppl"])

@@ -4,6 +4,7 @@ Resume must be exact, SIGTERM must save, a NaN must stop without saving, a corru
 must be an error that changes nothing on disk, and the kept checkpoints must be the last N plus
 the best by validation loss.
 """
+
 from __future__ import annotations
 
 import os
@@ -15,8 +16,8 @@ import jax.numpy as jnp
 import numpy as np
 import optax
 import pytest
-
 from helpers import file_hashes, train_losses
+
 from train.core.checkpoint import CheckpointError, Checkpoints
 from train.core.loop import LoopConfig, StopFlag, TrainingDiverged, stop_on_sigterm, train_loop
 from train.core.metrics import MetricsWriter
@@ -53,18 +54,21 @@ def batches_from(start: int, nan_at: int | None = None):
 
 def toy_eval(state: TrainState) -> dict[str, float]:
     batch = toy_batch(10_000)
-    loss_sum, sums, _ = toy_loss(jax.device_get(state.params), batch, rng=None, extra=None,
-                                 deterministic=True)
+    loss_sum, sums, _ = toy_loss(
+        jax.device_get(state.params), batch, rng=None, extra=None, deterministic=True
+    )
     return {"loss": float(loss_sum / sums["n_tokens"])}
 
 
-def run(workdir, *, steps, nan_at=None, eval_every=0, checkpoint_every=0, keep=3,
-        stop=None, on_log=None):
+def run(
+    workdir, *, steps, nan_at=None, eval_every=0, checkpoint_every=0, keep=3, stop=None, on_log=None
+):
     """Init or resume from `workdir`, train to `steps`; returns (LoopResult, Checkpoints)."""
     dp = DataParallel("jit")
     tx = optax.sgd(0.1)
-    init = TrainState.create(params={"w": jnp.zeros(D), "b": jnp.zeros(())}, tx=tx,
-                             rng=jax.random.PRNGKey(0))
+    init = TrainState.create(
+        params={"w": jnp.zeros(D), "b": jnp.zeros(())}, tx=tx, rng=jax.random.PRNGKey(0)
+    )
     init = dp.put_state(init)
     ckpt = Checkpoints(str(workdir), keep=keep)
     state, elapsed = init, 0.0
@@ -74,11 +78,24 @@ def run(workdir, *, steps, nan_at=None, eval_every=0, checkpoint_every=0, keep=3
     step_fn = dp.compile_train_step(toy_loss, state, lr_schedule=lambda s: 0.1)
     start = int(state.step)
     result = train_loop(
-        state, dp=dp, train_step=step_fn, batches=batches_from(start, nan_at),
-        config=LoopConfig(steps=steps, log_every=1, eval_every=eval_every,
-                          checkpoint_every=checkpoint_every, progress=False),
-        writer=MetricsWriter(str(workdir)), checkpoints=ckpt, evaluate=toy_eval,
-        elapsed=elapsed, stop=stop, on_log=on_log)
+        state,
+        dp=dp,
+        train_step=step_fn,
+        batches=batches_from(start, nan_at),
+        config=LoopConfig(
+            steps=steps,
+            log_every=1,
+            eval_every=eval_every,
+            checkpoint_every=checkpoint_every,
+            progress=False,
+        ),
+        writer=MetricsWriter(str(workdir)),
+        checkpoints=ckpt,
+        evaluate=toy_eval,
+        elapsed=elapsed,
+        stop=stop,
+        on_log=on_log,
+    )
     return result, ckpt
 
 
@@ -97,8 +114,9 @@ def test_resume_reproduces_an_uninterrupted_run_exactly(tmp_path):
     a, b = train_losses(tmp_path / "straight"), train_losses(tmp_path / "resumed")
     assert [s for s, _ in a] == [1, 2, 3, 4, 5, 6]
     assert a == b  # exact, not approximately equal
-    chex.assert_trees_all_equal(jax.device_get(straight.state.params),
-                                jax.device_get(second.state.params))
+    chex.assert_trees_all_equal(
+        jax.device_get(straight.state.params), jax.device_get(second.state.params)
+    )
     assert second.elapsed >= first.elapsed
 
 
@@ -121,27 +139,39 @@ def test_sigterm_saves_and_returns(tmp_path):
 def test_nan_stops_with_a_message_and_keeps_the_last_good_checkpoint(tmp_path):
     # Step 5 started from checkpoint 4 and its batch is fixed: a resume from 4 would repeat it,
     # so the message says so and points at the step before.
-    with pytest.raises(TrainingDiverged, match=r"checkpoints/4, is the state step 5 started "
-                       r"from, .*to resume from step 2"):
+    with pytest.raises(
+        TrainingDiverged,
+        match=r"checkpoints/4, is the state step 5 started "
+        r"from, .*to resume from step 2",
+    ):
         run(tmp_path, steps=10, nan_at=4, checkpoint_every=2)  # batch 4 is used by step 5
     ckpt = Checkpoints(str(tmp_path))
     assert ckpt.latest_step() == 4
     restored, _ = ckpt.restore(
-        DataParallel("jit").put_state(TrainState.create(
-            params={"w": jnp.zeros(D), "b": jnp.zeros(())}, tx=optax.sgd(0.1),
-            rng=jax.random.PRNGKey(0))))
+        DataParallel("jit").put_state(
+            TrainState.create(
+                params={"w": jnp.zeros(D), "b": jnp.zeros(())},
+                tx=optax.sgd(0.1),
+                rng=jax.random.PRNGKey(0),
+            )
+        )
+    )
     chex.assert_tree_all_finite(jax.device_get(restored.params))
 
 
 def test_keeps_the_last_n_and_the_best_by_validation_loss(tmp_path):
     dp = DataParallel("jit")
-    state = dp.put_state(TrainState.create(params={"w": jnp.zeros(D)}, tx=optax.sgd(1.0),
-                                           rng=jax.random.PRNGKey(0)))
+    state = dp.put_state(
+        TrainState.create(params={"w": jnp.zeros(D)}, tx=optax.sgd(1.0), rng=jax.random.PRNGKey(0))
+    )
     ckpt = Checkpoints(str(tmp_path), keep=2)
     val = {1: 5.0, 2: 1.0, 3: 4.0, 4: None, 5: 3.0, 6: 2.5}
     for step, loss in val.items():
-        ckpt.save(state.replace(step=jnp.int32(step)), meta={"elapsed": 0.0},
-                  metrics=None if loss is None else {"val_loss": loss})
+        ckpt.save(
+            state.replace(step=jnp.int32(step)),
+            meta={"elapsed": 0.0},
+            metrics=None if loss is None else {"val_loss": loss},
+        )
     assert ckpt.all_steps() == [2, 5, 6]
     assert ckpt.best_step() == 2
 
@@ -151,9 +181,12 @@ def test_corrupt_checkpoint_is_a_clear_error_and_changes_nothing(tmp_path):
     ckpt = Checkpoints(str(tmp_path))
     assert ckpt.all_steps() == [2, 4]
     # Truncate every array data file of the latest checkpoint.
-    data_files = [os.path.join(root, name)
-                  for root, _, files in os.walk(os.path.join(ckpt.path(4), "state"))
-                  for name in files if os.path.basename(root) == "d"]
+    data_files = [
+        os.path.join(root, name)
+        for root, _, files in os.walk(os.path.join(ckpt.path(4), "state"))
+        for name in files
+        if os.path.basename(root) == "d"
+    ]
     assert data_files
     for path in data_files:
         with open(path, "r+b") as f:

@@ -2,6 +2,7 @@
 and the pmap paths, and both equal a plain `jax.grad` of the global per-token mean. The bf16
 path runs with float32 params and a loss close to float32's.
 """
+
 from __future__ import annotations
 
 import chex
@@ -22,10 +23,20 @@ LR = 0.5
 
 
 def make_model(dropout: float, dtype="float32") -> Transformer:
-    return Transformer(TransformerConfig.tiny(
-        src_vocab_size=V, tgt_vocab_size=V, d_model=32, n_heads=2, d_ff=64,
-        n_encoder_layers=1, n_decoder_layers=1, dropout=dropout, attention_dropout=dropout,
-        dtype=dtype))
+    return Transformer(
+        TransformerConfig.tiny(
+            src_vocab_size=V,
+            tgt_vocab_size=V,
+            d_model=32,
+            n_heads=2,
+            d_ff=64,
+            n_encoder_layers=1,
+            n_decoder_layers=1,
+            dropout=dropout,
+            attention_dropout=dropout,
+            dtype=dtype,
+        )
+    )
 
 
 def make_batch() -> dict[str, np.ndarray]:
@@ -35,16 +46,17 @@ def make_batch() -> dict[str, np.ndarray]:
     src = rs.randint(3, V, (ROWS, LEN)).astype(np.int32)
     tgt = rs.randint(3, V, (ROWS, LEN + 1)).astype(np.int32)
     for r in range(ROWS):
-        src[r, 2 + r % 5:] = 0
-        tgt[r, 1 + (r * 3) % LEN:] = 0  # rows 0..1 (device 0) keep 1 and 4 tokens, ...
+        src[r, 2 + r % 5 :] = 0
+        tgt[r, 1 + (r * 3) % LEN :] = 0  # rows 0..1 (device 0) keep 1 and 4 tokens, ...
     return {"src": src, "tgt_in": tgt[:, :-1], "tgt_out": tgt[:, 1:]}
 
 
 def one_step(model, params, batch, *, mode: str, devices=None):
     dp = DataParallel(mode, devices)
     loss_fn = make_loss_fn(model, smoothing=0.1, pad_id=0)
-    state = dp.put_state(TrainState.create(params=params, tx=optax.sgd(LR),
-                                           rng=jax.random.PRNGKey(7)))
+    state = dp.put_state(
+        TrainState.create(params=params, tx=optax.sgd(LR), rng=jax.random.PRNGKey(7))
+    )
     step = dp.compile_train_step(loss_fn, state)
     state, metrics = step(state, dp.put_batch(batch))
     return jax.device_get(dp.get_state(state).params), dp.fetch([metrics])[0]
@@ -65,8 +77,9 @@ def reference_step(model, params, batch):
 @pytest.fixture(scope="module")
 def setup():
     model = make_model(dropout=0.0)
-    params = model.init(jax.random.PRNGKey(0), jnp.ones((1, LEN), jnp.int32),
-                        jnp.ones((1, LEN), jnp.int32))["params"]
+    params = model.init(
+        jax.random.PRNGKey(0), jnp.ones((1, LEN), jnp.int32), jnp.ones((1, LEN), jnp.int32)
+    )["params"]
     return model, params, make_batch()
 
 
@@ -102,8 +115,10 @@ def test_jit_with_dropout_draws_the_same_masks_on_eight_devices(setup, single_de
     chex.assert_trees_all_close(multi, single, atol=1e-6, rtol=1e-5)
     # ... and dropout did something: the result is not the deterministic step's.
     deterministic = single_device[2]
-    diff = max(float(np.abs(a - b).max()) for a, b in
-               zip(jax.tree.leaves(single), jax.tree.leaves(deterministic)))
+    diff = max(
+        float(np.abs(a - b).max())
+        for a, b in zip(jax.tree.leaves(single), jax.tree.leaves(deterministic))
+    )
     assert diff > 1e-4
 
 
@@ -113,7 +128,8 @@ def test_bfloat16_runs_with_float32_params_and_a_close_loss(setup, single_device
     losses = {}
     for name, model in (("f32", f32), ("bf16", bf16)):
         loss_sum, sums, _ = make_loss_fn(model, smoothing=0.1, pad_id=0)(
-            params, batch, rng=None, extra=None, deterministic=True)
+            params, batch, rng=None, extra=None, deterministic=True
+        )
         losses[name] = float(loss_sum / sums["n_tokens"])
     chex.assert_tree_all_finite(losses)
     np.testing.assert_allclose(losses["bf16"], losses["f32"], rtol=2e-2)
@@ -125,8 +141,10 @@ def test_bfloat16_runs_with_float32_params_and_a_close_loss(setup, single_device
     # most, measured): 4e-3 leaves room, and is far below how far the step moves.
     expected = single_device[2]
     tolerance = 4e-3
-    moved = max(float(np.abs(np.asarray(a) - np.asarray(b)).max())
-                for a, b in zip(jax.tree.leaves(expected), jax.tree.leaves(params)))
+    moved = max(
+        float(np.abs(np.asarray(a) - np.asarray(b)).max())
+        for a, b in zip(jax.tree.leaves(expected), jax.tree.leaves(params))
+    )
     assert moved > 25 * tolerance, moved
     chex.assert_trees_all_close(new_params, expected, atol=tolerance)
 
@@ -141,8 +159,9 @@ def test_batch_rows_must_divide_over_the_devices(setup):
 def test_pmap_layout_round_trip_keeps_the_state(setup):
     _, params, _ = setup
     extra = {"memory": np.arange(16 * 3, dtype=np.float32).reshape(16, 3)}
-    state = TrainState.create(params=params, tx=optax.adam(1e-3), rng=jax.random.PRNGKey(1),
-                              extra=extra)
+    state = TrainState.create(
+        params=params, tx=optax.adam(1e-3), rng=jax.random.PRNGKey(1), extra=extra
+    )
     dp = DataParallel("pmap")
     back = dp.get_state(dp.put_state(state))
     chex.assert_trees_all_equal(jax.device_get(back.params), jax.device_get(state.params))

@@ -3,6 +3,7 @@ are written, a resumed run repeats an uninterrupted one exactly (also when it ch
 sharding between replicated and fsdp), bad input is a clear error
 that leaves the checkpoints alone, and the command line works (flags, SIGTERM, --translate).
 """
+
 from __future__ import annotations
 
 import math
@@ -17,8 +18,8 @@ import jax
 import numpy as np
 import pytest
 import sacrebleu
+from helpers import REPO, Running, file_hashes, train_losses
 
-from helpers import REPO, file_hashes, train_losses
 from train import translate
 from train.core.checkpoint import CheckpointError, Checkpoints
 from train.core.metrics import read_metrics
@@ -32,8 +33,16 @@ SMALL_MODEL = dict(d_model=32, n_heads=2, d_ff=64, n_encoder_layers=1, n_decoder
 
 
 def tiny_config(data_dir, **overrides):
-    fields = dict(steps=6, log_every=1, checkpoint_every=3, eval_sentences=16,
-                  eval_batch_size=16, beam_size=2, progress=False, data_dir=str(data_dir))
+    fields = dict(
+        steps=6,
+        log_every=1,
+        checkpoint_every=3,
+        eval_sentences=16,
+        eval_batch_size=16,
+        beam_size=2,
+        progress=False,
+        data_dir=str(data_dir),
+    )
     fields.update(overrides)
     return translate.make_config("transformer", "tiny", model_overrides=SMALL_MODEL, **fields)
 
@@ -48,25 +57,28 @@ def decode_alone(workdir: str, sentences: list[str]) -> list[str]:
     for ids in translate.encode_source(tokenizer, sentences):
         bucket = min(b for b in config.buckets if b >= len(ids))
         src = np.full((1, bucket), config.model_config.pad_id, np.int32)
-        src[0, :len(ids)] = ids
-        tokens, _ = decode.beam_search(model, params, src, beam_size=config.beam_size,
-                                       max_len=bucket + config.decode_margin,
-                                       length_penalty=config.length_penalty)
+        src[0, : len(ids)] = ids
+        tokens, _ = decode.beam_search(
+            model,
+            params,
+            src,
+            beam_size=config.beam_size,
+            max_len=bucket + config.decode_margin,
+            length_penalty=config.length_penalty,
+        )
         out.append(tokenizer.decode(np.asarray(tokens)[0, 0]))
     return out
 
 
 @pytest.fixture(scope="module")
-def data_dir(tmp_path_factory):
-    return tmp_path_factory.mktemp("tfds")
-
-
-@pytest.fixture(scope="module")
-def straight(tmp_path_factory, data_dir):
-    """One uninterrupted 6-step run: (config, workdir, final metrics)."""
+def straight(tmp_path_factory, data_dir, tokenizer_dir):
+    """One uninterrupted 6-step run with plots: (config, workdir, final metrics). The config
+    returned makes no plots (a setting a resumed run may change): the runs the tests derive
+    from it skip drawing figures only this run's are checked for."""
     workdir = tmp_path_factory.mktemp("straight")
-    config = tiny_config(data_dir)
-    return config, workdir, translate.train_and_evaluate(config, str(workdir))
+    config = tiny_config(data_dir, tokenizer_dir=str(tokenizer_dir))
+    final = translate.train_and_evaluate(config, str(workdir))
+    return translate.replace(config, plots=False), workdir, final
 
 
 @pytest.mark.slow
@@ -81,11 +93,11 @@ def test_training_lowers_the_loss_and_writes_every_output(straight):
     # The BLEU reported is sacreBLEU of the written hypotheses against the shipped references.
     with open(final["hypotheses"], encoding="utf-8") as f:
         hypotheses = f.read().splitlines()
-    references = [en for _, en in load_multi30k(config.test_split,
-                                                data_dir=config.data_dir)[:16]]
+    references = [en for _, en in load_multi30k(config.test_split, data_dir=config.data_dir)[:16]]
     assert len(hypotheses) == len(references) == 16
     assert final["test_bleu"] == pytest.approx(
-        sacrebleu.corpus_bleu(hypotheses, [references]).score, abs=1e-9)
+        sacrebleu.corpus_bleu(hypotheses, [references]).score, abs=1e-9
+    )
     splits = [r["split"] for r in read_metrics(str(workdir))]
     assert "validation" in splits and config.test_split in splits
     assert Checkpoints(str(workdir)).all_steps() == [3, 6]
@@ -112,10 +124,14 @@ def test_resume_across_shardings_repeats_the_uninterrupted_run(straight, tmp_pat
     config, workdir, final = straight
     for steps, sharding in ((2, "fsdp"), (4, "replicated"), (6, "fsdp")):
         last = translate.train_and_evaluate(
-            translate.replace(config, steps=steps, sharding=sharding), str(tmp_path))
+            translate.replace(config, steps=steps, sharding=sharding), str(tmp_path)
+        )
     assert [s for s, _ in train_losses(tmp_path)] == [1, 2, 3, 4, 5, 6]
-    np.testing.assert_allclose([loss for _, loss in train_losses(tmp_path)],
-                               [loss for _, loss in train_losses(workdir)], rtol=1e-5)
+    np.testing.assert_allclose(
+        [loss for _, loss in train_losses(tmp_path)],
+        [loss for _, loss in train_losses(workdir)],
+        rtol=1e-5,
+    )
     np.testing.assert_allclose(last["val_loss"], final["val_loss"], rtol=1e-5)
     # translate_text decodes with the fsdp checkpoint's parameters: the library's beam search
     # with them, gathered onto one device. (Not the straight run's strings: after six steps
@@ -123,13 +139,13 @@ def test_resume_across_shardings_repeats_the_uninterrupted_run(straight, tmp_pat
     # leaf by leaf: the attention key biases have a zero gradient up to rounding, which Adam
     # scales up to full-size steps, differently in each layout.)
     sentences = ["Zwei Hunde.", "Ein Mann fährt Fahrrad."]
-    assert translate.translate_text(str(tmp_path), sentences) == \
-        decode_alone(str(tmp_path), sentences)
+    assert translate.translate_text(str(tmp_path), sentences) == decode_alone(
+        str(tmp_path), sentences
+    )
 
 
 @pytest.mark.slow
-def test_ema_leaves_training_alone_evaluates_the_average_and_resumes_exactly(straight,
-                                                                              tmp_path):
+def test_ema_leaves_training_alone_evaluates_the_average_and_resumes_exactly(straight, tmp_path):
     config, workdir, final = straight
     ema = translate.replace(config, ema_decay=0.5)
     whole = translate.train_and_evaluate(ema, str(tmp_path / "whole"))
@@ -144,13 +160,23 @@ def test_ema_leaves_training_alone_evaluates_the_average_and_resumes_exactly(str
 
 
 @pytest.mark.slow
-def test_compiling_ahead_trains_exactly_like_the_lazy_step(tmp_path, data_dir, capsys):
+def test_compiling_ahead_trains_exactly_like_the_lazy_step(
+    tmp_path, data_dir, tokenizer_dir, capsys
+):
     # Three buckets, so batches come in three shapes; compiled before step 1 in threads, or
     # each at its first batch: the same executables, so the same losses to the last bit.
     runs = {}
     for ahead in (True, False):
-        config = tiny_config(data_dir, steps=8, buckets=(16, 32, 64), compile_ahead=ahead,
-                             plots=False, checkpoint_every=0, eval_sentences=8)
+        config = tiny_config(
+            data_dir,
+            steps=8,
+            buckets=(16, 32, 64),
+            compile_ahead=ahead,
+            plots=False,
+            checkpoint_every=0,
+            eval_sentences=8,
+            tokenizer_dir=str(tokenizer_dir),
+        )
         translate.train_and_evaluate(config, str(tmp_path / str(ahead)))
         runs[ahead] = train_losses(tmp_path / str(ahead)), capsys.readouterr().out
     (losses, out), (lazy_losses, lazy_out) = runs[True], runs[False]
@@ -158,9 +184,12 @@ def test_compiling_ahead_trains_exactly_like_the_lazy_step(tmp_path, data_dir, c
     shapes = int(re.search(r"(\d+) batch shapes to compile", out).group(1))
     # The count is of the shapes an epoch's batches really have (three buckets: several).
     config = tiny_config(data_dir, buckets=(16, 32, 64))
-    data = translate.TASK.prepare(config, str(tmp_path / "True"),
-                                  DataParallel(config.parallel, sharding=config.sharding),
-                                  log=lambda message: None)
+    data = translate.TASK.prepare(
+        config,
+        str(tmp_path / "True"),
+        DataParallel(config.parallel, sharding=config.sharding),
+        log=lambda message: None,
+    )
     epoch = {(b["src"].shape, b["tgt_in"].shape) for b in data.batcher.batches_for_epoch(0)}
     assert shapes == len(epoch) >= 2
     assert f"compiled the train step for {shapes} batch shape(s) ahead" in out
@@ -177,7 +206,8 @@ def test_a_mismatched_config_is_an_error_and_changes_nothing(straight):
         translate.train_and_evaluate(translate.replace(config, seed=1), str(workdir))
     with pytest.raises(ValueError, match=r"model_config.d_model: saved 32, given 48"):
         translate.train_and_evaluate(
-            translate.replace(config, model_overrides={"d_model": 48}), str(workdir))
+            translate.replace(config, model_overrides={"d_model": 48}), str(workdir)
+        )
     assert file_hashes(workdir) == before
 
 
@@ -212,8 +242,10 @@ def test_translate_text_uses_the_trained_checkpoint(straight):
     tokenizer = translate.load_tokenizer(config, str(workdir))
     untrained, _ = translate.TASK.init_params(config, model, jax.random.PRNGKey(config.seed))
     pairs = [(ids, []) for ids in translate.encode_source(tokenizer, sentences)]
-    assert translate.translate_pairs(model, untrained, DataParallel("jit"), config, tokenizer,
-                                     pairs) != out
+    assert (
+        translate.translate_pairs(model, untrained, DataParallel("jit"), config, tokenizer, pairs)
+        != out
+    )
 
 
 def test_translate_text_without_a_run_is_a_clear_error(tmp_path):
@@ -223,8 +255,23 @@ def test_translate_text_without_a_run_is_a_clear_error(tmp_path):
 
 def test_flags_reach_run_and_model_fields():
     config, _, _ = translate.config_from_args(
-        ["--preset", "tiny", "--model.d_model", "48", "--set", "seed=3", "--dtype", "bfloat16",
-         "--set", "model.n_heads=3", "--steps", "7", "--buckets", "16,32"])
+        [
+            "--preset",
+            "tiny",
+            "--model.d_model",
+            "48",
+            "--set",
+            "seed=3",
+            "--dtype",
+            "bfloat16",
+            "--set",
+            "model.n_heads=3",
+            "--steps",
+            "7",
+            "--buckets",
+            "16,32",
+        ]
+    )
     assert config.model_config.d_model == 48 and config.model_config.n_heads == 3
     assert config.seed == 3 and config.steps == 7 and config.buckets == (16, 32)
     assert config.model_config.dtype.name == "bfloat16"
@@ -232,6 +279,7 @@ def test_flags_reach_run_and_model_fields():
 
 def test_without_preset_a_gpu_gets_the_gpu_recipe_and_a_cpu_the_cpu_one(monkeypatch):
     from train import lm
+
     assert translate.config_from_args([])[0].preset == "cpu"  # the tests run on a CPU
     monkeypatch.setattr(jax, "default_backend", lambda: "gpu")
     assert translate.config_from_args([])[0].preset == "gpu"
@@ -240,13 +288,16 @@ def test_without_preset_a_gpu_gets_the_gpu_recipe_and_a_cpu_the_cpu_one(monkeypa
     assert translate.config_from_args(["--preset", "cpu"])[0].preset == "cpu"
 
 
-@pytest.mark.parametrize("argv, message", [
-    (["--no_such_flag", "1"], "unrecognized arguments: --no_such_flag"),
-    (["--model.no_such_field", "1"], "unrecognized arguments: --model.no_such_field"),
-    (["--set", "no_such_field=1"], "no run or model config field"),
-    (["--model", "nonexistent"], "invalid choice: 'nonexistent'"),
-    (["--preset", "tiny", "--model.d_model", "30", "--model.n_heads", "4"], "divisible"),
-])
+@pytest.mark.parametrize(
+    "argv, message",
+    [
+        (["--no_such_flag", "1"], "unrecognized arguments: --no_such_flag"),
+        (["--model.no_such_field", "1"], "unrecognized arguments: --model.no_such_field"),
+        (["--set", "no_such_field=1"], "no run or model config field"),
+        (["--model", "nonexistent"], "invalid choice: 'nonexistent'"),
+        (["--preset", "tiny", "--model.d_model", "30", "--model.n_heads", "4"], "divisible"),
+    ],
+)
 def test_bad_flags_are_argparse_errors(argv, message, capsys):
     with pytest.raises(SystemExit) as e:
         translate.config_from_args(argv)
@@ -266,41 +317,74 @@ def _cli(*args):
 
 
 @pytest.mark.slow
-def test_cli_sigterm_saves_then_workdir_alone_resumes_then_translates(tmp_path, data_dir):
+def test_cli_sigterm_saves_then_workdir_alone_resumes_then_translates(
+    tmp_path, data_dir, tokenizer_dir
+):
     env = dict(os.environ, JAX_PLATFORMS="cpu", XLA_FLAGS="", PYTHONPATH=REPO)
     workdir = str(tmp_path / "run")
-    common = ["--data_dir", str(data_dir), "--progress", "false", "--eval_sentences", "8",
-              "--eval_batch_size", "8", "--beam_size", "2", "--model.d_model", "32",
-              "--model.n_heads", "2", "--model.d_ff", "64", "--model.n_encoder_layers", "1",
-              "--model.n_decoder_layers", "1"]
-    proc = subprocess.Popen(
-        _cli("--preset", "tiny", "--workdir", workdir, "--steps", "1000", *common),
-        cwd=REPO, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
-    lines = []
-    for line in proc.stdout:
-        lines.append(line)
-        if "SIGTERM saves a checkpoint" in line:
-            proc.send_signal(signal.SIGTERM)
-    # A stop by signal is not a completion: the documented EXIT_INTERRUPTED, after the save.
-    assert proc.wait(timeout=300) == 75, "".join(lines)
-    out = "".join(lines)
+    common = [
+        "--data_dir",
+        str(data_dir),
+        "--tokenizer_dir",
+        str(tokenizer_dir),
+        "--progress",
+        "false",
+        "--eval_sentences",
+        "8",
+        "--eval_batch_size",
+        "8",
+        "--beam_size",
+        "2",
+        "--model.d_model",
+        "32",
+        "--model.n_heads",
+        "2",
+        "--model.d_ff",
+        "64",
+        "--model.n_encoder_layers",
+        "1",
+        "--model.n_decoder_layers",
+        "1",
+    ]
+    with Running(
+        _cli("--preset", "tiny", "--workdir", workdir, "--steps", "1000", *common), env
+    ) as proc:
+        proc.wait_for("SIGTERM saves a checkpoint")
+        proc.send_signal(signal.SIGTERM)
+        # A stop by signal is not a completion: the documented EXIT_INTERRUPTED, after the
+        # save.
+        assert proc.finish() == 75, proc.output
+    out = proc.output
     assert "SIGTERM: checkpoint saved" in out
     saved = Checkpoints(workdir).latest_step()
     assert saved is not None and saved < 1000
 
     # --workdir alone resumes with the saved config; --steps may change.
-    done = subprocess.run(_cli("--workdir", workdir, "--steps", str(saved + 2)),
-                          cwd=REPO, env=env, capture_output=True, text=True, timeout=300)
+    done = subprocess.run(
+        _cli("--workdir", workdir, "--steps", str(saved + 2)),
+        cwd=REPO,
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=300,
+    )
     assert done.returncode == 0, done.stdout + done.stderr
     assert f"resumed from {Checkpoints(workdir).path(saved)}" in done.stdout
     assert "test BLEU" in done.stdout
     assert [s for s, _ in train_losses(workdir)][-1] == saved + 2
 
-    said = subprocess.run(_cli("--workdir", workdir, "--translate", "Ein Mann fährt Fahrrad."),
-                          cwd=REPO, env=env, capture_output=True, text=True, timeout=300)
+    said = subprocess.run(
+        _cli("--workdir", workdir, "--translate", "Ein Mann fährt Fahrrad."),
+        cwd=REPO,
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=300,
+    )
     assert said.returncode == 0, said.stdout + said.stderr
-    assert said.stdout.splitlines() == translate.translate_text(workdir,
-                                                                ["Ein Mann fährt Fahrrad."])
+    assert said.stdout.splitlines() == translate.translate_text(
+        workdir, ["Ein Mann fährt Fahrrad."]
+    )
     assert jax.device_count() == 8  # the subprocesses had their own single device
 
 
@@ -316,14 +400,17 @@ def test_translate_pairs_returns_outputs_in_input_order(monkeypatch):
     config = translate.make_config("transformer", "tiny", eval_batch_size=8, buckets=(4, 8, 16))
     lengths = [9, 2, 5, 1, 12, 3, 7, 7, 4, 15, 2, 6, 11, 1, 8, 3, 10, 5, 13, 2]
     pairs = [([10 + k] * n, [5] * (20 - n)) for k, n in enumerate(lengths)]
-    out = translate.translate_pairs(None, None, DataParallel("jit"), config, Ids(), pairs,
-                                    greedy=True)
+    out = translate.translate_pairs(
+        None, None, DataParallel("jit"), config, Ids(), pairs, greedy=True
+    )
     assert out == [" ".join([str(10 + k)] * n) for k, n in enumerate(lengths)]
 
 
 def test_gpu_preset_builds_for_every_model_with_its_own_optimizer():
     import jax.numpy as jnp
+
     from train.translate import registry
+
     config = translate.make_config("transformer", "gpu")
     cfg = config.model_config
     # The measured ten-minute recipe: IWSLT widths, dropout 0.3, pre-LN, bf16, Noam.
@@ -348,10 +435,20 @@ RNN_MODEL = dict(emb_dim=16, enc_hidden=16, dec_hidden=16, attn_dim=16)
 
 def _rnn_losses(tmp_path, data_dir, name, **fields):
     config = translate.make_config(
-        name, "tiny", model_overrides=RNN_MODEL, steps=6, log_every=1, eval_sentences=8,
+        name,
+        "tiny",
+        model_overrides=RNN_MODEL,
+        steps=6,
+        log_every=1,
+        eval_sentences=8,
         learning_rate=1e-2,
-        eval_batch_size=8, beam_size=1, progress=False, plots=False, data_dir=str(data_dir),
-        **fields)
+        eval_batch_size=8,
+        beam_size=1,
+        progress=False,
+        plots=False,
+        data_dir=str(data_dir),
+        **fields,
+    )
     final = translate.train_and_evaluate(config, str(tmp_path / name / str(len(fields))))
     return [loss for _, loss in train_losses(tmp_path / name / str(len(fields)))], final
 
@@ -363,9 +460,13 @@ def test_teacher_forcing_below_one_changes_the_loss_path_and_still_trains(tmp_pa
     assert len(forced) == len(mixed) == 6
     assert forced != mixed  # the decoder was fed its own guesses at times
     assert mixed[-1] < mixed[0] - 0.1
-    config = translate.make_config("gru", "tiny", teacher_forcing=0.5,
-                                   teacher_forcing_schedule="inverse_sigmoid",
-                                   teacher_forcing_k=10.0)
+    config = translate.make_config(
+        "gru",
+        "tiny",
+        teacher_forcing=0.5,
+        teacher_forcing_schedule="inverse_sigmoid",
+        teacher_forcing_k=10.0,
+    )
     ratios = [config.teacher_forcing_at(s) for s in (0, 20, 40)]
     assert 0.5 > ratios[0] > ratios[1] > ratios[2] > 0
     with pytest.raises(ValueError, match="teacher_forcing"):
@@ -377,3 +478,82 @@ def test_hard_attention_trains_through_the_translation_loss(tmp_path, data_dir):
     losses, final = _rnn_losses(tmp_path, data_dir, "hard_attention")
     assert losses[-1] < losses[0] - 0.1 and final["step"] == 6
     assert math.isfinite(final["test_bleu"])
+
+
+def test_the_reported_perplexity_is_the_teacher_forced_nll_of_the_saved_model(straight):
+    """The validation nll and perplexity the run reported, recomputed the slow, obvious way
+    from the saved parameters: one sentence at a time (no padding), the model's logits for
+    <bos> + target, a plain log-softmax and each next token's entry, <eos> included."""
+    config, workdir, final = straight
+    _, model, state, _ = restore_for_inference(translate.TASK, str(workdir), step=final["step"])
+    params = jax.device_get(translate.eval_params(state))
+    tokenizer = translate.load_tokenizer(config, str(workdir))
+    pairs = translate.load_split(config, tokenizer, "validation").pairs
+    assert len(pairs) == config.eval_sentences
+    mc = config.model_config
+    # Compiled once per sentence shape: op by op, 16 shapes took minutes on two cores.
+    apply = jax.jit(
+        lambda src, tgt_in: model.apply({"params": params}, src, tgt_in, deterministic=True)
+    )
+    total, count = 0.0, 0
+    for src, tgt in pairs:
+        tgt_in, tgt_out = np.array([[mc.bos_id, *tgt]]), np.array([[*tgt, mc.eos_id]])
+        logits = np.asarray(apply(np.array([src]), tgt_in), np.float64)  # [1, T, V]
+        logp = logits - logits.max(-1, keepdims=True)
+        logp -= np.log(np.exp(logp).sum(-1, keepdims=True))
+        total -= np.take_along_axis(logp, tgt_out[..., None], -1).sum()
+        count += tgt_out.size
+    assert math.isclose(total / count, final["val_nll"], rel_tol=1e-4)
+    assert math.isclose(math.exp(total / count), final["val_ppl"], rel_tol=1e-4)
+
+
+def test_lr_factor_test_split_and_length_penalty_reach_training_and_evaluation(
+    straight, tmp_path, monkeypatch
+):
+    config, workdir, _ = straight
+    flags = ["--lr_factor", "1.0", "--test_split", "test_2017_flickr", "--length_penalty", "1.5"]
+    parsed, _, _ = translate.config_from_args(["--preset", "tiny", *flags])
+    assert (parsed.lr_factor, parsed.test_split, parsed.length_penalty) == (
+        1.0,
+        "test_2017_flickr",
+        1.5,
+    )
+    assert config.lr_factor != 1.0 and config.test_split == "test_2016_flickr"
+    penalties = []
+
+    def beam_search(*args, **kwargs):  # the real search, noting the penalty it was given
+        penalties.append(kwargs["length_penalty"])
+        return real_beam_search(*args, **kwargs)
+
+    real_beam_search = decode.beam_search
+    monkeypatch.setattr(decode, "beam_search", beam_search)
+    final = translate.train_and_evaluate(
+        translate.replace(
+            config,
+            lr_factor=parsed.lr_factor,
+            test_split=parsed.test_split,
+            length_penalty=parsed.length_penalty,
+            plots=False,
+        ),
+        str(tmp_path),
+    )
+    # The rate of every step scales with lr_factor (Noam: lr_factor * D^-0.5 * ...).
+    rates = {r["step"]: r["lr"] for r in read_metrics(str(tmp_path)) if r["split"] == "train"}
+    straight_rates = {
+        r["step"]: r["lr"] for r in read_metrics(str(workdir)) if r["split"] == "train"
+    }
+    assert rates.keys() == straight_rates.keys() == set(range(1, 7))
+    for step, rate in rates.items():
+        assert math.isclose(rate, straight_rates[step] / config.lr_factor, rel_tol=1e-6)
+    # The test figures and translations are of the split given, its first sentences.
+    splits = {r["split"] for r in read_metrics(str(tmp_path))}
+    assert "test_2017_flickr" in splits and "test_2016_flickr" not in splits
+    assert final["hypotheses"].endswith(os.path.join("translations", "test_2017_flickr.step6.en"))
+    with open(
+        os.path.join(tmp_path, "translations", "test_2017_flickr.reference.en"), encoding="utf-8"
+    ) as f:
+        references = f.read().splitlines()
+    expected = load_multi30k("test_2017_flickr", data_dir=config.data_dir)
+    assert references == [en for _, en in expected[: config.eval_sentences]]
+    # And the beam search of the test set ran with the penalty given.
+    assert penalties and set(penalties) == {1.5}

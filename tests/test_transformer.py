@@ -1,4 +1,5 @@
 """The Transformer model: a NumPy re-implementation, invariants, configuration and positions."""
+
 from __future__ import annotations
 
 import math
@@ -8,8 +9,8 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
-
 from helpers import matmul_dtypes, np_dense, np_multi_head_attention
+
 from transformer_jax import (
     Transformer,
     TransformerConfig,
@@ -21,8 +22,16 @@ V = 17
 
 
 def _config(**overrides) -> TransformerConfig:
-    fields = dict(src_vocab_size=V, tgt_vocab_size=V, d_model=32, n_heads=4, d_ff=64,
-                  n_encoder_layers=2, n_decoder_layers=2, max_len=16)
+    fields = dict(
+        src_vocab_size=V,
+        tgt_vocab_size=V,
+        d_model=32,
+        n_heads=4,
+        d_ff=64,
+        n_encoder_layers=2,
+        n_decoder_layers=2,
+        max_len=16,
+    )
     return TransformerConfig.tiny(**{**fields, **overrides})
 
 
@@ -43,6 +52,7 @@ def _init(cfg, seed=0):
 
 # ------------------------------------------------------------------ NumPy reference model
 
+
 def _np_layer_norm(x, p, eps=1e-6):
     mu = x.mean(-1, keepdims=True)
     var = ((x - mu) ** 2).mean(-1, keepdims=True)
@@ -55,8 +65,11 @@ def _np_sublayer(x, p_norm, fn, norm_first, eps=1e-6):
     return _np_layer_norm(x + fn(x), p_norm, eps)
 
 
-_NP_ACTIVATIONS = {"relu": lambda x: np.maximum(x, 0.0), "swish": lambda x: x / (1 + np.exp(-x)),
-                   "gelu": lambda x: 0.5 * x * (1 + np.vectorize(math.erf)(x / np.sqrt(2.0)))}
+_NP_ACTIVATIONS = {
+    "relu": lambda x: np.maximum(x, 0.0),
+    "swish": lambda x: x / (1 + np.exp(-x)),
+    "gelu": lambda x: 0.5 * x * (1 + np.vectorize(math.erf)(x / np.sqrt(2.0))),
+}
 
 
 def _np_ffn(x, p, activation="relu"):
@@ -93,22 +106,34 @@ def np_transformer(params, cfg, src, tgt):
     x = emb[src] * scale + _np_positions(src.shape[1], d, layout)
     for i in range(cfg.n_encoder_layers):
         p = params["encoder"][f"layers_{i}"]
-        x = _np_sublayer(x, p["self_attn_residual"]["norm"],
-                         lambda h: np_multi_head_attention(h, h, p["self_attn"], src_mask,
-                                                           cfg.n_heads), nf, eps)
-        x = _np_sublayer(x, p["ffn_residual"]["norm"], lambda h: ffn(h, p["ffn"]), nf, eps)
+        x = _np_sublayer(
+            x,
+            p["self_attn_residual"]["norm"],
+            lambda h, p=p: np_multi_head_attention(h, h, p["self_attn"], src_mask, cfg.n_heads),
+            nf,
+            eps,
+        )
+        x = _np_sublayer(x, p["ffn_residual"]["norm"], lambda h, p=p: ffn(h, p["ffn"]), nf, eps)
     if nf:
         x = _np_layer_norm(x, params["encoder"]["final_norm"], eps)
     y = emb[tgt] * scale + _np_positions(t_, d, layout)
     for i in range(cfg.n_decoder_layers):
         p = params["decoder"][f"layers_{i}"]
-        y = _np_sublayer(y, p["self_attn_residual"]["norm"],
-                         lambda h: np_multi_head_attention(h, h, p["self_attn"], tgt_mask,
-                                                           cfg.n_heads), nf, eps)
-        y = _np_sublayer(y, p["cross_attn_residual"]["norm"],
-                         lambda h: np_multi_head_attention(h, x, p["cross_attn"], src_mask,
-                                                           cfg.n_heads), nf, eps)
-        y = _np_sublayer(y, p["ffn_residual"]["norm"], lambda h: ffn(h, p["ffn"]), nf, eps)
+        y = _np_sublayer(
+            y,
+            p["self_attn_residual"]["norm"],
+            lambda h, p=p: np_multi_head_attention(h, h, p["self_attn"], tgt_mask, cfg.n_heads),
+            nf,
+            eps,
+        )
+        y = _np_sublayer(
+            y,
+            p["cross_attn_residual"]["norm"],
+            lambda h, p=p: np_multi_head_attention(h, x, p["cross_attn"], src_mask, cfg.n_heads),
+            nf,
+            eps,
+        )
+        y = _np_sublayer(y, p["ffn_residual"]["norm"], lambda h, p=p: ffn(h, p["ffn"]), nf, eps)
     if nf:
         y = _np_layer_norm(y, params["decoder"]["final_norm"], eps)
     return y @ emb.T + (np.asarray(params["output_bias"]) if cfg.output_bias else 0.0)
@@ -124,27 +149,32 @@ def test_forward_matches_numpy_reference(norm_first):
     chex.assert_shape(logits, (2, 5, V))
     chex.assert_type(logits, jnp.float32)
     ref = np_transformer(params, cfg, src, tgt)
-    chex.assert_trees_all_close(np.asarray(logits), ref.astype(np.float32), atol=1e-4,
-                                rtol=1e-4)
+    chex.assert_trees_all_close(np.asarray(logits), ref.astype(np.float32), atol=1e-4, rtol=1e-4)
 
 
 @pytest.mark.parametrize("activation", ["swish", "gelu"])
 def test_marian_options_match_numpy_reference(activation):
     """Every option a Marian checkpoint needs, at once, against the reference above."""
-    cfg = _config(activation=activation, layer_norm_eps=1e-5, scale_embeddings=False,
-                  positional="sinusoidal_concat", output_bias=True, bos_id=0)
+    cfg = _config(
+        activation=activation,
+        layer_norm_eps=1e-5,
+        scale_embeddings=False,
+        positional="sinusoidal_concat",
+        output_bias=True,
+        bos_id=0,
+    )
     model, params = _init(cfg)
     params = {**params, "output_bias": jax.random.normal(jax.random.PRNGKey(1), (V,))}
     src, tgt = _batch(1)
-    tgt = tgt.at[:, 0].set(cfg.pad_id)   # decoding starts from pad
+    tgt = tgt.at[:, 0].set(cfg.pad_id)  # decoding starts from pad
     logits = model.apply({"params": params}, src, tgt)
     ref = np_transformer(params, cfg, src, tgt)
-    chex.assert_trees_all_close(np.asarray(logits), ref.astype(np.float32), atol=1e-4,
-                                rtol=1e-4)
+    chex.assert_trees_all_close(np.asarray(logits), ref.astype(np.float32), atol=1e-4, rtol=1e-4)
     # The options change the output (so the comparison above can fail).
     paper = {k: v for k, v in params.items() if k != "output_bias"}
-    assert not np.allclose(logits, Transformer(_config()).apply({"params": paper}, src, tgt),
-                           atol=1e-3)
+    assert not np.allclose(
+        logits, Transformer(_config()).apply({"params": paper}, src, tgt), atol=1e-3
+    )
 
 
 def test_encode_then_decode_equals_call():
@@ -158,6 +188,7 @@ def test_encode_then_decode_equals_call():
 
 # ------------------------------------------------------------------------------ invariants
 
+
 @pytest.mark.parametrize("norm_first", [False, True])
 def test_causality(norm_first):
     model, params = _init(_config(norm_first=norm_first))
@@ -165,11 +196,11 @@ def test_causality(norm_first):
     tgt = tgt.at[1, 4].set(9)  # no pad in the target for this test
     base = model.apply({"params": params}, src, tgt)
     for t in range(tgt.shape[1] - 1):
-        changed = tgt.at[:, t + 1:].set((tgt[:, t + 1:] + 5) % (V - 3) + 3)
+        changed = tgt.at[:, t + 1 :].set((tgt[:, t + 1 :] + 5) % (V - 3) + 3)
         out = model.apply({"params": params}, src, changed)
-        chex.assert_trees_all_close(out[:, :t + 1], base[:, :t + 1], atol=1e-5)
+        chex.assert_trees_all_close(out[:, : t + 1], base[:, : t + 1], atol=1e-5)
         # ... and the later positions do see the change (the test can fail).
-        assert not np.allclose(out[:, t + 1:], base[:, t + 1:], atol=1e-3)
+        assert not np.allclose(out[:, t + 1 :], base[:, t + 1 :], atol=1e-3)
 
 
 @pytest.mark.slow
@@ -179,16 +210,16 @@ def test_padding_invariance(norm_first):
     src, tgt = _batch(4)
     base = model.apply({"params": params}, src, tgt)
     more_src_pad = jnp.pad(src, ((0, 0), (0, 3)))  # three more pad positions
-    chex.assert_trees_all_close(model.apply({"params": params}, more_src_pad, tgt), base,
-                                atol=1e-5)
+    chex.assert_trees_all_close(model.apply({"params": params}, more_src_pad, tgt), base, atol=1e-5)
     # Extra target pad leaves the real target positions unchanged too.
     more_tgt_pad = jnp.pad(tgt, ((0, 0), (0, 2)))
     out = model.apply({"params": params}, src, more_tgt_pad)
     chex.assert_trees_all_close(out[:, :5], base, atol=1e-5)
     # Garbage in pad positions must not matter either (they are masked, not just zero).
     garbage = src.at[0, 4:].set(7)
-    assert not np.allclose(model.apply({"params": params}, garbage, tgt)[0], base[0],
-                           atol=1e-3), "the source pad mask must be what hides pad positions"
+    assert not np.allclose(model.apply({"params": params}, garbage, tgt)[0], base[0], atol=1e-3), (
+        "the source pad mask must be what hides pad positions"
+    )
 
 
 def test_dropout_only_when_not_deterministic():
@@ -197,24 +228,27 @@ def test_dropout_only_when_not_deterministic():
     a = model.apply({"params": params}, src, tgt)
     b = model.apply({"params": params}, src, tgt, deterministic=True)
     chex.assert_trees_all_equal(a, b)
-    d1 = model.apply({"params": params}, src, tgt, deterministic=False,
-                     rngs={"dropout": jax.random.PRNGKey(1)})
-    d1_again = model.apply({"params": params}, src, tgt, deterministic=False,
-                           rngs={"dropout": jax.random.PRNGKey(1)})
-    d2 = model.apply({"params": params}, src, tgt, deterministic=False,
-                     rngs={"dropout": jax.random.PRNGKey(2)})
+    d1 = model.apply(
+        {"params": params}, src, tgt, deterministic=False, rngs={"dropout": jax.random.PRNGKey(1)}
+    )
+    d1_again = model.apply(
+        {"params": params}, src, tgt, deterministic=False, rngs={"dropout": jax.random.PRNGKey(1)}
+    )
+    d2 = model.apply(
+        {"params": params}, src, tgt, deterministic=False, rngs={"dropout": jax.random.PRNGKey(2)}
+    )
     chex.assert_trees_all_equal(d1, d1_again)
     assert not np.allclose(d1, a, atol=1e-3) and not np.allclose(d1, d2, atol=1e-3)
 
 
 # --------------------------------------------------------------- parameters, init, dtypes
 
+
 def test_shared_and_separate_embeddings_and_output():
     _, shared = _init(_config())
     assert "src_embed" not in shared and "output" not in shared
     chex.assert_shape(shared["tgt_embed"]["embedding"], (V, 32))
-    _, separate = _init(_config(share_embeddings=False, tie_output=False,
-                                src_vocab_size=V + 4))
+    _, separate = _init(_config(share_embeddings=False, tie_output=False, src_vocab_size=V + 4))
     chex.assert_shape(separate["src_embed"]["embedding"], (V + 4, 32))
     chex.assert_shape(separate["output"]["kernel"], (32, V))
 
@@ -227,8 +261,9 @@ def test_xavier_uniform_init_and_float32_params():
     assert kernel.min() >= -limit and kernel.max() <= limit and kernel.max() > 0.9 * limit
     np.testing.assert_allclose(kernel.std(), limit / np.sqrt(3), rtol=0.1)
     assert np.all(np.asarray(params["encoder"]["layers_0"]["ffn"]["inner"]["bias"]) == 0)
-    chex.assert_trees_all_equal_dtypes(params, jax.tree_util.tree_map(
-        lambda x: np.zeros((), np.float32), params))
+    chex.assert_trees_all_equal_dtypes(
+        params, jax.tree_util.tree_map(lambda x: np.zeros((), np.float32), params)
+    )
 
 
 def test_bfloat16_compute_keeps_float32_params_and_logits():
@@ -243,13 +278,12 @@ def test_bfloat16_compute_keeps_float32_params_and_logits():
     # The closeness above would also pass a model that ignored `dtype`: every product of the
     # bf16 program must take bf16 operands (attention logits and the output projection
     # accumulate in float32), as many as the float32 program has.
-    full_dots = matmul_dtypes(lambda p: Transformer(cfg32).apply({"params": p}, src, tgt),
-                              params)
+    full_dots = matmul_dtypes(lambda p: Transformer(cfg32).apply({"params": p}, src, tgt), params)
     half_dots = matmul_dtypes(lambda p: model16.apply({"params": p}, src, tgt), params)
     assert {d[:2] for d in full_dots} == {("float32", "float32")}
     assert len(half_dots) == len(full_dots)
     assert {d[:2] for d in half_dots} == {("bfloat16", "bfloat16")}
-    assert not np.array_equal(logits16, logits32)     # and the rounding shows
+    assert not np.array_equal(logits16, logits32)  # and the rounding shows
 
 
 def test_half_output_projection_multiplies_in_bf16_and_returns_float32():
@@ -265,27 +299,33 @@ def test_half_output_projection_multiplies_in_bf16_and_returns_float32():
     chex.assert_type(logits, jnp.float32)
     np.testing.assert_allclose(np.asarray(logits), r(y) @ r(table).T, rtol=1e-5, atol=1e-5)
 
-    d_y, d_table = jax.grad(lambda y, t: jnp.sum(output_logits(y, t, jnp.bfloat16) * weight),
-                            argnums=(0, 1))(y, table)
+    d_y, d_table = jax.grad(
+        lambda y, t: jnp.sum(output_logits(y, t, jnp.bfloat16) * weight), argnums=(0, 1)
+    )(y, table)
     chex.assert_type([d_y, d_table], jnp.float32)
     # d/dy sum(w * y T^T) = w T, d/dT = w^T y, with every operand rounded to bf16 and each
     # result rounded to bf16 once (the cotangent of a bf16 operand is bf16).
     np.testing.assert_allclose(np.asarray(d_y), r(r(weight) @ r(table)), rtol=1e-2, atol=1e-2)
-    np.testing.assert_allclose(np.asarray(d_table),
-                               r(np.einsum("btv,btd->vd", r(weight), r(y))), rtol=1e-2,
-                               atol=1e-2)
+    np.testing.assert_allclose(
+        np.asarray(d_table), r(np.einsum("btv,btd->vd", r(weight), r(y))), rtol=1e-2, atol=1e-2
+    )
     # float32 stays a float32 product (asked at full precision: a GPU's default is TF32).
     with jax.default_matmul_precision("highest"):
         logits32 = output_logits(y, table, jnp.float32)
-    np.testing.assert_allclose(np.asarray(logits32),
-                               np.asarray(y, np.float64) @ np.asarray(table, np.float64).T,
-                               rtol=1e-5, atol=1e-5)
+    np.testing.assert_allclose(
+        np.asarray(logits32),
+        np.asarray(y, np.float64) @ np.asarray(table, np.float64).T,
+        rtol=1e-5,
+        atol=1e-5,
+    )
     # and its gradients (the custom VJP's transposed table product) are autodiff's.
     with jax.default_matmul_precision("highest"):
-        got = jax.grad(lambda y, t: jnp.sum(output_logits(y, t, jnp.float32) * weight),
-                       argnums=(0, 1))(y, table)
-        want = jax.grad(lambda y, t: jnp.sum(jnp.einsum("btd,vd->btv", y, t) * weight),
-                        argnums=(0, 1))(y, table)
+        got = jax.grad(
+            lambda y, t: jnp.sum(output_logits(y, t, jnp.float32) * weight), argnums=(0, 1)
+        )(y, table)
+        want = jax.grad(
+            lambda y, t: jnp.sum(jnp.einsum("btd,vd->btv", y, t) * weight), argnums=(0, 1)
+        )(y, table)
     chex.assert_trees_all_close(got, want, rtol=1e-5, atol=1e-5)
 
 
@@ -302,6 +342,7 @@ def test_other_positionals_run_and_learned_rejects_long_inputs(positional):
 
 
 # --------------------------------------------------------------------------- positions
+
 
 @pytest.mark.parametrize("length,d", [(7, 8), (50, 16)])
 def test_sinusoids_equal_the_formula_in_both_layouts(length, d):
@@ -328,41 +369,56 @@ def test_sinusoids_work_past_max_len():
 
 # ------------------------------------------------------------------------------- config
 
+
 def test_presets():
     base = TransformerConfig.base()
-    assert (base.d_model, base.n_heads, base.d_ff, base.n_encoder_layers,
-            base.n_decoder_layers, base.dropout) == (512, 8, 2048, 6, 6, 0.1)
+    assert (
+        base.d_model,
+        base.n_heads,
+        base.d_ff,
+        base.n_encoder_layers,
+        base.n_decoder_layers,
+        base.dropout,
+    ) == (512, 8, 2048, 6, 6, 0.1)
     big = TransformerConfig.big(src_vocab_size=100, tgt_vocab_size=100)
     assert (big.d_model, big.n_heads, big.d_ff, big.dropout, big.src_vocab_size) == (
-        1024, 16, 4096, 0.3, 100)
+        1024,
+        16,
+        4096,
+        0.3,
+        100,
+    )
     tiny = TransformerConfig.tiny(norm_first=True)
     assert tiny.norm_first and tiny.d_model <= 128 and tiny.head_dim == tiny.d_model // 4
     assert TransformerConfig.base(dtype="bfloat16").dtype == jnp.bfloat16
     hash(tiny)  # usable as a static jit argument
 
 
-@pytest.mark.parametrize("overrides,field", [
-    (dict(d_model=30, n_heads=4), "d_model"),
-    (dict(d_model=0), "d_model"),
-    (dict(n_heads=-1), "n_heads"),
-    (dict(d_ff=0), "d_ff"),
-    (dict(n_encoder_layers=0), "n_encoder_layers"),
-    (dict(src_vocab_size=0), "src_vocab_size"),
-    (dict(max_len=0), "max_len"),
-    (dict(dropout=1.0), "dropout"),
-    (dict(attention_dropout=-0.1), "attention_dropout"),
-    (dict(positional="rotary"), "positional"),
-    (dict(d_model=27, n_heads=3, positional="sinusoidal"), "d_model must be even"),
-    (dict(src_vocab_size=10, tgt_vocab_size=12, share_embeddings=True), "share_embeddings"),
-    (dict(bos_id=2), "pad_id, bos_id and eos_id"),
-    (dict(eos_id=0), "pad_id, bos_id and eos_id"),
-    (dict(eos_id=32), "eos_id"),
-    (dict(dtype="int32"), "dtype"),
-    (dict(activation="tanh"), "activation"),
-    (dict(layer_norm_eps=0.0), "layer_norm_eps"),
-    (dict(output_bias=True, tie_output=False), "output_bias"),
-    (dict(attention_impl="flash"), "attention_impl"),
-])
+@pytest.mark.parametrize(
+    "overrides,field",
+    [
+        (dict(d_model=30, n_heads=4), "d_model"),
+        (dict(d_model=0), "d_model"),
+        (dict(n_heads=-1), "n_heads"),
+        (dict(d_ff=0), "d_ff"),
+        (dict(n_encoder_layers=0), "n_encoder_layers"),
+        (dict(src_vocab_size=0), "src_vocab_size"),
+        (dict(max_len=0), "max_len"),
+        (dict(dropout=1.0), "dropout"),
+        (dict(attention_dropout=-0.1), "attention_dropout"),
+        (dict(positional="rotary"), "positional"),
+        (dict(d_model=27, n_heads=3, positional="sinusoidal"), "d_model must be even"),
+        (dict(src_vocab_size=10, tgt_vocab_size=12, share_embeddings=True), "share_embeddings"),
+        (dict(bos_id=2), "pad_id, bos_id and eos_id"),
+        (dict(eos_id=0), "pad_id, bos_id and eos_id"),
+        (dict(eos_id=32), "eos_id"),
+        (dict(dtype="int32"), "dtype"),
+        (dict(activation="tanh"), "activation"),
+        (dict(layer_norm_eps=0.0), "layer_norm_eps"),
+        (dict(output_bias=True, tie_output=False), "output_bias"),
+        (dict(attention_impl="flash"), "attention_impl"),
+    ],
+)
 def test_bad_configs_raise_value_error_naming_the_field(overrides, field):
     with pytest.raises(ValueError, match=field):
         TransformerConfig.tiny(**overrides)

@@ -1,4 +1,5 @@
 """The copy task converges (a shortened run of `python -m train.copy_task`)."""
+
 from __future__ import annotations
 
 import numpy as np
@@ -13,8 +14,16 @@ def test_copy_task_converges():
     config = copy_config(d_model=32, d_ff=128, dropout=0.0)
     logged = []
     # factor 0.5: a peak learning rate of about 0.01 trains width 32 without loss spikes.
-    loss, params = train_copy_task(steps=250, batch_size=32, warmup_steps=80, factor=0.5,
-                                   seed=0, config=config, log_every=50, log=logged.append)
+    loss, params = train_copy_task(
+        steps=250,
+        batch_size=32,
+        warmup_steps=80,
+        factor=0.5,
+        seed=0,
+        config=config,
+        log_every=50,
+        log=logged.append,
+    )
     assert len(logged) == 5 and "loss" in logged[0]
     # The floor is the entropy of the smoothed targets, about 0.56 nats for V = 13, s = 0.1.
     assert loss < 0.75, loss

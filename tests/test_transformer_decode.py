@@ -1,4 +1,5 @@
 """Decoding a Transformer: the KV cache against the full forward pass, greedy and beam search."""
+
 from __future__ import annotations
 
 import chex
@@ -14,33 +15,49 @@ PAD, BOS, EOS = 0, 1, 2
 
 
 def _model(seed=0, **overrides):
-    cfg = TransformerConfig.tiny(**{**dict(src_vocab_size=V, tgt_vocab_size=V, d_model=32,
-                                           n_heads=4, d_ff=64, max_len=12), **overrides})
+    cfg = TransformerConfig.tiny(
+        **{
+            **dict(src_vocab_size=V, tgt_vocab_size=V, d_model=32, n_heads=4, d_ff=64, max_len=12),
+            **overrides,
+        }
+    )
     model = Transformer(cfg)
     src = jnp.array([[5, 6, 7, 8, 2, 0], [9, 3, 2, 0, 0, 0], [4, 4, 4, 4, 4, 2]], jnp.int32)
     params = model.init(jax.random.PRNGKey(seed), src, src[:, :4])["params"]
     return model, params, src
 
 
-@pytest.mark.parametrize("overrides", [
-    dict(norm_first=False),
-    dict(norm_first=True),
-    dict(positional="learned"),
-    dict(positional="sinusoidal_concat", share_embeddings=False, tie_output=False),
-    # Marian's options: decoding starts from pad, so no target position is masked as pad.
-    dict(bos_id=PAD, activation="swish", layer_norm_eps=1e-5, scale_embeddings=False,
-         positional="sinusoidal_concat", output_bias=True),
-])
+@pytest.mark.parametrize(
+    "overrides",
+    [
+        dict(norm_first=False),
+        dict(norm_first=True),
+        dict(positional="learned"),
+        dict(positional="sinusoidal_concat", share_embeddings=False, tie_output=False),
+        # Marian's options: decoding starts from pad, so no target position is masked as pad.
+        dict(
+            bos_id=PAD,
+            activation="swish",
+            layer_norm_eps=1e-5,
+            scale_embeddings=False,
+            positional="sinusoidal_concat",
+            output_bias=True,
+        ),
+    ],
+)
 def test_cached_steps_equal_full_forward_at_every_step(overrides):
     model, params, src = _model(**overrides)
-    tgt = jnp.array([[1, 7, 8, 9, 3, 2, 0, 0], [1, 3, 3, 2, 0, 0, 0, 0],
-                     [1, 10, 11, 12, 3, 4, 5, 6]], jnp.int32)  # pad inside too
+    tgt = jnp.array(
+        [[1, 7, 8, 9, 3, 2, 0, 0], [1, 3, 3, 2, 0, 0, 0, 0], [1, 10, 11, 12, 3, 4, 5, 6]], jnp.int32
+    )  # pad inside too
     tgt = tgt.at[:, 0].set(model.config.bos_id)
     full = model.apply({"params": params}, src, tgt)  # [B, T, V]
-    step = jax.jit(lambda tok, cache, i: model.apply({"params": params}, tok, cache, index=i,
-                                                     method="decode_step"))
-    cache = model.apply({"params": params}, src, max_len=tgt.shape[1],
-                        method="init_decode_cache")
+    step = jax.jit(
+        lambda tok, cache, i: model.apply(
+            {"params": params}, tok, cache, index=i, method="decode_step"
+        )
+    )
+    cache = model.apply({"params": params}, src, max_len=tgt.shape[1], method="init_decode_cache")
     for leaf in jax.tree_util.tree_leaves(cache):
         assert leaf.shape[0] == src.shape[0], "every cache leaf must lead with the batch axis"
     for t in range(tgt.shape[1]):
@@ -77,7 +94,7 @@ def _assert_well_formed(rows):
     for row in rows:
         if EOS in row:
             e = list(row).index(EOS)
-            assert np.all(row[e + 1:] == PAD), row
+            assert np.all(row[e + 1 :] == PAD), row
             assert not np.any(row[:e] == PAD), row
         else:
             assert not np.any(row == PAD), row
@@ -107,8 +124,7 @@ def test_beam_size_one_equals_greedy(seed):
 def test_beam_scores_are_normalised_log_probs_of_the_returned_sequences():
     model, params, src = _model(4)
     alpha = 0.6
-    tokens, scores = beam_search(model, params, src, beam_size=3, max_len=6,
-                                 length_penalty=alpha)
+    tokens, scores = beam_search(model, params, src, beam_size=3, max_len=6, length_penalty=alpha)
     chex.assert_shape(scores, (3, 3))
     assert np.all(np.diff(np.asarray(scores), axis=1) <= 1e-6), "best first"
     _assert_well_formed(tokens)
@@ -116,8 +132,7 @@ def test_beam_scores_are_normalised_log_probs_of_the_returned_sequences():
         for w in range(3):
             seq = [int(t) for t in np.asarray(tokens[b, w]) if t != PAD]
             tgt = jnp.array([[BOS] + seq[:-1]], jnp.int32)
-            logits = np.asarray(model.apply({"params": params}, src[b:b + 1], tgt),
-                                np.float64)[0]
+            logits = np.asarray(model.apply({"params": params}, src[b : b + 1], tgt), np.float64)[0]
             logits[:, [PAD, BOS]] = -np.inf  # decoding renormalises over emittable tokens
             m = logits.max(-1, keepdims=True)
             log_p = logits - m - np.log(np.exp(logits - m).sum(-1, keepdims=True))
@@ -126,8 +141,9 @@ def test_beam_scores_are_normalised_log_probs_of_the_returned_sequences():
             np.testing.assert_allclose(float(scores[b, w]), expected, rtol=1e-4, atol=1e-4)
     # The best beam is at least as good as the greedy sequence under the same score.
     greedy = np.asarray(greedy_decode(model, params, src, max_len=6))
-    greedy_beam, greedy_scores = beam_search(model, params, src, beam_size=1, max_len=6,
-                                             length_penalty=alpha)
+    greedy_beam, greedy_scores = beam_search(
+        model, params, src, beam_size=1, max_len=6, length_penalty=alpha
+    )
     np.testing.assert_array_equal(np.asarray(greedy_beam[:, 0]), greedy)
     assert np.all(np.asarray(scores[:, 0]) >= np.asarray(greedy_scores[:, 0]) - 1e-5)
 
@@ -141,10 +157,12 @@ def test_best_only_beam_equals_the_full_searchs_best(alpha, beam_size):
     params = jax.tree_util.tree_map(lambda x: x, params)
     params["output"]["bias"] = params["output"]["bias"].at[EOS].set(1.0)
     src = jnp.concatenate([src, src[:1] * 0 + jnp.array([[3, 3, 3, 2, 0, 0]])])
-    tokens, scores = beam_search(model, params, src, beam_size=beam_size, max_len=10,
-                                 length_penalty=alpha)
-    best, best_scores = beam_search(model, params, src, beam_size=beam_size, max_len=10,
-                                    length_penalty=alpha, best_only=True)
+    tokens, scores = beam_search(
+        model, params, src, beam_size=beam_size, max_len=10, length_penalty=alpha
+    )
+    best, best_scores = beam_search(
+        model, params, src, beam_size=beam_size, max_len=10, length_penalty=alpha, best_only=True
+    )
     assert np.any(np.asarray(tokens[:, 0]) == EOS)
     np.testing.assert_array_equal(np.asarray(best[:, 0]), np.asarray(tokens[:, 0]))
     np.testing.assert_array_equal(np.asarray(best_scores[:, 0]), np.asarray(scores[:, 0]))

@@ -2,6 +2,7 @@
 with transformers, as in test_marian) translates sentences and files in input order with the
 project's length-sorted batches, equal to decoding each sentence alone, and scores a shipped
 Multi30k split with sacreBLEU."""
+
 from __future__ import annotations
 
 import json
@@ -16,9 +17,9 @@ pytest.importorskip("torch")
 
 from helpers import SOURCE_TEXT, save_marian, save_tokenizer  # noqa: E402
 
+from train.data.datasets import load_multi30k  # noqa: E402
 from train.translate import cli  # noqa: E402
 from train.translate.pretrained import Pretrained, evaluate_pretrained  # noqa: E402
-from train.data.datasets import load_multi30k  # noqa: E402
 from transformer_jax import beam_search, greedy_decode, load_marian  # noqa: E402
 
 
@@ -39,8 +40,9 @@ def test_batched_translation_equals_one_sentence_at_a_time(folder):
     for sentence, got in zip(sentences, batched):
         src = jnp.asarray(tokenizer.encode([sentence], max_len=settings.buckets[-1]))
         bucket = min(b for b in settings.buckets if b >= src.shape[1])
-        alone = np.asarray(greedy_decode(model, params, src,
-                                         max_len=bucket + settings.decode_margin))
+        alone = np.asarray(
+            greedy_decode(model, params, src, max_len=bucket + settings.decode_margin)
+        )
         assert got == tokenizer.decode(alone[0])
 
 
@@ -49,13 +51,28 @@ def test_the_command_line_translates_a_file_and_scores_multi30k(folder, tmp_path
     source = tmp_path / "de.txt"
     source.write_text("\n".join(SOURCE_TEXT[:3]) + "\n", encoding="utf-8")
     out = tmp_path / "en.txt"
-    assert cli.main(["--pretrained", str(folder), "--translate_file", str(source),
-                     "--output", str(out), "--beam_size", "2"]) == 0
+    assert (
+        cli.main(
+            [
+                "--pretrained",
+                str(folder),
+                "--translate_file",
+                str(source),
+                "--output",
+                str(out),
+                "--beam_size",
+                "2",
+            ]
+        )
+        == 0
+    )
     written = out.read_text(encoding="utf-8").splitlines()
     # The same sentences given on the command line: the same lines.
     capsys.readouterr()
-    assert cli.main(["--pretrained", str(folder), "--beam_size", "2", "--translate",
-                     *SOURCE_TEXT[:3]]) == 0
+    assert (
+        cli.main(["--pretrained", str(folder), "--beam_size", "2", "--translate", *SOURCE_TEXT[:3]])
+        == 0
+    )
     assert capsys.readouterr().out.splitlines() == written
     # ... and the library's beam search of each sentence alone.
     settings = Pretrained(str(folder), beam_size=2).settings
@@ -64,23 +81,41 @@ def test_the_command_line_translates_a_file_and_scores_multi30k(folder, tmp_path
     for sentence, got in zip(SOURCE_TEXT[:3], written):
         src = jnp.asarray(tokenizer.encode([sentence], max_len=settings.buckets[-1]))
         bucket = min(b for b in settings.buckets if b >= src.shape[1])
-        src = jnp.pad(src, ((0, 0), (0, bucket - src.shape[1])),
-                      constant_values=model.config.pad_id)
-        tokens, _ = beam_search(model, params, src, beam_size=2,
-                                max_len=bucket + settings.decode_margin,
-                                length_penalty=settings.length_penalty)
+        src = jnp.pad(
+            src, ((0, 0), (0, bucket - src.shape[1])), constant_values=model.config.pad_id
+        )
+        tokens, _ = beam_search(
+            model,
+            params,
+            src,
+            beam_size=2,
+            max_len=bucket + settings.decode_margin,
+            length_penalty=settings.length_penalty,
+        )
         assert got == tokenizer.decode(np.asarray(tokens)[0, 0])
 
     data_dir = tmp_path / "tfds"
-    result = evaluate_pretrained(str(folder), data_dir=str(data_dir), sentences=6,
-                                 beam_size=1)
+    result = evaluate_pretrained(str(folder), data_dir=str(data_dir), sentences=6, beam_size=1)
     assert result["sentences"] == 6 and len(result["hypotheses"]) == 6
     # sacreBLEU of those hypotheses against the shipped Multi30k references.
     references = [en for _, en in load_multi30k("test_2016_flickr", data_dir=str(data_dir))[:6]]
     assert result["bleu"] == pytest.approx(
-        sacrebleu.corpus_bleu(result["hypotheses"], [references]).score, abs=1e-9)
-    assert cli.main(["--pretrained", str(folder), "--eval", "--eval_sentences", "6",
-                     "--data_dir", str(data_dir)]) == 0
+        sacrebleu.corpus_bleu(result["hypotheses"], [references]).score, abs=1e-9
+    )
+    assert (
+        cli.main(
+            [
+                "--pretrained",
+                str(folder),
+                "--eval",
+                "--eval_sentences",
+                "6",
+                "--data_dir",
+                str(data_dir),
+            ]
+        )
+        == 0
+    )
     assert "test_2016_flickr: BLEU" in capsys.readouterr().out
 
 

@@ -1,4 +1,5 @@
 """Adaptive input embedding and projected adaptive log-softmax against slow NumPy."""
+
 from __future__ import annotations
 
 import chex
@@ -10,9 +11,9 @@ import pytest
 from xl_jax import AdaptiveEmbedding, ProjectedAdaptiveLogSoftmax, TransformerXLConfig
 
 CASES = [
-    dict(),                                                     # full softmax, no projection
-    dict(d_embed=24),                                           # full softmax, projected
-    dict(cutoffs=(10, 30), div_val=1),                          # clusters, one table
+    dict(),  # full softmax, no projection
+    dict(d_embed=24),  # full softmax, projected
+    dict(cutoffs=(10, 30), div_val=1),  # clusters, one table
     dict(cutoffs=(10, 30), div_val=1, d_embed=24, tie_projs=(False, True, True)),
     dict(cutoffs=(10, 30), div_val=2, d_embed=32),
     dict(cutoffs=(10, 30), div_val=2, d_embed=32, tie_projs=(True, False, True)),
@@ -77,13 +78,19 @@ def _slow_log_probs(crit, emb, cfg, h):
         if n == 0:
             out[idx] = _log_softmax(logits(x, w0, b0, proj(0)))
             continue
-        head = _log_softmax(logits(x, np.concatenate([w0, crit["cluster_weight"]]),
-                                   np.concatenate([b0, crit["cluster_bias"]]), proj(0)))
-        out[idx][:bounds[1]] = head[:bounds[1]]
+        head = _log_softmax(
+            logits(
+                x,
+                np.concatenate([w0, crit["cluster_weight"]]),
+                np.concatenate([b0, crit["cluster_bias"]]),
+                proj(0),
+            )
+        )
+        out[idx][: bounds[1]] = head[: bounds[1]]
         for c in range(1, n + 1):
             w, b = table(c)
             tail = _log_softmax(logits(x, w, b, proj(c)))
-            out[idx][bounds[c]:bounds[c + 1]] = head[len(head) - c] + tail
+            out[idx][bounds[c] : bounds[c + 1]] = head[len(head) - c] + tail
     return out
 
 
@@ -101,12 +108,16 @@ def test_adaptive_embedding_and_softmax_match_numpy(overrides):
     kw = dict(tied_tables=tied[0], tied_projs=tied[1])
     crit_params = crit.init(jax.random.key(2), h, **kw)["params"]
     crit_params = jax.tree.map(
-        lambda x: jnp.asarray(rng.normal(size=x.shape) * 0.5, jnp.float32), crit_params)
+        lambda x: jnp.asarray(rng.normal(size=x.shape) * 0.5, jnp.float32), crit_params
+    )
 
     got_emb = emb_mod.apply({"params": emb_params}, tokens)
-    chex.assert_trees_all_close(np.asarray(got_emb, np.float64),
-                                _slow_embedding(_np(emb_params), cfg, np.asarray(tokens)),
-                                rtol=1e-5, atol=1e-6)
+    chex.assert_trees_all_close(
+        np.asarray(got_emb, np.float64),
+        _slow_embedding(_np(emb_params), cfg, np.asarray(tokens)),
+        rtol=1e-5,
+        atol=1e-6,
+    )
 
     logp = crit.apply({"params": crit_params}, h, **kw)
     want = _slow_log_probs(_np(crit_params), _np(emb_params), cfg, np.asarray(h, np.float64))
@@ -120,17 +131,24 @@ def test_adaptive_embedding_and_softmax_match_numpy(overrides):
 
 
 def test_tied_softmax_has_no_own_tables():
-    cfg = TransformerXLConfig.tiny(cutoffs=(10, 30), div_val=2, d_embed=32,
-                                   tie_projs=(False, True, True))
+    cfg = TransformerXLConfig.tiny(
+        cutoffs=(10, 30), div_val=2, d_embed=32, tie_projs=(False, True, True)
+    )
     emb_mod = AdaptiveEmbedding(cfg)
     tokens = jnp.zeros((1, 3), jnp.int32)
     emb_params = emb_mod.init(jax.random.key(0), tokens)["params"]
     tied = emb_mod.apply({"params": emb_params}, method=AdaptiveEmbedding.tied_parameters)
     params = ProjectedAdaptiveLogSoftmax(cfg).init(
-        jax.random.key(1), jnp.zeros((1, 3, cfg.d_model)), tied_tables=tied[0],
-        tied_projs=tied[1])["params"]
-    assert sorted(params) == ["bias_0", "bias_1", "bias_2", "cluster_bias", "cluster_weight",
-                              "proj_0"]
+        jax.random.key(1), jnp.zeros((1, 3, cfg.d_model)), tied_tables=tied[0], tied_projs=tied[1]
+    )["params"]
+    assert sorted(params) == [
+        "bias_0",
+        "bias_1",
+        "bias_2",
+        "cluster_bias",
+        "cluster_weight",
+        "proj_0",
+    ]
     chex.assert_shape(params["cluster_weight"], (2, 32))
 
 
@@ -139,12 +157,12 @@ def _crit_nll_and_grads(cfg, hidden, targets, params, tied):
     crit = ProjectedAdaptiveLogSoftmax(cfg)
 
     def loss(params, tied, hidden):
-        nll = crit.apply({"params": params}, hidden, targets, tied_tables=tied[0],
-                         tied_projs=tied[1])
+        nll = crit.apply(
+            {"params": params}, hidden, targets, tied_tables=tied[0], tied_projs=tied[1]
+        )
         return nll.mean(), nll
 
-    return jax.jit(jax.value_and_grad(loss, argnums=(0, 1, 2), has_aux=True))(
-        params, tied, hidden)
+    return jax.jit(jax.value_and_grad(loss, argnums=(0, 1, 2), has_aux=True))(params, tied, hidden)
 
 
 @pytest.mark.parametrize("overrides", [c for c in CASES if c.get("cutoffs")])
@@ -152,19 +170,25 @@ def _crit_nll_and_grads(cfg, hidden, targets, params, tied):
 def test_grouped_tails_equal_the_dense_path_nll_and_gradients(overrides, targets_in):
     cfg = TransformerXLConfig.tiny(**overrides)
     rng = np.random.default_rng(3)
-    low, high = {"spread": (0, 64), "head_only": (0, 10), "one_tail": (10, 30),
-                 "last_tail": (30, 64)}[targets_in]
+    low, high = {
+        "spread": (0, 64),
+        "head_only": (0, 10),
+        "one_tail": (10, 30),
+        "last_tail": (30, 64),
+    }[targets_in]
     targets = jnp.asarray(rng.integers(low, high, (3, 11)))
-    if targets_in == "spread":   # most tokens in the head, as with a Zipfian vocabulary
+    if targets_in == "spread":  # most tokens in the head, as with a Zipfian vocabulary
         targets = jnp.where(jnp.asarray(rng.random((3, 11)) < 0.6), targets % 10, targets)
     hidden = jnp.asarray(rng.normal(size=(3, 11, cfg.d_model)), jnp.float32)
     emb_mod = AdaptiveEmbedding(cfg)
     emb_params = emb_mod.init(jax.random.key(0), targets)["params"]
     tied = emb_mod.apply({"params": emb_params}, method=AdaptiveEmbedding.tied_parameters)
     params = ProjectedAdaptiveLogSoftmax(cfg).init(
-        jax.random.key(2), hidden, tied_tables=tied[0], tied_projs=tied[1])["params"]
-    params = jax.tree.map(lambda x: jnp.asarray(rng.normal(size=x.shape) * 0.5, jnp.float32),
-                          params)
+        jax.random.key(2), hidden, tied_tables=tied[0], tied_projs=tied[1]
+    )["params"]
+    params = jax.tree.map(
+        lambda x: jnp.asarray(rng.normal(size=x.shape) * 0.5, jnp.float32), params
+    )
 
     (_, grouped), grouped_grads = _crit_nll_and_grads(cfg, hidden, targets, params, tied)
     dense_cfg = cfg.replace(softmax_tails="dense")
@@ -176,6 +200,7 @@ def test_grouped_tails_equal_the_dense_path_nll_and_gradients(overrides, targets
 
 def test_capacity_ladder_always_holds_every_token():
     from xl_jax.adaptive import capacity_ladder
+
     assert capacity_ladder(300) == (0, 2, 3, 5, 10, 19, 38, 75, 150, 300)
     assert capacity_ladder(1) == (0, 1)
     with pytest.raises(ValueError, match="softmax_tails"):

@@ -1,4 +1,5 @@
 """xl_jax.attention: rel_shift against an explicit gather, relative attention against NumPy."""
+
 from __future__ import annotations
 
 import chex
@@ -7,8 +8,13 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from xl_jax import (RelativeMultiHeadAttention, TransformerXLConfig, attention_mask,
-                    rel_shift, sinusoid_embedding)
+from xl_jax import (
+    RelativeMultiHeadAttention,
+    TransformerXLConfig,
+    attention_mask,
+    rel_shift,
+    sinusoid_embedding,
+)
 
 
 @pytest.mark.parametrize("t,s", [(5, 5), (3, 7), (1, 4), (4, 12)])
@@ -20,7 +26,7 @@ def test_rel_shift_equals_gather(t, s):
         for j in range(s):
             dist = m + i - j
             if dist < 0:
-                continue            # future keys: unspecified, masked by the model
+                continue  # future keys: unspecified, masked by the model
             # R runs S-1 ... 0, so distance `dist` is column S - 1 - dist.
             np.testing.assert_array_equal(got[..., i, j], x[..., i, s - 1 - dist])
 
@@ -38,8 +44,7 @@ def test_sinusoid_embedding_formula():
         for k in range(d // 2):
             freq = 10000.0 ** (-2 * k / d)
             np.testing.assert_allclose(got[r, k], np.sin(p * freq), rtol=1e-6, atol=1e-6)
-            np.testing.assert_allclose(got[r, d // 2 + k], np.cos(p * freq), rtol=1e-6,
-                                       atol=1e-6)
+            np.testing.assert_allclose(got[r, d // 2 + k], np.cos(p * freq), rtol=1e-6, atol=1e-6)
 
 
 def _layer_norm(x, scale, bias, eps):
@@ -57,11 +62,11 @@ def _slow_relative_attention(p, h, mem, valid, u, v, cfg, clamp_len):
     cat = np.concatenate([mem, h], axis=1)
     if cfg.norm_first:
         cat = _layer_norm(cat, ln["scale"], ln["bias"], cfg.layer_norm_eps)
-    w = p["qkv"]["kernel"]                                          # [D, 3, H, K]
+    w = p["qkv"]["kernel"]  # [D, 3, H, K]
     q = np.einsum("bsd,dhk->bshk", cat, w[:, 0])[:, M:]
     k = np.einsum("bsd,dhk->bshk", cat, w[:, 1])
     val = np.einsum("bsd,dhk->bshk", cat, w[:, 2])
-    w_r = p["r_net"]["kernel"]                                      # [D, H, K]
+    w_r = p["r_net"]["kernel"]  # [D, H, K]
     out = np.zeros((B, T, H, K))
     for b in range(B):
         for n in range(H):
@@ -74,7 +79,7 @@ def _slow_relative_attention(p, h, mem, valid, u, v, cfg, clamp_len):
                     pd = min(dist, clamp_len) if clamp_len > 0 else dist
                     freqs = 10000.0 ** (-np.arange(0, D, 2) / D)
                     r = np.concatenate([np.sin(pd * freqs), np.cos(pd * freqs)])
-                    wr = r @ w_r[:, n]                               # W_kR R_{i-j}
+                    wr = r @ w_r[:, n]  # W_kR R_{i-j}
                     a = q[b, i, n] @ k[b, j, n]
                     bb = q[b, i, n] @ wr
                     c = u[n] @ k[b, j, n]
@@ -93,30 +98,40 @@ def _slow_relative_attention(p, h, mem, valid, u, v, cfg, clamp_len):
 @pytest.mark.parametrize("norm_first", [False, True])
 @pytest.mark.parametrize("clamp_len", [-1, 3])
 def test_relative_attention_matches_slow_numpy(norm_first, clamp_len):
-    cfg = TransformerXLConfig.tiny(d_model=16, n_heads=2, d_head=5, norm_first=norm_first,
-                                   clamp_len=clamp_len)
+    cfg = TransformerXLConfig.tiny(
+        d_model=16, n_heads=2, d_head=5, norm_first=norm_first, clamp_len=clamp_len
+    )
     B, T, M = 2, 3, 4
     rng = np.random.default_rng(1)
     h = rng.normal(size=(B, T, cfg.d_model)).astype(np.float32)
     mem = rng.normal(size=(B, M, cfg.d_model)).astype(np.float32)
     u = rng.normal(size=(cfg.n_heads, cfg.d_head)).astype(np.float32)
     v = rng.normal(size=(cfg.n_heads, cfg.d_head)).astype(np.float32)
-    valid = np.array([4, 2], np.int32)        # row 1: two memory slots not yet filled
+    valid = np.array([4, 2], np.int32)  # row 1: two memory slots not yet filled
 
     from xl_jax.attention import relative_positions
+
     pos = sinusoid_embedding(relative_positions(cfg, q_len=T, mem_len=M), cfg.d_model)
     mask = attention_mask(jnp.asarray(valid), q_len=T, mem_len=M, same_length=False)
     module = RelativeMultiHeadAttention(cfg)
     params = module.init(jax.random.key(0), h, mem, pos, mask, u, v)["params"]
     # Non-trivial LayerNorm parameters, so a missing or misplaced LN cannot pass.
-    params["layer_norm"] = {"scale": jnp.asarray(rng.normal(size=cfg.d_model) + 1.0,
-                                                 jnp.float32),
-                            "bias": jnp.asarray(rng.normal(size=cfg.d_model), jnp.float32)}
+    params["layer_norm"] = {
+        "scale": jnp.asarray(rng.normal(size=cfg.d_model) + 1.0, jnp.float32),
+        "bias": jnp.asarray(rng.normal(size=cfg.d_model), jnp.float32),
+    }
     got = module.apply({"params": params}, h, mem, pos, mask, u, v)
     np_params = jax.tree.map(lambda x: np.asarray(x, np.float64), params)
-    want = _slow_relative_attention(np_params, h.astype(np.float64), mem.astype(np.float64),
-                                    valid, u.astype(np.float64), v.astype(np.float64), cfg,
-                                    clamp_len)
+    want = _slow_relative_attention(
+        np_params,
+        h.astype(np.float64),
+        mem.astype(np.float64),
+        valid,
+        u.astype(np.float64),
+        v.astype(np.float64),
+        cfg,
+        clamp_len,
+    )
     chex.assert_shape(got, (B, T, cfg.d_model))
     chex.assert_trees_all_close(np.asarray(got, np.float64), want, rtol=2e-5, atol=2e-5)
 
@@ -137,10 +152,12 @@ def _reference_style_mask(*, qlen, mlen, mem_len, same_length):
 @pytest.mark.parametrize("qlen,mem_len", [(3, 5), (5, 3), (4, 4), (1, 6)])
 def test_mask_matches_reference_for_every_fill_level(same_length, qlen, mem_len):
     for mlen in range(mem_len + 1):
-        got = np.asarray(attention_mask(jnp.array([mlen]), q_len=qlen, mem_len=mem_len,
-                                        same_length=same_length))[0, 0]
-        ref_masked = _reference_style_mask(qlen=qlen, mlen=mlen, mem_len=mem_len,
-                                           same_length=same_length)
+        got = np.asarray(
+            attention_mask(jnp.array([mlen]), q_len=qlen, mem_len=mem_len, same_length=same_length)
+        )[0, 0]
+        ref_masked = _reference_style_mask(
+            qlen=qlen, mlen=mlen, mem_len=mem_len, same_length=same_length
+        )
         # Our keys: M - mlen unfilled slots, then the reference's keys.
-        np.testing.assert_array_equal(got[:, :mem_len - mlen], False)
-        np.testing.assert_array_equal(got[:, mem_len - mlen:], ~ref_masked)
+        np.testing.assert_array_equal(got[:, : mem_len - mlen], False)
+        np.testing.assert_array_equal(got[:, mem_len - mlen :], ~ref_masked)

@@ -1,4 +1,5 @@
 """lm_batches against the tutorial's time-major batching (view(B, -1).t(), then bptt slices)."""
+
 from __future__ import annotations
 
 import numpy as np
@@ -9,11 +10,11 @@ from xl_jax import lm_batches, num_lm_batches
 
 def _tutorial_batches(stream, bsz, bptt):
     n = len(stream) // bsz
-    data = np.asarray(stream[:n * bsz]).reshape(bsz, n).T          # [n, B], column b = row b
+    data = np.asarray(stream[: n * bsz]).reshape(bsz, n).T  # [n, B], column b = row b
     out = []
     for i in range(0, n - 1, bptt):
         seq_len = min(bptt, n - 1 - i)
-        out.append((data[i:i + seq_len].T, data[i + 1:i + 1 + seq_len].T))
+        out.append((data[i : i + seq_len].T, data[i + 1 : i + 1 + seq_len].T))
     return out
 
 
@@ -33,7 +34,7 @@ def test_matches_tutorial_batching(n_tokens, bsz, tgt):
 
 
 def test_last_partial_kept_or_dropped_and_resume():
-    stream = np.arange(103)                    # rows of 25: 24 predictable positions
+    stream = np.arange(103)  # rows of 25: 24 predictable positions
     kept = lm_batches(stream, batch_size=4, tgt_len=5)
     assert len(kept) == 5 and kept[-1][0].shape == (4, 4)
     dropped = lm_batches(stream, batch_size=4, tgt_len=5, drop_last=True)

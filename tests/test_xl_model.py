@@ -1,4 +1,5 @@
 """TransformerXL: memory semantics, causality, masks, recompilation, config validation."""
+
 from __future__ import annotations
 
 import functools
@@ -9,8 +10,8 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
-
 from helpers import needs_gpu
+
 from xl_jax import TransformerXL, TransformerXLConfig, init_memory, update_memory
 
 
@@ -30,19 +31,22 @@ def _setup(cfg, batch=2, length=12, seed=0):
 def _run_segments(model, params, tokens, memory, seg_len, targets=None):
     outs = []
     for s in range(0, tokens.shape[1], seg_len):
-        tgt = None if targets is None else targets[:, s:s + seg_len]
-        out, memory = _apply(model.config, params, tokens[:, s:s + seg_len], memory, tgt)
+        tgt = None if targets is None else targets[:, s : s + seg_len]
+        out, memory = _apply(model.config, params, tokens[:, s : s + seg_len], memory, tgt)
         outs.append(out)
     return jnp.concatenate(outs, axis=1), memory
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("overrides", [
-    dict(),
-    dict(norm_first=True),
-    dict(cutoffs=(20, 40), div_val=2, d_embed=32),
-    dict(untie_r=True, tie_weights=False, d_embed=24),
-])
+@pytest.mark.parametrize(
+    "overrides",
+    [
+        dict(),
+        dict(norm_first=True),
+        dict(cutoffs=(20, 40), div_val=2, d_embed=32),
+        dict(untie_r=True, tie_weights=False, d_embed=24),
+    ],
+)
 def test_segments_with_memory_equal_one_pass(overrides):
     # M = 10 >= the 8 tokens before the last segment, so every key of every position fits in
     # the memory; segment 2 also sees 6 unfilled slots (valid = 4 of 10), which must be masked.
@@ -77,7 +81,7 @@ def test_memory_keeps_exactly_the_last_mem_len_positions():
     T, M = 6, 3
     _, mem = _apply(cfg, params, tokens[:, :T], init_memory(cfg, 2))
     seg2, _ = _apply(cfg, params, tokens[:, T:], mem)
-    window, _ = _apply(cfg, params, tokens[:, T - M:], init_memory(cfg, 2, 0))
+    window, _ = _apply(cfg, params, tokens[:, T - M :], init_memory(cfg, 2, 0))
     chex.assert_trees_all_close(seg2, window[:, M:], rtol=1e-5, atol=1e-5)
 
 
@@ -91,7 +95,7 @@ def test_update_memory_slides_and_counts():
         mem = update_memory(mem, [h])
         n = min(len(seen), 3)
         np.testing.assert_array_equal(mem.valid, [n])
-        np.testing.assert_array_equal(mem.hidden[0][0, 3 - n:, 0], seen[-n:])
+        np.testing.assert_array_equal(mem.hidden[0][0, 3 - n :, 0], seen[-n:])
 
 
 @pytest.mark.slow
@@ -116,7 +120,8 @@ def test_no_gradient_through_memory_into_previous_segment():
     chex.assert_trees_all_close(g_through, g_const, rtol=1e-6, atol=1e-7)
     # And the memory does carry information: the loss depends on it.
     other_mem = jax.tree.map(lambda x: x, fixed_mem).replace(
-        hidden=tuple(h + 1.0 for h in fixed_mem.hidden))
+        hidden=tuple(h + 1.0 for h in fixed_mem.hidden)
+    )
     nll_a, _ = _apply(cfg, params, tokens[:, 4:], fixed_mem, targets[:, 4:])
     nll_b, _ = _apply(cfg, params, tokens[:, 4:], other_mem, targets[:, 4:])
     assert np.abs(np.asarray(nll_a - nll_b)).max() > 1e-4
@@ -151,7 +156,8 @@ def test_clamp_len_changes_only_positions_that_see_longer_distances():
     model, params, tokens = _setup(cfg, length=8)
     # At init (std 0.02) the position terms are tiny; make them matter.
     params = flax.traverse_util.path_aware_map(
-        lambda path, x: x * 50 if "r_net" in path or "r_r_bias" in path else x, params)
+        lambda path, x: x * 50 if "r_net" in path or "r_r_bias" in path else x, params
+    )
     empty = init_memory(cfg, 2, mem_len=0)
     a, _ = _apply(cfg, params, tokens, empty)
     b, _ = _apply(cfg.replace(clamp_len=2), params, tokens, empty)
@@ -178,7 +184,7 @@ def test_jitted_step_traces_once_across_segments():
     for mem_len in (cfg.mem_len, 12):
         mem = init_memory(cfg, 2, mem_len=mem_len)
         for s in range(0, 16, 4):
-            _, mem = step(params, tokens[:, s:s + 4], mem)
+            _, mem = step(params, tokens[:, s : s + 4], mem)
 
 
 @pytest.mark.slow
@@ -188,8 +194,9 @@ def test_dropout_needs_rng_and_is_reproducible():
     mem = init_memory(cfg, 2)
 
     def run(key):
-        return model.apply({"params": params}, tokens, mem, deterministic=False,
-                           rngs={"dropout": key})[0]
+        return model.apply(
+            {"params": params}, tokens, mem, deterministic=False, rngs={"dropout": key}
+        )[0]
 
     with pytest.raises(flax.errors.InvalidRngError, match="dropout"):
         model.apply({"params": params}, tokens, mem, deterministic=False)
@@ -215,17 +222,29 @@ def test_float64_under_x64():
         model64 = TransformerXL(cfg64)
         out64, mem = _run_segments(model64, p64, tokens, init_memory(cfg64, 2), 4)
         assert out64.dtype == jnp.float64 and mem.hidden[0].dtype == jnp.float64
-        chex.assert_trees_all_close(np.asarray(out64), np.asarray(out32, np.float64),
-                                    rtol=1e-4, atol=1e-4)
+        chex.assert_trees_all_close(
+            np.asarray(out64), np.asarray(out32, np.float64), rtol=1e-4, atol=1e-4
+        )
         # The float64 probabilities are normalised to float64 precision.
         np.testing.assert_allclose(np.exp(np.asarray(out64)).sum(-1), 1.0, atol=1e-12)
 
 
-@pytest.mark.parametrize("field,value", [
-    ("d_model", 0), ("n_layers", 0), ("mem_len", -1), ("dropout", 1.0), ("d_model", 31),
-    ("cutoffs", (40, 20)), ("cutoffs", (10, 64)), ("tie_projs", (True,)),
-    ("same_length", True), ("remat", "sometimes"), ("attention_impl", "flash"),
-])
+@pytest.mark.parametrize(
+    "field,value",
+    [
+        ("d_model", 0),
+        ("n_layers", 0),
+        ("mem_len", -1),
+        ("dropout", 1.0),
+        ("d_model", 31),
+        ("cutoffs", (40, 20)),
+        ("cutoffs", (10, 64)),
+        ("tie_projs", (True,)),
+        ("same_length", True),
+        ("remat", "sometimes"),
+        ("attention_impl", "flash"),
+    ],
+)
 def test_config_validation_names_the_field(field, value):
     kw = {field: value}
     if field == "tie_projs":
@@ -238,15 +257,21 @@ def test_config_validation_names_the_field(field, value):
 
 def test_presets_build():
     small = TransformerXLConfig.seed_small()
-    assert (small.n_layers, small.n_heads, small.d_model, small.d_head, small.d_inner,
-            small.tgt_len, small.mem_len) == (4, 3, 32, 17, 71, 33, 41)
+    assert (
+        small.n_layers,
+        small.n_heads,
+        small.d_model,
+        small.d_head,
+        small.d_inner,
+        small.tgt_len,
+        small.mem_len,
+    ) == (4, 3, 32, 17, 71, 33, 41)
     wt = TransformerXLConfig.wt103_base()
     assert wt.cutoffs and wt.d_embed == 410
     e8 = TransformerXLConfig.enwik8_base()
-    assert (e8.n_layers, e8.d_model, e8.n_heads, e8.d_head, e8.d_inner) == (12, 512, 8, 64,
-                                                                            2048)
+    assert (e8.n_layers, e8.d_model, e8.n_heads, e8.d_head, e8.d_inner) == (12, 512, 8, 64, 2048)
     TransformerXLConfig.ptb()
-    hash(wt)   # static jit argument
+    hash(wt)  # static jit argument
 
 
 @needs_gpu
@@ -263,6 +288,7 @@ def test_cudnn_attention_matches_xla_in_bf16_loss_and_gradients():
         def f(p):
             nll, _ = m.apply({"params": p}, tokens[:, :16], memory, targets=tokens[:, 1:])
             return jnp.mean(nll)
+
         return jax.jit(jax.value_and_grad(f))(params)
 
     (l_fused, g_fused), (l_xla, g_xla) = loss("cudnn"), loss("xla")

@@ -2,6 +2,7 @@
 gives the same loss, gradients, memory and dropout masks as keeping everything ('none'), the
 gradients equal PyTorch autograd through the reference model, and the parameters keep their
 per-layer `layer_{l}` names. (Peak memory: tests/test_efficiency.py.)"""
+
 from __future__ import annotations
 
 import functools
@@ -11,10 +12,9 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
-
 from helpers import torch_xl_model
-from xl_jax import (Memory, TransformerXL, TransformerXLConfig, init_memory,
-                    load_pytorch_state_dict)
+
+from xl_jax import Memory, TransformerXL, TransformerXLConfig, init_memory, load_pytorch_state_dict
 
 MODES = ("none", "attention", "full")
 B, T = 2, 4
@@ -39,8 +39,14 @@ def _value_and_grad(cfg, deterministic, params, segments, memory, rng):
         total = 0.0
         for i, (inputs, targets) in enumerate(segments):
             rngs = None if deterministic else {"dropout": jax.random.fold_in(rng, i)}
-            nll, memory = model.apply({"params": p}, inputs, memory, targets=targets,
-                                      deterministic=deterministic, rngs=rngs)
+            nll, memory = model.apply(
+                {"params": p},
+                inputs,
+                memory,
+                targets=targets,
+                deterministic=deterministic,
+                rngs=rngs,
+            )
             total = total + nll.sum()
         return total, memory
 
@@ -51,14 +57,15 @@ def _value_and_grad(cfg, deterministic, params, segments, memory, rng):
 def _segments(cfg, n, seed=0):
     """n (inputs, targets) pairs [B, T] of one token stream."""
     data = np.random.default_rng(seed).integers(0, cfg.vocab_size, (B, T * n + 1))
-    return tuple((data[:, s:s + T], data[:, s + 1:s + T + 1]) for s in range(0, T * n, T))
+    return tuple((data[:, s : s + T], data[:, s + 1 : s + T + 1]) for s in range(0, T * n, T))
 
 
 def _partial_memory(cfg, seed=0):
     """6 slots holding random states, 2 of them valid in row 0 and 5 in row 1."""
     rng = np.random.default_rng(seed)
-    hidden = tuple(jnp.asarray(rng.normal(size=(B, 6, cfg.d_model)), cfg.dtype)
-                   for _ in range(cfg.n_layers))
+    hidden = tuple(
+        jnp.asarray(rng.normal(size=(B, 6, cfg.d_model)), cfg.dtype) for _ in range(cfg.n_layers)
+    )
     return Memory(hidden=hidden, valid=jnp.array([2, 5], jnp.int32))
 
 
@@ -69,12 +76,15 @@ TOLERANCE = {jnp.float32: dict(rtol=1e-5, atol=1e-6), jnp.float64: dict(rtol=1e-
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("overrides,dropout,dtype", [
-    # Another dropout or dropatt mask in the recomputation would move the loss by far more
-    # than float32 rounding.
-    (dict(dropout=0.3, dropatt=0.3, untie_r=True), True, jnp.float32),
-    (dict(norm_first=True, same_length=True), False, jnp.float64),
-])
+@pytest.mark.parametrize(
+    "overrides,dropout,dtype",
+    [
+        # Another dropout or dropatt mask in the recomputation would move the loss by far more
+        # than float32 rounding.
+        (dict(dropout=0.3, dropatt=0.3, untie_r=True), True, jnp.float32),
+        (dict(norm_first=True, same_length=True), False, jnp.float64),
+    ],
+)
 def test_every_remat_mode_gives_the_same_loss_gradients_and_memory(overrides, dropout, dtype):
     with jax.enable_x64(dtype == jnp.float64):
         base = TransformerXLConfig.tiny(mem_len=6, tgt_len=T, dtype=dtype, **overrides)
@@ -103,8 +113,9 @@ def test_gradients_match_pytorch_autograd_float64(overrides):
     torch = pytest.importorskip("torch")
 
     with jax.enable_x64(True):
-        cfg = TransformerXLConfig.tiny(n_heads=2, d_head=8, mem_len=6, tgt_len=T,
-                                       dtype=jnp.float64, **overrides)
+        cfg = TransformerXLConfig.tiny(
+            n_heads=2, d_head=8, mem_len=6, tgt_len=T, dtype=jnp.float64, **overrides
+        )
         assert cfg.remat != "none"
         model = torch_xl_model(cfg).double()
         segments = _segments(cfg, 2, seed=3)
@@ -115,8 +126,7 @@ def test_gradients_match_pytorch_autograd_float64(overrides):
         total.backward()
         # The loader's renaming and reshaping is linear, so it maps gradients as it maps
         # weights (a tied table's gradient is one tensor in both frameworks).
-        want = load_pytorch_state_dict(
-            {name: p.grad for name, p in model.named_parameters()}, cfg)
+        want = load_pytorch_state_dict({name: p.grad for name, p in model.named_parameters()}, cfg)
         params = load_pytorch_state_dict(model.state_dict(), cfg)
         value, grads, _ = _loss_and_grads(cfg, params, segments, init_memory(cfg, B))
         np.testing.assert_allclose(float(value), total.item(), rtol=1e-10)
@@ -128,9 +138,10 @@ def test_parameters_keep_their_per_layer_names_and_shapes():
     params = _init(cfg)
     assert {"layer_0", "layer_1", "layer_2"} <= set(params) and "layers" not in params
     H, K, D = cfg.n_heads, cfg.d_head, cfg.d_model
-    for l in range(3):
-        attn = params[f"layer_{l}"]["attn"]
+    for i in range(3):
+        attn = params[f"layer_{i}"]["attn"]
         chex.assert_shape([attn["qkv"]["kernel"], attn["r_w_bias"]], [(D, 3, H, K), (H, K)])
     # Each layer is initialised with its own key, not a copy of the first one.
-    assert not np.allclose(params["layer_0"]["attn"]["qkv"]["kernel"],
-                           params["layer_1"]["attn"]["qkv"]["kernel"])
+    assert not np.allclose(
+        params["layer_0"]["attn"]["qkv"]["kernel"], params["layer_1"]["attn"]["qkv"]["kernel"]
+    )

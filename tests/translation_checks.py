@@ -4,6 +4,7 @@ Each takes any model that follows the translation-model protocol. Model calls go
 `jit_apply`, compiled once per (model, method, shapes): on the CPU the compile, not the run,
 is what a test waits for, so they also compile with XLA's cheap settings.
 """
+
 from __future__ import annotations
 
 import functools
@@ -27,7 +28,7 @@ def fast_jit(fn, **kwargs):
     return jax.jit(fn, compiler_options=FAST_COMPILE, **kwargs)
 
 
-@functools.lru_cache(maxsize=None)
+@functools.cache
 def _jitted(model, method, static: tuple):
     kwargs = dict(static)
 
@@ -38,23 +39,31 @@ def _jitted(model, method, static: tuple):
 
 
 # A batch of three sentence pairs of different lengths, padded at the end.
-SRC = np.array([[5, 6, 7, 8, 9, 10, 11, 2, 0, 0],
-                [12, 13, 2, 0, 0, 0, 0, 0, 0, 0],
-                [14, 15, 16, 17, 18, 19, 20, 21, 22, 2]], np.int32)
-TGT = np.array([[1, 20, 21, 22, 23, 0],
-                [1, 24, 25, 26, 27, 28],
-                [1, 29, 30, 0, 0, 0]], np.int32)
+SRC = np.array(
+    [
+        [5, 6, 7, 8, 9, 10, 11, 2, 0, 0],
+        [12, 13, 2, 0, 0, 0, 0, 0, 0, 0],
+        [14, 15, 16, 17, 18, 19, 20, 21, 22, 2],
+    ],
+    np.int32,
+)
+TGT = np.array([[1, 20, 21, 22, 23, 0], [1, 24, 25, 26, 27, 28], [1, 29, 30, 0, 0, 0]], np.int32)
 
 
 def check_padding_invariance(model, params, logits, *, alone: bool = True) -> None:
     """`logits` (of SRC, TGT) are unchanged by more padding on both sides and, if `alone`,
     for the short middle sentence run by itself with no padding at all."""
-    more = jit_apply(model, params, np.pad(SRC, ((0, 0), (0, 5)), constant_values=PAD),
-                     np.pad(TGT, ((0, 0), (0, 3)), constant_values=PAD))
-    chex.assert_trees_all_close(more[:, :TGT.shape[1]], logits, atol=1e-5)
+    more = jit_apply(
+        model,
+        params,
+        np.pad(SRC, ((0, 0), (0, 5)), constant_values=PAD),
+        np.pad(TGT, ((0, 0), (0, 3)), constant_values=PAD),
+    )
+    chex.assert_trees_all_close(more[:, : TGT.shape[1]], logits, atol=1e-5)
     if alone:
-        chex.assert_trees_all_close(jit_apply(model, params, SRC[1:2, :3], TGT[1:2]),
-                                    logits[1:2], atol=1e-5)
+        chex.assert_trees_all_close(
+            jit_apply(model, params, SRC[1:2, :3], TGT[1:2]), logits[1:2], atol=1e-5
+        )
 
 
 def random_params(model, *args, seed: int = 0):
@@ -90,8 +99,9 @@ def run_cached(model, params, src, tgt) -> jax.Array:
         assert leaf.shape[0] == src.shape[0]  # beam search repeats / gathers axis 0
     out = []
     for i in range(tgt.shape[1]):
-        logits, cache = jit_apply(model, params, jnp.asarray(tgt[:, i]), cache, jnp.int32(i),
-                                  method=_decode_step)
+        logits, cache = jit_apply(
+            model, params, jnp.asarray(tgt[:, i]), cache, jnp.int32(i), method=_decode_step
+        )
         out.append(logits)
     return jnp.stack(out, axis=1)
 
@@ -125,8 +135,7 @@ def check_greedy_and_beam(model, params, src, *, max_len=7, beam_size=3) -> None
     np.testing.assert_array_equal(np.where(chosen, argmax, -1), np.where(chosen, greedy, -1))
     assert np.all(greedy[~chosen] == PAD)
 
-    beams, scores = decode.beam_search(model, params, src, beam_size=beam_size,
-                                       max_len=max_len)
+    beams, scores = decode.beam_search(model, params, src, beam_size=beam_size, max_len=max_len)
     beams, scores = np.asarray(beams), np.asarray(scores)
     for w in range(beam_size):
         hyp = beams[:, w]
@@ -140,10 +149,13 @@ def check_greedy_and_beam(model, params, src, *, max_len=7, beam_size=3) -> None
 
 
 # Four sentence pairs: the decoder input starts with BOS, the output ends with EOS.
-OVERFIT_SRC = np.array([[5, 6, 7, 2, 0], [8, 9, 10, 11, 2], [12, 13, 2, 0, 0],
-                        [14, 15, 16, 17, 2]], np.int32)
-OVERFIT_TGT = np.array([[1, 20, 21, 22, 2, 0], [1, 23, 24, 2, 0, 0], [1, 25, 26, 27, 28, 2],
-                        [1, 29, 20, 25, 2, 0]], np.int32)
+OVERFIT_SRC = np.array(
+    [[5, 6, 7, 2, 0], [8, 9, 10, 11, 2], [12, 13, 2, 0, 0], [14, 15, 16, 17, 2]], np.int32
+)
+OVERFIT_TGT = np.array(
+    [[1, 20, 21, 22, 2, 0], [1, 23, 24, 2, 0, 0], [1, 25, 26, 27, 28, 2], [1, 29, 20, 25, 2, 0]],
+    np.int32,
+)
 
 
 def overfit_losses(model, *, steps: int, lr: float = 1e-2) -> tuple[float, float]:

@@ -17,7 +17,7 @@ from transformer_jax.optim import find_params_ema, make_optimizer
 
 
 @pytest.fixture(scope="module")
-def trained(tmp_path_factory):
+def trained(tmp_path_factory, data_dir, tokenizer_dir):
     root = tmp_path_factory.mktemp("inference")
     config = translate.make_config(
         "transformer",
@@ -27,7 +27,8 @@ def trained(tmp_path_factory):
         eval_sentences=8,
         plots=False,
         progress=False,
-        data_dir=str(root / "tfds"),
+        data_dir=str(data_dir),
+        tokenizer_dir=str(tokenizer_dir),
         checkpoint_every=3,
     )
     workdir = str(root / "run")
@@ -35,6 +36,7 @@ def trained(tmp_path_factory):
     return config, workdir
 
 
+@pytest.mark.slow
 def test_inference_restores_the_params_and_the_ema_only(trained):
     config, workdir = trained
     _, model, state, _ = restore_for_inference(translate.TASK, workdir)

@@ -125,6 +125,7 @@ def train_lines(workdir):
     return [(r["step"], r["loss"]) for r in read_metrics(str(workdir)) if r["split"] == "train"]
 
 
+@pytest.mark.slow
 def test_a_word_level_run_on_text_trains_and_resumes_exactly(straight, texts, tmp_path):
     workdir, final = straight
     assert final["step"] == 6 and math.isfinite(final["test_ppl"])
@@ -136,6 +137,7 @@ def test_a_word_level_run_on_text_trains_and_resumes_exactly(straight, texts, tm
     assert again["test_ppl"] == final["test_ppl"]
 
 
+@pytest.mark.slow
 def test_changed_training_text_on_resume_is_refused(straight, texts, tmp_path, capsys):
     workdir = tmp_path / "run"
     shutil.copytree(straight[0], workdir)
@@ -152,6 +154,7 @@ def test_changed_training_text_on_resume_is_refused(straight, texts, tmp_path, c
     assert "train_text" in err and "not the files this run started with" in err
 
 
+@pytest.mark.slow
 def test_generation_from_a_text_run_uses_its_vocabulary(straight, texts):
     text = generate_text(str(straight[0]), "t0 t1 zzz", num_tokens=12, seed=0)
     vocab = TextVocab.build(open(texts["train"]).read().splitlines(), "word")
@@ -160,6 +163,7 @@ def test_generation_from_a_text_run_uses_its_vocabulary(straight, texts):
     assert len(words) + text.count("\n") == 12  # each <eos> a line break
 
 
+@pytest.mark.slow
 def test_a_byte_level_run_splits_one_file_and_reports_bpc(texts, tmp_path):
     size = len(open(texts["train"], "rb").read())
     config = text_config(

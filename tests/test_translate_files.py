@@ -126,11 +126,11 @@ def test_inconsistent_file_options_name_the_fields(overrides, field):
         translate.make_config("transformer", "tiny", **overrides)
 
 
-def test_multi30k_runs_in_either_direction(tmp_path):
+def test_multi30k_runs_in_either_direction(data_dir):
     config = translate.make_config(
-        "transformer", "tiny", src_lang="en", tgt_lang="de", data_dir=str(tmp_path / "tfds")
+        "transformer", "tiny", src_lang="en", tgt_lang="de", data_dir=str(data_dir)
     )
-    de_en = translate.make_config("transformer", "tiny", data_dir=str(tmp_path / "tfds"))
+    de_en = translate.make_config("transformer", "tiny", data_dir=str(data_dir))
     forward, backward = multi30k_pairs(de_en, "validation"), multi30k_pairs(config, "validation")
     assert backward == [(en, de) for de, en in forward]
 
@@ -143,6 +143,7 @@ def straight(files, tmp_path_factory):
     return workdir, final
 
 
+@pytest.mark.slow
 def test_a_run_on_files_scores_each_test_set_under_its_name(straight, files):
     workdir, final = straight
     assert final["step"] == 6 and final["reason"] == "steps"
@@ -165,6 +166,7 @@ def test_a_run_on_files_scores_each_test_set_under_its_name(straight, files):
     assert final["test_bleu"] == final["test_news_bleu"]  # the first set is the run's test
 
 
+@pytest.mark.slow
 def test_a_run_on_files_resumes_exactly(straight, files, tmp_path):
     workdir = tmp_path / "run"
     translate.train_and_evaluate(file_config(files, workdir, steps=3), str(workdir))
@@ -177,6 +179,7 @@ def test_a_run_on_files_resumes_exactly(straight, files, tmp_path):
     assert final["test_news_bleu"] == straight[1]["test_news_bleu"]
 
 
+@pytest.mark.slow
 def test_changed_training_files_on_resume_are_refused(straight, files, tmp_path, capsys):
     workdir = tmp_path / "run"
     shutil.copytree(straight[0], workdir)
@@ -197,6 +200,7 @@ def test_changed_training_files_on_resume_are_refused(straight, files, tmp_path,
     assert max(r["step"] for r in read_metrics(str(workdir))) == 6  # nothing trained
 
 
+@pytest.mark.slow
 def test_a_vocabulary_the_files_cannot_give_is_a_usage_error(files, tmp_path, capsys):
     (src, tgt), (vsrc, vtgt) = files["train"], files["valid"]
     code = translate_cli.main(

@@ -105,15 +105,3 @@ def lm_straight(tmp_path_factory, data_dir):
 def _remove_compilation_cache():
     yield
     shutil.rmtree(_COMPILATION_CACHE, ignore_errors=True)
-
-
-def pytest_collection_modifyitems(session, config, items):
-    """The modules that train (any test marked slow) first, each module's tests kept together
-    and in order. With `-n 2 --dist loadfile` (pyproject.toml) the workers take modules in this
-    order, so the long ones are spread over both and the short ones fill the tail: longest
-    first, the usual rule for balancing jobs over machines."""
-    slow_modules = {item.module for item in items if item.get_closest_marker("slow")}
-    order = {}
-    for item in items:
-        order.setdefault(item.module, len(order))
-    items.sort(key=lambda item: (item.module not in slow_modules, order[item.module]))

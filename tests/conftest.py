@@ -82,21 +82,11 @@ def lm_straight(tmp_path_factory, data_dir):
     compares a resumed, remote or logged run with it: (config, workdir, final metrics).
     Read-only: a test that trains on from it copies it or uses the config in a workdir of
     its own."""
-    from train import lm  # lazy, as in data_dir
+    from helpers import tiny_lm_config  # lazy, as in data_dir
 
-    config = lm.make_config(
-        "ptb",
-        "tiny",
-        steps=6,
-        decay_steps=6,
-        learning_rate=0.05,
-        log_every=1,
-        checkpoint_every=3,
-        eval_tokens=600,
-        plots=False,
-        progress=False,
-        data_dir=str(data_dir),
-    )
+    from train import lm
+
+    config = tiny_lm_config(data_dir)
     workdir = tmp_path_factory.mktemp("lm_straight")
     return config, workdir, lm.train_and_evaluate(config, str(workdir))
 

@@ -33,6 +33,43 @@ needs_gpu = pytest.mark.skipif(
 )
 
 
+# ---------------------------------------------------------------------------- tiny runs
+# A fresh tiny LM command line, with a fixed cosine horizon (decay_steps), so runs given
+# different --steps follow the same trajectory and their metrics compare exactly; progress:
+# a line per log interval (stderr is no terminal).
+FRESH_LM = [
+    "--preset",
+    "tiny",
+    "--decay_steps",
+    "20",
+    "--eval_tokens",
+    "300",
+    "--plots",
+    "false",
+    "--progress",
+    "true",
+]
+
+
+def tiny_lm_config(data_dir, dataset="ptb", **overrides):
+    """The tiny Transformer-XL run the LM tests share (6 steps, a checkpoint every 3, a fixed
+    horizon, so a shorter or resumed run follows the same trajectory)."""
+    from train import lm  # lazy: helpers is imported by tests that never train
+
+    fields = dict(
+        steps=6,
+        decay_steps=6,
+        learning_rate=0.05,
+        log_every=1,
+        checkpoint_every=3,
+        eval_tokens=600,
+        plots=False,
+        progress=False,
+        data_dir=str(data_dir),
+    )
+    return lm.make_config(dataset, "tiny", **{**fields, **overrides})
+
+
 # ---------------------------------------------------------------------------- work directories
 
 

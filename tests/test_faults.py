@@ -26,7 +26,7 @@ import jax
 import numpy as np
 import orbax.checkpoint as ocp
 import pytest
-from helpers import REPO, TIMEOUT, Running, file_hashes, train_losses
+from helpers import FRESH_LM, REPO, TIMEOUT, Running, file_hashes, train_losses
 
 from train.core import cli
 from train.core.checkpoint import Checkpoints
@@ -35,20 +35,7 @@ from train.core.metrics import read_metrics
 # Every test here runs the command line in subprocesses.
 pytestmark = pytest.mark.slow
 
-# A fresh run: tiny, and a fixed cosine horizon (decay_steps), so runs given different --steps
-# follow the same trajectory and their metrics compare exactly.
-FRESH = [
-    "--preset",
-    "tiny",
-    "--decay_steps",
-    "20",
-    "--eval_tokens",
-    "300",
-    "--plots",
-    "false",
-    "--progress",
-    "true",
-]  # progress: a line per log interval (stderr is no terminal)
+FRESH = FRESH_LM  # a fresh tiny run (helpers.py)
 
 
 @pytest.fixture(scope="module")

@@ -16,7 +16,7 @@ import os
 import pytest
 from etils import epath
 from etils.epath import testing as epath_testing
-from helpers import train_losses
+from helpers import tiny_lm_config, train_losses
 
 from train import lm
 from train.core import checkpoint as checkpoint_module
@@ -68,19 +68,7 @@ def bucket(tmp_path, monkeypatch):
 
 
 def _config(data_dir, steps):
-    return lm.make_config(
-        "ptb",
-        "tiny",
-        steps=steps,
-        decay_steps=6,
-        learning_rate=0.05,
-        log_every=1,
-        checkpoint_every=3,
-        eval_tokens=600,
-        plots=False,
-        progress=False,
-        data_dir=str(data_dir),
-    )
+    return tiny_lm_config(data_dir, steps=steps)
 
 
 @pytest.mark.slow

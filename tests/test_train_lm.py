@@ -15,7 +15,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
-from helpers import REPO, train_losses
+from helpers import REPO, tiny_lm_config, train_losses
 
 from train import lm
 from train.core.checkpoint import Checkpoints
@@ -26,19 +26,7 @@ from xl_jax.memory import init_memory
 
 
 def tiny_config(data_dir, dataset="ptb", **overrides):
-    fields = dict(
-        steps=6,
-        decay_steps=6,
-        learning_rate=0.05,
-        log_every=1,
-        checkpoint_every=3,
-        eval_tokens=600,
-        plots=False,
-        progress=False,
-        data_dir=str(data_dir),
-    )
-    fields.update(overrides)
-    return lm.make_config(dataset, "tiny", **fields)
+    return tiny_lm_config(data_dir, dataset, **overrides)
 
 
 @pytest.fixture(scope="module")

@@ -14,24 +14,14 @@ import os
 import subprocess
 
 import pytest
+from helpers import FRESH_LM
 
 from train.core import cli
 from train.core.checkpoint import CONFIG_FILE
 from train.data.datasets import DatasetError, load_ptb
 from train.lm import cli as lm_cli
 
-FRESH = [
-    "--preset",
-    "tiny",
-    "--decay_steps",
-    "20",
-    "--eval_tokens",
-    "300",
-    "--plots",
-    "false",
-    "--progress",
-    "false",
-]
+FRESH = FRESH_LM
 
 
 def files_of(directory) -> dict[str, bytes]:

@@ -149,27 +149,10 @@ def torch_xl_model(cfg, seed=0):
     large enough (std 0.2, LayerNorm scales around 1) that every term matters."""
     import torch
 
-    from train.bench.xl_torch_reference import MemTransformerLM
+    from train.bench import xl_torch_reference
 
     torch.manual_seed(seed)
-    model = MemTransformerLM(
-        n_token=cfg.vocab_size,
-        n_layer=cfg.n_layers,
-        n_head=cfg.n_heads,
-        d_model=cfg.d_model,
-        d_head=cfg.d_head,
-        d_inner=cfg.d_inner,
-        tie_weight=cfg.tie_weights,
-        d_embed=cfg.d_embed,
-        div_val=cfg.div_val,
-        tie_projs=cfg.tie_projs,
-        pre_lnorm=cfg.norm_first,
-        mem_len=cfg.mem_len,
-        cutoffs=cfg.cutoffs,
-        same_length=cfg.same_length,
-        clamp_len=cfg.clamp_len,
-        untie_r=cfg.untie_r,
-    )
+    model = xl_torch_reference.from_config(cfg)
     with torch.no_grad():
         for name, p in model.named_parameters():
             if name.endswith("layer_norm.weight"):

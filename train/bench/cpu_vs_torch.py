@@ -253,7 +253,7 @@ def _transformer_arms(config: BenchConfig, b: int, t: int, cpu, tr) -> dict[str,
 def _xl_arms(config: BenchConfig, cpu, tr) -> dict[str, Any]:
     import torch  # optional, a test-only dependency: imported where the comparison runs
 
-    from train.bench.xl_torch_reference import MemTransformerLM  # needs torch
+    from train.bench import xl_torch_reference  # needs torch
 
     cfg = config.torch_xl.replace(dtype=jnp.float32)
     if cfg.dropout or cfg.dropatt:
@@ -281,26 +281,7 @@ def _xl_arms(config: BenchConfig, cpu, tr) -> dict[str, Any]:
         lm.make_loss_fn(model), init_state, batches, cpu
     )
     torch.manual_seed(0)
-    eager = MemTransformerLM(
-        n_token=cfg.vocab_size,
-        n_layer=cfg.n_layers,
-        n_head=cfg.n_heads,
-        d_model=cfg.d_model,
-        d_head=cfg.d_head,
-        d_inner=cfg.d_inner,
-        dropout=0.0,
-        dropatt=0.0,
-        tie_weight=cfg.tie_weights,
-        d_embed=cfg.d_embed,
-        div_val=cfg.div_val,
-        tie_projs=cfg.tie_projs,
-        pre_lnorm=cfg.norm_first,
-        mem_len=cfg.mem_len,
-        cutoffs=cfg.cutoffs,
-        same_length=cfg.same_length,
-        clamp_len=cfg.clamp_len,
-        untie_r=cfg.untie_r,
-    ).train()
+    eager = xl_torch_reference.from_config(cfg).train()
     _official_init(eager)
     compiled = copy.deepcopy(eager)
     opt = dict(learning_rate=run.learning_rate, clip_norm=run.clip_norm)

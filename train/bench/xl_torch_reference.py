@@ -312,3 +312,26 @@ class MemTransformerLM(nn.Module):
                     for h, m in zip(hids, mems or [None] * len(hids))
                 ]
         return nll, new_mems
+
+
+def from_config(cfg) -> MemTransformerLM:
+    """The official model shaped as an `xl_jax.TransformerXLConfig` (dropout off); its
+    parameters are the reference code's own initialisation."""
+    return MemTransformerLM(
+        n_token=cfg.vocab_size,
+        n_layer=cfg.n_layers,
+        n_head=cfg.n_heads,
+        d_model=cfg.d_model,
+        d_head=cfg.d_head,
+        d_inner=cfg.d_inner,
+        tie_weight=cfg.tie_weights,
+        d_embed=cfg.d_embed,
+        div_val=cfg.div_val,
+        tie_projs=cfg.tie_projs,
+        pre_lnorm=cfg.norm_first,
+        mem_len=cfg.mem_len,
+        cutoffs=cfg.cutoffs,
+        same_length=cfg.same_length,
+        clamp_len=cfg.clamp_len,
+        untie_r=cfg.untie_r,
+    )

@@ -23,6 +23,8 @@ DESCRIPTION = """Train and evaluate a translation model: Multi30k German -> Engl
     python -m train.translate --src_lang en --tgt_lang de      # Multi30k the other way
     python -m train.translate --train_src A.de --train_tgt A.en --valid_src V.de \\
         --valid_tgt V.en --test_src T1.de,T2.de --test_tgt T1.en,T2.en   # your own files
+    python -m train.translate --dataset tfds:wmt14_translate/de-en --data_dir D \\
+        --src_lang de --tgt_lang en                    # a prepared TFDS dataset
     python -m train.translate --workdir W              # resume W with its saved config
     python -m train.translate --workdir W --translate "Ein Mann fährt Fahrrad."
     python -m train.translate --pretrained opus-mt-de-en --translate "Ein Mann fährt Fahrrad."

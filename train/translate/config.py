@@ -1,4 +1,5 @@
-"""TranslateConfig: one translation run on Multi30k, its presets and how it is made.
+"""TranslateConfig: one translation run (Multi30k, a TFDS dataset or the user's files), its
+presets and how it is made.
 
 The model's own sizes per preset are in `train.translate.registry`; how each preset was chosen
 is in benchmarks/README.md.
@@ -12,6 +13,7 @@ from collections.abc import Mapping
 from typing import Any, ClassVar
 
 from train.core.config import RunConfig, check_finite, check_positive
+from train.data.tfds_source import is_tfds, tfds_name
 from train.translate import registry
 from transformer_jax.optim import OptimizerConfig
 
@@ -61,8 +63,13 @@ class TranslateConfig(RunConfig):
         at a training step rather than its own previous prediction (1: always, the default).
       teacher_forcing_schedule: 'constant', or 'inverse_sigmoid' (scheduled sampling, Bengio
         et al. 2015): teacher_forcing * k / (k + exp(step / k)), k = teacher_forcing_k.
+      dataset: 'multi30k' (shipped), or 'tfds:NAME[/CONFIG]', a prepared TFDS translation
+        dataset in data_dir ('tfds:wmt14_translate/de-en'; train.data.tfds_source): its train
+        split trains a joint SentencePiece model of vocab_size pieces and the model, its
+        validation split validates, its test split is the test set ('<NAME>.test').
       src_lang, tgt_lang: the direction. On Multi30k 'de' -> 'en' (the default) or 'en' ->
-        'de'; with files, labels for the log.
+        'de'; on a TFDS dataset two of its language features; with files, labels for the
+        log.
       train_src, train_tgt: parallel text files to train on instead of Multi30k (UTF-8, one
         sentence a line, optionally gzipped: train.data.text_files); a joint SentencePiece
         model of vocab_size pieces is trained on them. valid_src, valid_tgt: the validation
@@ -73,6 +80,7 @@ class TranslateConfig(RunConfig):
     """
 
     model: str = "transformer"
+    dataset: str = "multi30k"
     vocab_size: int = 8000
     tokens_per_batch: int = 4096
     buckets: tuple[int, ...] = (12, 16, 20, 24, 32, 48, 64, 96)
@@ -135,7 +143,7 @@ class TranslateConfig(RunConfig):
         )
         check_positive(self, ("eval_sentences", "decode_margin"), minimum=0)
         self._check_data()
-        if self.train_src is None and self.vocab_size < MIN_VOCAB_SIZE:
+        if self.data_source() == "multi30k" and self.vocab_size < MIN_VOCAB_SIZE:
             raise ValueError(
                 f"vocab_size: the Multi30k tokenizer needs at least "
                 f"{MIN_VOCAB_SIZE} pieces (4 special, 256 byte pieces and the 102 "
@@ -167,7 +175,18 @@ class TranslateConfig(RunConfig):
         self.optimizer_config()  # clip_norm, ema_decay and the schedule, validated there
 
     def _check_data(self) -> None:
-        """Files come in pairs; Multi30k has two languages."""
+        """A known dataset or files; files come in pairs; Multi30k has two languages."""
+        if self.dataset != "multi30k":
+            if not is_tfds(self.dataset):
+                raise ValueError(
+                    f"dataset: expected 'multi30k' or tfds:NAME[/CONFIG] (a prepared TFDS "
+                    f"dataset), got {self.dataset!r}"
+                )
+            tfds_name(self.dataset)  # something after the prefix
+            if self.train_src is not None:
+                raise ValueError(
+                    f"dataset, train_src: train on {self.dataset} or on files, not both"
+                )
         for a, b in (("train_src", "train_tgt"), ("valid_src", "valid_tgt")):
             if (getattr(self, a) is None) != (getattr(self, b) is None):
                 raise ValueError(f"{a}, {b}: give both files of the pair, or neither")
@@ -186,16 +205,23 @@ class TranslateConfig(RunConfig):
                 "valid_src, test_src: evaluation files need training files "
                 "(train_src, train_tgt) of the same languages"
             )
-        if self.train_src is None and {self.src_lang, self.tgt_lang} != {"de", "en"}:
+        if self.data_source() == "multi30k" and {self.src_lang, self.tgt_lang} != {"de", "en"}:
             raise ValueError(
                 f"src_lang, tgt_lang: Multi30k is de-en, in either direction; "
-                f"got {self.src_lang!r} -> {self.tgt_lang!r} (train on files for "
-                "other languages)"
+                f"got {self.src_lang!r} -> {self.tgt_lang!r} (train on a TFDS dataset or "
+                "on files for other languages)"
             )
 
+    def data_source(self) -> str:
+        """'files' (the user's parallel files), 'tfds' (a prepared TFDS dataset) or
+        'multi30k' (shipped)."""
+        if self.train_src is not None:
+            return "files"
+        return "tfds" if is_tfds(self.dataset) else "multi30k"
+
     def uses_files(self) -> bool:
-        """Whether the run trains on the user's files rather than the shipped Multi30k."""
-        return self.train_src is not None
+        """Whether the run trains on the user's files."""
+        return self.data_source() == "files"
 
     def uses_teacher_forcing(self) -> bool:
         """Whether training feeds the decoder its own predictions at some steps."""

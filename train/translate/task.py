@@ -1,9 +1,9 @@
 """Translation as a `train.core.task.Task` with any model of the registry, on Multi30k
-(German -> English, or back) or on the user's parallel text files. Data: a joint SentencePiece
-tokenizer, length-bucketed token batches, the evaluation splits; loss: label-smoothed
-cross-entropy; evaluation: teacher-forced perplexity on validation, then on each test set
-perplexity, and sacreBLEU and chrF of beam search, with the translations written to
-W/translations/ and plots to W/plots/.
+(German -> English, or back), a prepared TFDS translation dataset or the user's parallel text
+files. Data: a joint SentencePiece tokenizer, length-bucketed token batches, the evaluation
+splits; loss: label-smoothed cross-entropy; evaluation: teacher-forced perplexity on
+validation, then on each test set perplexity, and sacreBLEU and chrF of beam search, with the
+translations written to W/translations/ and plots to W/plots/.
 """
 
 from __future__ import annotations
@@ -26,6 +26,7 @@ from train.core.state import TrainState
 from train.core.workdir import local_dir
 from train.data.batching import TokenBatcher, eval_batches
 from train.data.text_files import DataError, check_fingerprint, read_parallel, set_name
+from train.data.tfds_source import TfdsDataset, open_dataset
 from train.data.tokenizers import SentencePieceTokenizer, multi30k_tokenizer
 from train.translate import registry
 from train.translate.config import PRESETS, TranslateConfig, make_config
@@ -57,8 +58,11 @@ class Split:
 def training_pairs(
     config: TranslateConfig, log: Callable[[str], None] | None = None
 ) -> list[tuple[str, str]]:
-    """The (source, target) sentences of the training data: the user's files, else the
-    shipped Multi30k in the configured direction."""
+    """The (source, target) sentences of the training data: the user's files, a TFDS
+    dataset's train split (pairs with an empty side left out), else the shipped Multi30k, in
+    the configured direction."""
+    if config.data_source() == "tfds":
+        return tfds_training_pairs(config, log)
     if config.uses_files():
         pairs, skipped = read_parallel(
             config.train_src, config.train_tgt, skip_empty=config.skip_empty
@@ -77,13 +81,40 @@ def multi30k_pairs(config: TranslateConfig, split: str) -> list[tuple[str, str]]
     return pairs if config.src_lang == "de" else [(en, de) for de, en in pairs]
 
 
+def tfds_training_pairs(
+    config: TranslateConfig, log: Callable[[str], None] | None = None
+) -> list[tuple[str, str]]:
+    """A TFDS dataset's training pairs; those with an empty side are left out (a published
+    corpus has a few, and there is no file to fix)."""
+    data = open_tfds(config)
+    splits = data.splits()
+    pairs = data.read(splits.train, (config.src_lang, config.tgt_lang))
+    kept = [(s, t) for s, t in pairs if s.strip() and t.strip()]
+    if log and splits.note:
+        log(f"data: {config.dataset}: {splits.note}")
+    if log and len(kept) < len(pairs):
+        log(f"data: {len(pairs) - len(kept):,} training pair(s) with an empty side left out")
+    if not kept:
+        raise DataError(f"{config.dataset}: no training pair with text on both sides")
+    return kept
+
+
+def open_tfds(config: TranslateConfig) -> TfdsDataset:
+    """The run's prepared TFDS dataset, checked to hold both languages."""
+    data = open_dataset(config.dataset, config.data_dir)
+    data.check_text_features(
+        (config.src_lang, config.tgt_lang), field="src_lang, tgt_lang", what="language"
+    )
+    return data
+
+
 def load_tokenizer(
     config: TranslateConfig, workdir: str, *, train_pairs: Sequence[tuple[str, str]] | None = None
 ):
     """The run's joint SentencePiece model, trained on its training sentences (both sides) the
     first time and cached by a hash of the text and options."""
     directory = config.tokenizer_dir or os.path.join(local_dir(workdir), "tokenizer")
-    if not config.uses_files():
+    if config.data_source() == "multi30k":
         return multi30k_tokenizer(directory, vocab_size=config.vocab_size, data_dir=config.data_dir)
     pairs = training_pairs(config) if train_pairs is None else train_pairs
     try:
@@ -91,7 +122,7 @@ def load_tokenizer(
             [s for pair in pairs for s in pair],
             directory,
             vocab_size=config.vocab_size,
-            name="files_spm",
+            name=f"{config.data_source()}_spm",
         )
     except ValueError as e:  # SentencePiece cannot meet the vocabulary size on this text
         raise DataError(f"vocab_size: {e}") from e
@@ -117,10 +148,15 @@ def load_split(
     name: str,
     files: tuple[str, str] | None = None,
     log: Callable[[str], None] | None = None,
+    *,
+    pairs: Sequence[tuple[str, str]] | None = None,
 ) -> Split:
     """An evaluation split: Multi30k's split `name`, or the parallel `files` (source, target)
-    under that name; its first eval_sentences pairs when set."""
-    if files is None:
+    or the `pairs` (of a TFDS split) under that name; its first eval_sentences pairs when
+    set."""
+    if pairs is not None:
+        pairs = list(pairs)
+    elif files is None:
         pairs = multi30k_pairs(config, name)
     else:
         pairs, skipped = read_parallel(*files, skip_empty=config.skip_empty)
@@ -347,7 +383,7 @@ class TranslationData:
 
 
 class TranslationTask:
-    """`train.core.task.Task` for Multi30k translation."""
+    """`train.core.task.Task` for translation (Multi30k, a TFDS dataset or files)."""
 
     name = "translate"
     choice_flag = "model"
@@ -397,6 +433,8 @@ class TranslationTask:
             check_fingerprint(
                 workdir, {"train_src": config.train_src, "train_tgt": config.train_tgt}
             )
+        elif config.data_source() == "tfds":  # its version and splits: dataset_info.json
+            check_fingerprint(workdir, {"dataset": open_tfds(config).info_path})
         tokenizer = load_tokenizer(config, workdir, train_pairs=pairs)
         batcher = TokenBatcher(
             encode_pairs(tokenizer, pairs),
@@ -414,6 +452,8 @@ class TranslationTask:
                 load_split(config, tokenizer, name, files, log)
                 for name, files in zip(names, zip(config.test_src, config.test_tgt))
             ]
+        elif config.data_source() == "tfds":
+            validation, tests = tfds_splits(config, tokenizer)
         else:
             validation = load_split(config, tokenizer, "validation")
             tests = [load_split(config, tokenizer, config.test_split)]
@@ -433,6 +473,19 @@ class TranslationTask:
             f"{dp.n_devices} device(s), {config.parallel}"
         )
         return data
+
+
+def tfds_splits(config: TranslateConfig, tokenizer) -> tuple[Split, list[Split]]:
+    """A TFDS run's validation split and its test set ('<NAME>.test'; none without one)."""
+    data = open_tfds(config)
+    splits, languages = data.splits(), (config.src_lang, config.tgt_lang)
+    validation = load_split(
+        config, tokenizer, "validation", pairs=data.read(splits.validation, languages)
+    )
+    if splits.test is None:
+        return validation, []
+    test = data.read(splits.test, languages)
+    return validation, [load_split(config, tokenizer, f"{data.name}.{splits.test}", pairs=test)]
 
 
 def unique_names(names: Sequence[str]) -> list[str]:

@@ -183,8 +183,12 @@ def task_parser(task: Task, *, description: str) -> argparse.ArgumentParser:
         help="run directory (default: a new one under runs/); an existing one "
         "is resumed with its saved config",
     )
+    choices = list(task.choices())
     parser.add_argument(
-        f"--{task.choice_flag}", default=argparse.SUPPRESS, choices=list(task.choices())
+        f"--{task.choice_flag}",
+        default=argparse.SUPPRESS,
+        type=choice_type(choices),
+        metavar="{" + ",".join(c + "NAME" if c.endswith(":") else c for c in choices) + "}",
     )
     parser.add_argument("--preset", default=argparse.SUPPRESS, choices=list(task.presets))
     parser.add_argument(
@@ -223,6 +227,23 @@ def task_parser(task: Task, *, description: str) -> argparse.ArgumentParser:
         )
     add_distributed_flags(parser)
     return parser
+
+
+def choice_type(choices: Sequence[str]) -> Callable[[str], str]:
+    """The argparse type of --model / --dataset: one of `choices`, where a choice ending in
+    ':' ('tfds:') stands for any name after it ('tfds:lm1b')."""
+
+    def choice(text: str) -> str:
+        def names(c: str) -> bool:
+            return text.startswith(c) and text != c if c.endswith(":") else text == c
+
+        if any(names(c) for c in choices):
+            return text
+        raise argparse.ArgumentTypeError(
+            f"invalid choice: {text!r} (choose from {', '.join(choices)})"
+        )
+
+    return choice
 
 
 def add_distributed_flags(parser: argparse.ArgumentParser) -> None:

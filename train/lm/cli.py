@@ -19,6 +19,7 @@ DESCRIPTION = """Train and evaluate Transformer-XL on Penn Treebank (word, char)
     python -m train.lm --dataset ptb_char --preset base --workdir runs/ptb_char
     python -m train.lm --train_text T --valid_text V --test_text E --level word   # your text
     python -m train.lm --train_text enwik8 --level byte --split_bytes 90000000,5000000,5000000
+    python -m train.lm --dataset tfds:lm1b --data_dir D --level word --min_count 3   # TFDS
     python -m train.lm --workdir W                       # resume W with its saved config
     python -m train.lm --workdir W --generate "the company said" --top_k 40 --temperature 0.8
 

@@ -1,5 +1,6 @@
-"""LMConfig: one Transformer-XL language-model run on Penn Treebank or the user's text, its
-presets and how it is made. How each preset was chosen is in benchmarks/README.md."""
+"""LMConfig: one Transformer-XL language-model run on Penn Treebank, a TFDS text dataset or
+the user's text, its presets and how it is made. How each preset was chosen is in
+benchmarks/README.md."""
 
 from __future__ import annotations
 
@@ -8,11 +9,13 @@ from collections.abc import Mapping
 from typing import Any, ClassVar
 
 from train.core.config import RunConfig, check_finite, check_positive
-from train.lm.text import BYTE_VOCAB, TextVocab, text_lines
+from train.data.tfds_source import is_tfds, tfds_name
+from train.lm.text import BYTE_VOCAB, TextVocab, text_lines, tfds_vocab
 from transformer_jax.optim import OptimizerConfig
 from xl_jax.config import TransformerXLConfig
 
-# dataset -> its level; 'text' is the user's files, at the config's own `level`.
+# dataset -> its level; 'text' is the user's files, at the config's own `level`, as is any
+# prepared TFDS dataset, 'tfds:NAME[/CONFIG]' (train.data.tfds_source).
 DATASETS = {"ptb": "word", "ptb_char": "char", "text": None}
 VOCAB_SIZES = {"ptb": 10_000, "ptb_char": 50}
 LEVELS = ("word", "char", "byte")
@@ -26,7 +29,11 @@ class LMConfig(RunConfig):
     """One language-model run (the shared fields are `train.core.config.RunConfig`'s).
 
     Attributes:
-      dataset: 'ptb' (word level, perplexity) or 'ptb_char' (character level, bpc).
+      dataset: 'ptb' (word level, perplexity) or 'ptb_char' (character level, bpc); 'text'
+        (the user's files, below); or 'tfds:NAME[/CONFIG]', a prepared TFDS dataset in
+        data_dir ('tfds:lm1b') whose examples' `text_feature` are the lines, at `level` as
+        text is (vocabulary from its train split; validation and test splits as
+        train.data.tfds_source finds them).
       preset: 'tiny' | 'cpu' | 'gpu' | 'base' (see PRESETS).
       model_config: the TransformerXLConfig; its tgt_len and mem_len are the training segment
         and memory lengths.
@@ -48,6 +55,7 @@ class LMConfig(RunConfig):
         the vocabulary when seen at least min_count times in training, at most max_vocab
         symbols with <eos> and <unk> (0: no limit). split_bytes: byte level, one file:
         (train, valid, test) byte counts of train_text.
+      text_feature: with a TFDS dataset, the text feature read from each example.
     """
 
     dataset: str = "ptb"
@@ -70,6 +78,7 @@ class LMConfig(RunConfig):
     min_count: int = 1
     max_vocab: int = 0
     split_bytes: tuple[int, ...] = ()
+    text_feature: str = "text"
 
     MAY_CHANGE: ClassVar[tuple[str, ...]] = RunConfig.MAY_CHANGE + (
         "eval_batch_size",
@@ -84,8 +93,7 @@ class LMConfig(RunConfig):
     )
 
     def __post_init__(self):
-        if self.dataset not in DATASETS:
-            raise ValueError(f"dataset: expected one of {sorted(DATASETS)}, got {self.dataset!r}")
+        check_dataset(self.dataset)
         super().__post_init__()
         self._check_text()
         if (
@@ -115,9 +123,23 @@ class LMConfig(RunConfig):
                 raise ValueError(
                     f"train_text: the text options need dataset 'text', not {self.dataset!r}"
                 )
-            return
+            if not is_tfds(self.dataset):
+                return
         if self.level not in LEVELS:
             raise ValueError(f"level: expected one of {LEVELS}, got {self.level!r}")
+        if is_tfds(self.dataset):
+            if not self.text_feature:
+                raise ValueError("text_feature: the name of a text feature of the dataset")
+        else:
+            self._check_files()
+        check_positive(self, ("min_count",))
+        check_positive(self, ("max_vocab",), minimum=0)
+        if self.max_vocab and self.max_vocab < 3:
+            raise ValueError(
+                f"max_vocab: <eos>, <unk> and at least one symbol, got {self.max_vocab}"
+            )
+
+    def _check_files(self) -> None:
         if self.train_text is None:
             raise ValueError("train_text: dataset 'text' needs the training file")
         if self.split_bytes:
@@ -137,16 +159,10 @@ class LMConfig(RunConfig):
                 "valid_text: training on text needs a validation file (or "
                 "split_bytes at the byte level)"
             )
-        check_positive(self, ("min_count",))
-        check_positive(self, ("max_vocab",), minimum=0)
-        if self.max_vocab and self.max_vocab < 3:
-            raise ValueError(
-                f"max_vocab: <eos>, <unk> and at least one symbol, got {self.max_vocab}"
-            )
 
     def data_level(self) -> str:
         """'word', 'char' or 'byte'."""
-        return DATASETS[self.dataset] or self.level
+        return DATASETS.get(self.dataset) or self.level
 
     def optimizer_config(self) -> OptimizerConfig:
         return OptimizerConfig(
@@ -293,6 +309,16 @@ PRESETS: dict[str, dict[str, Any]] = {
 }
 
 
+def check_dataset(dataset: str) -> None:
+    """One of DATASETS or a well-formed 'tfds:NAME' (ValueError naming the field)."""
+    if is_tfds(dataset):
+        tfds_name(dataset)
+    elif dataset not in DATASETS:
+        raise ValueError(
+            f"dataset: expected one of {sorted(DATASETS)} or tfds:NAME[/CONFIG], got {dataset!r}"
+        )
+
+
 def make_config(
     dataset: str = "ptb",
     preset: str = "cpu",
@@ -302,17 +328,16 @@ def make_config(
 ) -> LMConfig:
     """The config of `preset` for `dataset` with field overrides (validated). A `train_text`
     makes the dataset 'text' (the default 'ptb' otherwise), whose vocabulary size is read from
-    the training text here."""
+    the training text here, as a TFDS dataset's is from its train split."""
     if run_overrides.get("train_text") is not None and dataset == "ptb":
         dataset = "text"
-    if dataset not in DATASETS:
-        raise ValueError(f"dataset: expected one of {sorted(DATASETS)}, got {dataset!r}")
+    check_dataset(dataset)
     if preset not in PRESETS:
         raise ValueError(f"preset: expected one of {sorted(PRESETS)}, got {preset!r}")
-    if dataset == "text":
+    if dataset == "text" or is_tfds(dataset):
         level = run_overrides.get("level", LMConfig.level)
         base, sizes = MODEL_PRESETS["ptb" if level == "word" else "ptb_char"][preset]
-        vocab_size = text_vocab_size(run_overrides)
+        vocab_size = text_vocab_size(run_overrides, dataset)
         sizes = dict(sizes)
         if level == "word" and vocab_size >= LARGE_VOCAB and "cutoffs" not in model_overrides:
             sizes["cutoffs"] = tuple(c for c in LARGE_VOCAB_CUTOFFS if c < vocab_size)
@@ -331,14 +356,23 @@ def make_config(
     )
 
 
-def text_vocab_size(fields: Mapping[str, Any]) -> int:
-    """The vocabulary size of a text run's training data (LMConfig field values; a bad level
-    or file is an error naming it)."""
+def text_vocab_size(fields: Mapping[str, Any], dataset: str = "text") -> int:
+    """The vocabulary size of a text or TFDS run's training data (LMConfig field values; a bad
+    level, file or dataset is an error naming it)."""
     level = fields.get("level", LMConfig.level)
     if level not in LEVELS:
         raise ValueError(f"level: expected one of {LEVELS}, got {level!r}")
     if level == "byte":
         return BYTE_VOCAB
+    if is_tfds(dataset):
+        return tfds_vocab(
+            dataset,
+            level,
+            feature=fields.get("text_feature", LMConfig.text_feature),
+            min_count=fields.get("min_count", LMConfig.min_count),
+            max_vocab=fields.get("max_vocab", LMConfig.max_vocab),
+            data_dir=fields.get("data_dir"),
+        ).vocab_size
     vocab = TextVocab.build(
         text_lines(fields["train_text"]),
         level,

@@ -1,4 +1,5 @@
-"""Language modelling as a `train.core.task.Task`: Transformer-XL on Penn Treebank.
+"""Language modelling as a `train.core.task.Task`: Transformer-XL on Penn Treebank, a TFDS
+text dataset or the user's text.
 
 The training memory is part of the TrainState (checkpointed, so a resumed run continues the
 same stream with the same memory); evaluation runs the validation and test streams in order
@@ -26,9 +27,19 @@ from train.core.metrics import MetricsWriter, add_sums, read_metrics, summarize
 from train.core.parallel import DataParallel
 from train.core.state import TrainState
 from train.data.text_files import DataError, check_fingerprint
+from train.data.tfds_source import is_tfds, open_dataset
 from train.data.tokenizers import CharVocab, WordVocab
 from train.lm.config import DATASETS, PRESETS, LMConfig, make_config
-from train.lm.text import ByteVocab, TextVocab, byte_splits, read_bytes, text_lines
+from train.lm.text import (
+    ByteVocab,
+    TextVocab,
+    byte_splits,
+    encode_text,
+    read_bytes,
+    text_lines,
+    tfds_lines,
+    tfds_vocab,
+)
 from xl_jax.config import TransformerXLConfig
 from xl_jax.data import lm_batches
 from xl_jax.memory import init_memory, reset_rows
@@ -36,7 +47,23 @@ from xl_jax.model import TransformerXL
 
 
 def load_vocab(config: LMConfig):
-    """PTB's closed vocabulary, or the one of a text run's training file at its level."""
+    """PTB's closed vocabulary, or the one of a text run's training file or a TFDS run's train
+    split at its level."""
+    if is_tfds(config.dataset):
+        vocab = tfds_vocab(
+            config.dataset,
+            config.level,
+            feature=config.text_feature,
+            min_count=config.min_count,
+            max_vocab=config.max_vocab,
+            data_dir=config.data_dir,
+        )
+        if vocab.vocab_size != config.model_config.vocab_size:
+            raise DataError(
+                f"dataset: {config.dataset} gives {vocab.vocab_size:,} symbols, the run's "
+                f"model {config.model_config.vocab_size:,}: not the data this run was made from"
+            )
+        return vocab
     if config.dataset == "text":
         vocab = _text_vocab(config.train_text, config.level, config.min_count, config.max_vocab)
         if vocab.vocab_size != config.model_config.vocab_size:
@@ -58,10 +85,17 @@ def _text_vocab(path: str, level: str, min_count: int, max_vocab: int):
 
 
 def load_stream(config: LMConfig, split: str) -> np.ndarray | None:
-    """The int32 token stream of a split ('train', 'valid', 'test'): PTB's or the text run's,
-    `<eos>` after every line (bytes as they are at the byte level); None for a text run
-    without that split."""
-    if config.dataset == "text":
+    """The int32 token stream of a split ('train', 'valid', 'test'): PTB's, the text run's or
+    the TFDS run's, `<eos>` after every line (bytes as they are at the byte level); None for a
+    text or TFDS run without that split."""
+    if is_tfds(config.dataset):
+        lines = tfds_lines(
+            config.dataset, split, feature=config.text_feature, data_dir=config.data_dir
+        )
+        if lines is None:
+            return None
+        stream = encode_text(load_vocab(config), lines)
+    elif config.dataset == "text":
         stream = _text_stream(config, split)
         if stream is None:
             return None
@@ -219,7 +253,8 @@ class LMData:
 
 
 class LMTask:
-    """`train.core.task.Task` for Transformer-XL on PTB (word or character level)."""
+    """`train.core.task.Task` for Transformer-XL on PTB (word or character level), a TFDS
+    dataset or text."""
 
     name = "lm"
     choice_flag = "dataset"
@@ -228,7 +263,7 @@ class LMTask:
     presets = tuple(PRESETS)
 
     def choices(self) -> list[str]:
-        return sorted(DATASETS)
+        return [*sorted(DATASETS), "tfds:"]  # 'tfds:' takes any name after it (tfds:lm1b)
 
     def model_config_cls(self, choice: str) -> type:
         return TransformerXLConfig  # one model for every dataset
@@ -266,6 +301,11 @@ class LMTask:
             )
         if config.dataset == "text":
             check_fingerprint(workdir, {"train_text": config.train_text})
+        elif is_tfds(config.dataset):  # its version and splits: dataset_info.json
+            data = open_dataset(config.dataset, config.data_dir)
+            check_fingerprint(workdir, {"dataset": data.info_path})
+            if data.splits().note:
+                log(f"data: {config.dataset}: {data.splits().note}")
         train_stream = load_stream(config, "train")
         batches, from_step = train_batches(train_stream, config)
         data = LMData(

@@ -12,17 +12,24 @@
 
 Files are UTF-8 (`train.data.text_files.read_lines`: a bad byte is an error naming file and
 line), optionally gzipped; at the byte level any bytes are data.
+
+A prepared TFDS dataset (`tfds_lines`) is read the same way, each example's text feature a
+line: word and char levels as above, the byte level the UTF-8 bytes of each line and a
+newline.
 """
 
 from __future__ import annotations
 
+import functools
 import gzip
+import os
 from collections import Counter
 from collections.abc import Iterable, Sequence
 
 import numpy as np
 
 from train.data.text_files import DataError, read_lines
+from train.data.tfds_source import open_dataset
 
 LEVELS = ("word", "char", "byte")
 EOS, UNK = "<eos>", "<unk>"
@@ -133,3 +140,41 @@ def text_lines(path: str) -> list[str]:
     if not any(line.strip() for line in lines):
         raise DataError(f"{path}: the file is empty")
     return lines
+
+
+def tfds_lines(
+    dataset: str, split: str, *, feature: str, data_dir: str | os.PathLike | None
+) -> list[str] | None:
+    """The `feature` text of every example of a prepared TFDS dataset's split 'train',
+    'valid' or 'test' (train.data.tfds_source.Splits); None for a test split it lacks."""
+    data = open_dataset(dataset, data_dir)
+    data.check_text_features((feature,), field="text_feature", what="text feature")
+    splits = data.splits()
+    name = {"train": splits.train, "valid": splits.validation, "test": splits.test}[split]
+    return None if name is None else [line for (line,) in data.read(name, (feature,))]
+
+
+@functools.lru_cache(maxsize=4)
+def tfds_vocab(
+    dataset: str,
+    level: str,
+    *,
+    feature: str,
+    min_count: int,
+    max_vocab: int,
+    data_dir: str | None,
+) -> TextVocab | ByteVocab:
+    """The vocabulary of a TFDS dataset's train split at `level` (cached: the config and the
+    run's data both ask for it, and a large split takes a while to count)."""
+    if level == "byte":
+        return ByteVocab()
+    lines = tfds_lines(dataset, "train", feature=feature, data_dir=data_dir)
+    return TextVocab.build(lines, level, min_count=min_count, max_vocab=max_vocab)
+
+
+def encode_text(vocab: TextVocab | ByteVocab, lines: Sequence[str]) -> np.ndarray:
+    """int32 [N]: `lines` at the vocabulary's level, each ended by `<eos>` (a newline byte at
+    the byte level)."""
+    if isinstance(vocab, ByteVocab):
+        return vocab.encode_bytes("".join(line + "\n" for line in lines).encode("utf-8"))
+    return vocab.encode_lines(lines)

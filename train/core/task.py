@@ -400,7 +400,7 @@ def train_and_evaluate(task: Task, config: RunConfig, workdir: str) -> dict[str,
             if config.average_checkpoints:
                 params, averaged = average_last_checkpoints(task, config, workdir, model, eval_dp)
                 validation = data.evaluate(eval_dp, eval_step, params)
-                log_average(averaged, config.average_checkpoints, log)
+                _log_average(averaged, config.average_checkpoints, log)
                 writer.write_final(final["step"], "averaged", {"steps": averaged, **validation})
                 final["averaged_steps"] = averaged
             else:
@@ -501,7 +501,7 @@ def log_stop(
         log(f"{result.skipped} step(s) with a non-finite loss or gradient were skipped")
 
 
-def log_average(steps: Sequence[int], wanted: int, log: Callable[[str], None]) -> None:
+def _log_average(steps: Sequence[int], wanted: int, log: Callable[[str], None]) -> None:
     """Which checkpoints an evaluation averaged, in the log."""
     log(
         f"evaluating with the mean of the last {len(steps)} checkpoints (steps "

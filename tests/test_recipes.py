@@ -16,6 +16,7 @@ import numpy as np
 import pytest
 
 from train import lm, translate
+from train.bench.config import BenchConfig
 from train.core import cli
 from train.core.checkpoint import Checkpoints
 from train.core.metrics import read_metrics
@@ -242,8 +243,6 @@ def test_the_lm_recipes_refuse_ptb_and_the_wrong_level(word_texts, tmp_path, cap
     assert e.value.code == cli.EXIT_USAGE
     assert "--train_text" in capsys.readouterr().err
     # The recipes' batches are the benchmark's (one definition of each).
-    from train.bench.config import BenchConfig
-
     assert {n: b for n, _, b in BenchConfig.full().xl} == {"enwik8_base": 22, "wt103_base": 60}
 
 

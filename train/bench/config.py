@@ -134,9 +134,14 @@ class BenchConfig:
             transformer=TransformerConfig.base(dtype=dt),
             transformer_batch=768,
             transformer_len=32,
-            xl=(
-                ("enwik8_base", TransformerXLConfig.enwik8_base(dtype=dt), 22),
-                ("wt103_base", TransformerXLConfig.wt103_base(dtype=dt), 60),
+            # The papers' base models at train.lm's recipe batches (one definition of each).
+            xl=tuple(
+                (
+                    name,
+                    getattr(TransformerXLConfig, name)(dtype=dt),
+                    lm_config.PRESETS[name]["batch_size"],
+                )
+                for name in ("enwik8_base", "wt103_base")
             ),
             decode_model=TransformerConfig.base(src_vocab_size=8000, tgt_vocab_size=8000, dtype=dt),
             decode_vocab_size=8000,

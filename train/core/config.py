@@ -63,6 +63,11 @@ class RunConfig:
       log_every, eval_every, checkpoint_every: in steps; eval_every 0 = at the end only (a
         checkpoint is saved at each evaluation, and at checkpoint_every).
       keep_checkpoints: the last N are kept (and the best by validation loss).
+      average_checkpoints: evaluate (the final validation, the test sets, decoding, and the
+        task's inference commands) with the element-wise mean of the evaluation parameters
+        of the last N checkpoints (0 = off: the final state's). Each checkpoint contributes
+        what it would be evaluated with alone: its EMA when ema_decay keeps one. Needs
+        keep_checkpoints >= N; a run that saved fewer averages those it has.
       data_dir: TFDS data directory (None: TFDS's default).
       progress: a progress bar on a terminal (a line per log interval otherwise).
       plots: write W/plots/ at the end.
@@ -85,6 +90,7 @@ class RunConfig:
     eval_every: int = 0
     checkpoint_every: int = 1000
     keep_checkpoints: int = 3
+    average_checkpoints: int = 0
     data_dir: str | None = None
     progress: bool = True
     plots: bool = True
@@ -103,6 +109,7 @@ class RunConfig:
         "eval_every",
         "checkpoint_every",
         "keep_checkpoints",
+        "average_checkpoints",
         "data_dir",
         "progress",
         "plots",
@@ -116,8 +123,15 @@ class RunConfig:
         check_parallel(self.parallel, self.sharding)
         for name in ("log_every", "keep_checkpoints"):
             _check(name, getattr(self, name), minimum=1)
-        for name in ("steps", "eval_every", "checkpoint_every", "seed"):
+        for name in ("steps", "eval_every", "checkpoint_every", "seed", "average_checkpoints"):
             _check(name, getattr(self, name), minimum=0)
+        if self.average_checkpoints > self.keep_checkpoints:
+            # The checkpoint manager deletes all but the last keep_checkpoints as it saves.
+            raise ValueError(
+                f"average_checkpoints: averaging the last {self.average_checkpoints} "
+                f"checkpoints needs keep_checkpoints >= {self.average_checkpoints}, got "
+                f"keep_checkpoints {self.keep_checkpoints}"
+            )
         check_choice("on_nonfinite", self.on_nonfinite, NONFINITE_POLICIES)
         if not (math.isfinite(self.minutes) and self.minutes >= 0):
             raise ValueError(f"minutes: must be a finite number >= 0, got {self.minutes}")

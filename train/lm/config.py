@@ -22,6 +22,17 @@ LEVELS = ("word", "char", "byte")
 # Adaptive input/softmax clusters for a large word vocabulary with none named (WikiText-103's
 # cut-offs, those below the vocabulary size).
 LARGE_VOCAB, LARGE_VOCAB_CUTOFFS = 50_000, (20_000, 40_000, 200_000)
+# The papers' recipes (Dai et al. 2019): the paper's model (a TransformerXLConfig preset and
+# overrides) whatever the data, and the levels of text it is for. They train on the user's
+# text only (see LMConfig._check_recipe).
+PAPER_MODELS: dict[str, tuple[str, dict[str, Any]]] = {
+    "wt103_base": ("wt103_base", {}),
+    # Unrolled layers: 44 instead of 62 ms a step on an H100 at batch 22, 6 GiB of memory
+    # (benchmarks/README.md).
+    "enwik8_base": ("enwik8_base", dict(remat="none")),
+}
+# enwik8's recipe is a character-level one: bytes as the paper, or characters (text8).
+PAPER_LEVELS = {"wt103_base": ("word",), "enwik8_base": ("byte", "char")}
 
 
 @dataclasses.dataclass(frozen=True)
@@ -34,7 +45,8 @@ class LMConfig(RunConfig):
         data_dir ('tfds:lm1b') whose examples' `text_feature` are the lines, at `level` as
         text is (vocabulary from its train split; validation and test splits as
         train.data.tfds_source finds them).
-      preset: 'tiny' | 'cpu' | 'gpu' | 'base' (see PRESETS).
+      preset: 'tiny' | 'cpu' | 'gpu' | 'base', or a paper's recipe: 'wt103_base' (word-level
+        text) | 'enwik8_base' (byte- or char-level text) (see PRESETS).
       model_config: the TransformerXLConfig; its tgt_len and mem_len are the training segment
         and memory lengths.
       batch_size: rows of the training stream: the GLOBAL batch, split over every device of
@@ -96,6 +108,7 @@ class LMConfig(RunConfig):
         check_dataset(self.dataset)
         super().__post_init__()
         self._check_text()
+        self._check_recipe()
         if (
             self.dataset in VOCAB_SIZES
             and self.model_config.vocab_size != VOCAB_SIZES[self.dataset]
@@ -158,6 +171,28 @@ class LMConfig(RunConfig):
             raise ValueError(
                 "valid_text: training on text needs a validation file (or "
                 "split_bytes at the byte level)"
+            )
+
+    def _check_recipe(self) -> None:
+        """A paper's recipe runs on the user's text of its level."""
+        levels = PAPER_LEVELS.get(self.preset)
+        if levels is None:
+            return
+        if self.dataset != "text" and not is_tfds(self.dataset):
+            # Without text files the run would be on PTB: a forgotten flag, not the recipe
+            # (sized for 103M words or 100M bytes; PTB has 1M words, below every one of
+            # WikiText-103's cut-offs). The 'base' and 'gpu' presets are PTB's.
+            raise ValueError(
+                f"preset: {self.preset} is a recipe of Dai et al. (2019) for "
+                f"{' or '.join(levels)}-level text; give its text with --train_text (and "
+                "--valid_text, --test_text, or --split_bytes at the byte level) or --dataset "
+                "tfds:NAME: see the "
+                f"README's 'The papers' recipes'. For {self.dataset} use --preset base or gpu"
+            )
+        if self.level not in levels:
+            raise ValueError(
+                f"level: the {self.preset} recipe is for {' or '.join(levels)}-level text, "
+                f"got {self.level!r}"
             )
 
     def data_level(self) -> str:
@@ -306,6 +341,43 @@ PRESETS: dict[str, dict[str, Any]] = {
         eval_tgt_len=70,
         eval_mem_len=280,
     ),
+    # The papers' base models (Dai et al. 2019) with the official scripts' recipes
+    # (run_wt103_base.sh, run_enwik8_base.sh): Adam 2.5e-4 without warm-up, cosine to 0 over
+    # max_step (fixed here, so a run cut short with --steps keeps the paper's rate; pass
+    # --decay_steps too to shrink it), clip 0.25, the paper's batch and segment = memory
+    # lengths (in PAPER_MODELS' configs); evaluated as their eval.py does, shorter segments
+    # against a longer memory (its same_length and clamp_len are not applied: they are model
+    # fields here, and would change training too). The models: PAPER_MODELS.
+    "wt103_base": dict(
+        level="word",
+        batch_size=60,
+        steps=200_000,
+        decay_steps=200_000,
+        learning_rate=2.5e-4,
+        warmup_steps=0,
+        clip_norm=0.25,
+        log_every=200,
+        eval_every=4000,
+        checkpoint_every=4000,
+        eval_batch_size=10,
+        eval_tgt_len=64,
+        eval_mem_len=640,
+    ),
+    "enwik8_base": dict(
+        level="byte",
+        batch_size=22,
+        steps=400_000,
+        decay_steps=400_000,
+        learning_rate=2.5e-4,
+        warmup_steps=0,
+        clip_norm=0.25,
+        log_every=200,
+        eval_every=4000,
+        checkpoint_every=4000,
+        eval_batch_size=10,
+        eval_tgt_len=80,
+        eval_mem_len=2100,
+    ),
 }
 
 
@@ -334,26 +406,46 @@ def make_config(
     check_dataset(dataset)
     if preset not in PRESETS:
         raise ValueError(f"preset: expected one of {sorted(PRESETS)}, got {preset!r}")
+    run = {**PRESETS[preset], **run_overrides}
     if dataset == "text" or is_tfds(dataset):
-        level = run_overrides.get("level", LMConfig.level)
-        base, sizes = MODEL_PRESETS["ptb" if level == "word" else "ptb_char"][preset]
-        vocab_size = text_vocab_size(run_overrides, dataset)
-        sizes = dict(sizes)
-        if level == "word" and vocab_size >= LARGE_VOCAB and "cutoffs" not in model_overrides:
-            sizes["cutoffs"] = tuple(c for c in LARGE_VOCAB_CUTOFFS if c < vocab_size)
+        level = run.get("level", LMConfig.level)
+        vocab_size = text_vocab_size(run, dataset)
     else:
-        base, sizes = MODEL_PRESETS[dataset][preset]
-        vocab_size = VOCAB_SIZES[dataset]
+        level, vocab_size = DATASETS[dataset], VOCAB_SIZES[dataset]
+    if preset in PAPER_MODELS:  # the paper's model; LMConfig refuses data it is not for
+        base, sizes = PAPER_MODELS[preset]
+        sizes = {**sizes, **paper_clusters(base, vocab_size)}
+    else:
+        base, sizes = MODEL_PRESETS[dataset if dataset in MODEL_PRESETS else _TEXT_ROWS[level]][
+            preset
+        ]
+    sizes = dict(sizes)
+    if "cutoffs" in model_overrides:
+        sizes["tie_projs"] = ()  # the user's clusters: the paper's per-cluster ties fit its own
+    elif level == "word" and vocab_size >= LARGE_VOCAB and "cutoffs" not in sizes:
+        sizes["cutoffs"] = tuple(c for c in LARGE_VOCAB_CUTOFFS if c < vocab_size)
     fields = {**sizes, **dict(model_overrides), "vocab_size": vocab_size}
     if dict(model_overrides).get("vocab_size", fields["vocab_size"]) != fields["vocab_size"]:
         raise ValueError(f"model.vocab_size: fixed by the dataset ({fields['vocab_size']})")
     model_config = getattr(TransformerXLConfig, base)(**fields)
-    return LMConfig(
-        dataset=dataset,
-        preset=preset,
-        model_config=model_config,
-        **{**PRESETS[preset], **run_overrides},
-    )
+    return LMConfig(dataset=dataset, preset=preset, model_config=model_config, **run)
+
+
+# A text run's model sizes: the PTB presets' at the word level, the PTB characters' otherwise.
+_TEXT_ROWS = {"word": "ptb", "char": "ptb_char", "byte": "ptb_char"}
+
+
+def paper_clusters(base: str, vocab_size: int) -> dict[str, Any]:
+    """The adaptive input/softmax clusters of TransformerXLConfig preset `base` that fit a
+    vocabulary of `vocab_size`: its cut-offs below the size (WikiText-103's 20k, 40k and 200k
+    all fit its 267,735 words; a smaller vocabulary keeps fewer clusters), with the per-cluster
+    projection ties of the clusters kept. None for a preset without clusters."""
+    paper = getattr(TransformerXLConfig, base)()
+    cutoffs = tuple(c for c in paper.cutoffs if c < vocab_size)
+    out: dict[str, Any] = {"cutoffs": cutoffs}
+    if paper.tie_projs:
+        out["tie_projs"] = paper.tie_projs[: len(cutoffs) + 1]
+    return out
 
 
 def text_vocab_size(fields: Mapping[str, Any], dataset: str = "text") -> int:

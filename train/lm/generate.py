@@ -10,7 +10,7 @@ from __future__ import annotations
 import jax
 import numpy as np
 
-from train.core.task import restore_for_inference
+from train.core.task import params_for_inference
 from train.lm.task import TASK, load_vocab
 from train.lm.text import ByteVocab, TextVocab
 from xl_jax.generate import generate
@@ -65,15 +65,15 @@ def generate_text(
     top_p: float | None = None,
 ) -> str:
     """The continuation of `prompt` sampled from `workdir`'s checkpoint (the best by
-    validation loss, else the latest)."""
-    config, model, state, dp = restore_for_inference(TASK, workdir)
+    validation loss, else the latest; with average_checkpoints N, the mean of the last N)."""
+    config, model, params, dp = params_for_inference(TASK, workdir)
     level = config.data_level()
     vocab = load_vocab(config)
     ids = np.asarray([encode_prompt(vocab, prompt, level=level)], np.int32)  # [1, P]
     # replicate: a run with sharding='fsdp' may hold parts of the weights on other hosts.
     out = generate(
         model,
-        jax.device_get(dp.replicate(state.params)),
+        jax.device_get(dp.replicate(params)),
         ids,
         num_tokens=num_tokens,
         rng=jax.random.PRNGKey(seed),

@@ -31,6 +31,12 @@ TEACHER_FORCING_SCHEDULES = ("constant", "inverse_sigmoid")
 # the de+en train split, the 256 byte pieces and the 4 special ids. Found by training it:
 # 361 fails ("Vocabulary size is smaller than required_chars. 361 vs 362"), 362 trains.
 MIN_VOCAB_SIZE = 362
+# The papers' recipes: each needs its own data from files (see TranslateConfig._check_data).
+PAPER_PRESETS = ("wmt14_base", "wmt14_big")
+# Padded lengths for WMT sentences (about 30 pieces on average with a 32k vocabulary, a long
+# tail): steps of at most 1.5x up to 128, so little of a batch is padding, then 256 for the
+# tail, tensor2tensor's length limit for WMT. Longer pairs are left out (counted in the log).
+WMT_BUCKETS = (16, 24, 32, 48, 64, 96, 128, 256)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -40,7 +46,8 @@ class TranslateConfig(RunConfig):
     Attributes:
       model: a name of `train.translate.registry` ('transformer', 'gru', 'bahdanau', ...);
         model_config is that model's own config, resolved from the preset.
-      preset: 'tiny' | 'cpu' | 'gpu' | 'base' (see PRESETS).
+      preset: 'tiny' | 'cpu' | 'gpu' | 'base', or a paper's recipe: 'wmt14_base' |
+        'wmt14_big' (see PRESETS; those need training files).
       vocab_size: joint German+English SentencePiece pieces (at least MIN_VOCAB_SIZE).
       tokens_per_batch: token budget N * L of each padded batch array (src or tgt): the
         GLOBAL batch, split over every device of every process (N is rounded down to a
@@ -175,7 +182,8 @@ class TranslateConfig(RunConfig):
         self.optimizer_config()  # clip_norm, ema_decay and the schedule, validated there
 
     def _check_data(self) -> None:
-        """A known dataset or files; files come in pairs; Multi30k has two languages."""
+        """A known dataset or files; files come in pairs; Multi30k has two languages; the WMT14
+        recipes need their data."""
         if self.dataset != "multi30k":
             if not is_tfds(self.dataset):
                 raise ValueError(
@@ -187,6 +195,17 @@ class TranslateConfig(RunConfig):
                 raise ValueError(
                     f"dataset, train_src: train on {self.dataset} or on files, not both"
                 )
+        if self.preset in PAPER_PRESETS and self.data_source() == "multi30k":
+            # Without files the run would be on Multi30k: a forgotten flag, not the recipe
+            # (a 32k vocabulary and 25k-token batches are sized for WMT14's 4.5M pairs, not
+            # Multi30k's 29k; the 'base' preset is the paper's base model for Multi30k).
+            raise ValueError(
+                f"preset: {self.preset} is the WMT14 recipe of Vaswani et al. (2017); give "
+                "its data with --train_src, --train_tgt, --valid_src, --valid_tgt (and "
+                "--test_src, --test_tgt), or --dataset tfds:wmt14_translate/de-en: see the "
+                "README's 'The papers' recipes'. For "
+                "Multi30k use --preset base (the paper's base model, an 8k vocabulary)"
+            )
         for a, b in (("train_src", "train_tgt"), ("valid_src", "valid_tgt")):
             if (getattr(self, a) is None) != (getattr(self, b) is None):
                 raise ValueError(f"{a}, {b}: give both files of the pair, or neither")
@@ -252,6 +271,27 @@ class TranslateConfig(RunConfig):
         )
 
 
+# The recipe both WMT14 presets share (Vaswani et al. 2017; the data from files: README, "The
+# papers' recipes"): ~25k source and ~25k target tokens a batch, a joint 32k SentencePiece
+# vocabulary with one shared embedding table (the model's default), Adam 0.9/0.98/1e-9 on the
+# Noam schedule with 4000 warm-up steps, label smoothing 0.1, beam 4, length penalty 0.6 and
+# outputs up to the source's length + 50 (section 6.1). The paper saved a checkpoint every 10
+# minutes (1,500 of base's 0.4 s steps, 600 of big's 1.0 s) and evaluated the mean of the
+# last 5 (base) or 20 (big); validation comes every 5 checkpoints, on their steps, so it adds
+# none between them.
+WMT14: dict[str, Any] = dict(
+    vocab_size=32_000,
+    tokens_per_batch=25_000,
+    buckets=WMT_BUCKETS,
+    warmup_steps=4000,
+    lr_factor=1.0,
+    label_smoothing=0.1,
+    beam_size=4,
+    length_penalty=0.6,
+    decode_margin=50,
+    log_every=100,
+)
+
 # Run presets: TranslateConfig fields per preset (the model's own sizes are in registry.py).
 # Why each is what it is: benchmarks/README.md ("How the presets were chosen").
 PRESETS: dict[str, dict[str, Any]] = {
@@ -313,6 +353,23 @@ PRESETS: dict[str, dict[str, Any]] = {
         log_every=100,
         eval_every=1000,
         checkpoint_every=1000,
+    ),
+    # Vaswani et al. (2017), WMT14 English-German: the recipe WMT14 above, at two sizes.
+    "wmt14_base": dict(
+        WMT14,
+        steps=100_000,
+        checkpoint_every=1500,
+        eval_every=7500,
+        keep_checkpoints=5,
+        average_checkpoints=5,
+    ),
+    "wmt14_big": dict(
+        WMT14,
+        steps=300_000,
+        checkpoint_every=600,
+        eval_every=3000,
+        keep_checkpoints=20,
+        average_checkpoints=20,
     ),
 }
 

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 
-from train.core.task import eval_params, restore_for_inference
+from train.core.task import params_for_inference
 from train.translate.evaluate import translate_pairs
 from train.translate.task import TASK, encode_source, load_tokenizer
 
@@ -13,8 +13,9 @@ def translate_text(
     workdir: str, sentences: Sequence[str], *, step: int | None = None, greedy: bool = False
 ) -> list[str]:
     """Translates German `sentences` with the checkpoint of `workdir` (default: the best by
-    validation loss, else the latest), by beam search or greedy decoding, in input order."""
-    config, model, state, dp = restore_for_inference(TASK, workdir, step=step)
+    validation loss, else the latest; a run with average_checkpoints N: the mean of its last
+    N), by beam search or greedy decoding, in input order."""
+    config, model, params, dp = params_for_inference(TASK, workdir, step=step)
     tokenizer = load_tokenizer(config, workdir)
     pairs = [(src, []) for src in encode_source(tokenizer, sentences)]
-    return translate_pairs(model, eval_params(state), dp, config, tokenizer, pairs, greedy=greedy)
+    return translate_pairs(model, params, dp, config, tokenizer, pairs, greedy=greedy)

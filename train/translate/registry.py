@@ -2,7 +2,8 @@
 
 `build_model_config(name, preset, vocab_size=V, overrides={...})` makes the model's frozen
 config for a run preset ('tiny' for tests, 'cpu' the small default, 'base' the paper-sized
-one); `get(name).module_cls(config)` builds the flax module. Every model follows the
+one, 'wmt14_base' / 'wmt14_big' the paper's WMT14 models, Transformer only);
+`get(name).module_cls(config)` builds the flax module. Every model follows the
 translation-model protocol of `transformer_jax.decode`. Source and target share one joint
 SentencePiece vocabulary, so both vocabulary sizes are V.
 """
@@ -77,6 +78,11 @@ def _transformer() -> TranslationModel:
                 attention_impl="xla",
             ),
             "base": sized(TransformerConfig.base),
+            # The paper's two WMT14 models as they are (train.translate.config's wmt14_*
+            # presets): source and target embeddings and the output projection share one table
+            # (the config's default), post-LN, float32 unless --dtype says otherwise.
+            "wmt14_base": sized(TransformerConfig.base),
+            "wmt14_big": sized(TransformerConfig.big),
         },
         run_defaults={"optimizer": "noam", "label_smoothing": 0.1},
     )

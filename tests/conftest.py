@@ -28,6 +28,14 @@ _COMPILATION_CACHE = tempfile.mkdtemp(prefix="jax_cache_")
 jax.config.update("jax_compilation_cache_dir", _COMPILATION_CACHE)
 jax.config.update("jax_persistent_cache_min_compile_time_secs", 0.0)
 jax.config.update("jax_persistent_cache_min_entry_size_bytes", 0)
+# The same cache for the runs tests start as subprocesses (they inherit the environment; JAX
+# reads these at import): the CLI tests repeat the same tiny programs run after run, and each
+# would otherwise compile them again.
+os.environ.update(
+    JAX_COMPILATION_CACHE_DIR=_COMPILATION_CACHE,
+    JAX_PERSISTENT_CACHE_MIN_COMPILE_TIME_SECS="0",
+    JAX_PERSISTENT_CACHE_MIN_ENTRY_SIZE_BYTES="0",
+)
 
 import gc  # noqa: E402
 import shutil  # noqa: E402

@@ -39,17 +39,9 @@ FRESH = FRESH_LM  # a fresh tiny run (helpers.py)
 
 
 @pytest.fixture(scope="module")
-def env(tmp_path_factory):
-    cache = tmp_path_factory.mktemp("jax_cache")
-    return dict(
-        os.environ,
-        JAX_PLATFORMS="cpu",
-        XLA_FLAGS="",
-        PYTHONPATH=REPO,
-        JAX_COMPILATION_CACHE_DIR=str(cache),
-        JAX_PERSISTENT_CACHE_MIN_COMPILE_TIME_SECS="0",
-        JAX_PERSISTENT_CACHE_MIN_ENTRY_SIZE_BYTES="0",
-    )
+def env():
+    # os.environ holds the session's compilation cache (conftest.py).
+    return dict(os.environ, JAX_PLATFORMS="cpu", XLA_FLAGS="", PYTHONPATH=REPO)
 
 
 def lm(workdir, *args):

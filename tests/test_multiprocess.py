@@ -43,7 +43,14 @@ ATTEMPTS = 3  # ports to try
 
 
 def _env(devices: int) -> dict[str, str]:
-    env = {k: v for k, v in os.environ.items() if not k.startswith(("JAX_", "TRAIN_"))}
+    # No JAX_/TRAIN_ settings of the test process (the route under test is the flags or the
+    # variables a test sets), except the session's compilation cache (conftest.py).
+    env = {
+        k: v
+        for k, v in os.environ.items()
+        if not k.startswith(("JAX_", "TRAIN_"))
+        or k.startswith(("JAX_COMPILATION_CACHE", "JAX_PERSISTENT_CACHE"))
+    }
     env.update(JAX_PLATFORMS="cpu", XLA_FLAGS="", PYTHONPATH=REPO, JAX_NUM_CPU_DEVICES=str(devices))
     return env
 

@@ -64,6 +64,9 @@ class RunConfig:
         checkpoint is saved at each evaluation, and at checkpoint_every).
       keep_checkpoints: the last N are kept (and the best by validation loss).
       data_dir: TFDS data directory (None: TFDS's default).
+      cache_dir: where the token ids of the user's training files are cached, encoded once
+        and read memory-mapped (train.data.token_cache; None: W/token_cache). Caches are
+        named by a hash of the files and options, so runs may share one directory.
       progress: a progress bar on a terminal (a line per log interval otherwise).
       plots: write W/plots/ at the end.
       on_nonfinite: what a step with a NaN or infinite loss or gradient does (its update is
@@ -86,6 +89,7 @@ class RunConfig:
     checkpoint_every: int = 1000
     keep_checkpoints: int = 3
     data_dir: str | None = None
+    cache_dir: str | None = None
     progress: bool = True
     plots: bool = True
     on_nonfinite: str = "stop"
@@ -104,6 +108,7 @@ class RunConfig:
         "checkpoint_every",
         "keep_checkpoints",
         "data_dir",
+        "cache_dir",
         "progress",
         "plots",
         "on_nonfinite",

@@ -8,7 +8,7 @@ from collections.abc import Mapping
 from typing import Any, ClassVar
 
 from train.core.config import RunConfig, check_finite, check_positive
-from train.lm.text import BYTE_VOCAB, TextVocab, text_lines
+from train.lm.text import BYTE_VOCAB, text_vocab
 from transformer_jax.optim import OptimizerConfig
 from xl_jax.config import TransformerXLConfig
 
@@ -339,8 +339,8 @@ def text_vocab_size(fields: Mapping[str, Any]) -> int:
         raise ValueError(f"level: expected one of {LEVELS}, got {level!r}")
     if level == "byte":
         return BYTE_VOCAB
-    vocab = TextVocab.build(
-        text_lines(fields["train_text"]),
+    vocab = text_vocab(
+        fields["train_text"],
         level,
         min_count=fields.get("min_count", LMConfig.min_count),
         max_vocab=fields.get("max_vocab", LMConfig.max_vocab),

@@ -7,6 +7,7 @@ still import this one without them.
 
 from __future__ import annotations
 
+import gzip
 import hashlib
 import io
 import json
@@ -68,6 +69,27 @@ def tiny_lm_config(data_dir, dataset="ptb", **overrides):
         data_dir=str(data_dir),
     )
     return lm.make_config(dataset, "tiny", **{**fields, **overrides})
+
+
+# ---------------------------------------------------------------------------- parallel text
+
+MADE_UP_WORDS = [f"w{i}" for i in range(40)]
+
+
+def write_lines(path, lines, *, gz=False) -> str:
+    """`lines` as a UTF-8 text file (gzipped with gz), one a line -> its path."""
+    data = "".join(line + "\n" for line in lines).encode("utf-8")
+    with gzip.open(path, "wb") if gz else open(path, "wb") as f:
+        f.write(data)
+    return str(path)
+
+
+def made_up_corpus(n, seed):
+    """Sentences of a made-up language and their 'translations' (the words reversed and
+    upper-cased): learnable, and enough text for a small SentencePiece vocabulary."""
+    rng = np.random.default_rng(seed)
+    src = [" ".join(rng.choice(MADE_UP_WORDS, rng.integers(3, 9))) for _ in range(n)]
+    return src, [" ".join(w.upper() for w in reversed(s.split())) for s in src]
 
 
 # ---------------------------------------------------------------------------- work directories

@@ -15,7 +15,7 @@ import subprocess
 import sys
 
 import pytest
-from helpers import REPO, Running, finish_all
+from helpers import REPO, Running, finish_all, made_up_corpus, write_lines
 
 from train.core import cli
 from train.core.checkpoint import Checkpoints
@@ -250,6 +250,39 @@ def test_two_processes_translate_and_decode_as_one(tmp_path, data_dir):
         assert code == 0, out[-3000:]
     translated = [(tmp_path / f"{w}.en").read_text(encoding="utf-8") for w in ("one", "two")]
     assert translated[0] == translated[1] and len(translated[0].splitlines()) == 3
+
+
+def test_two_processes_train_on_files_from_one_token_cache_built_by_process_0(tmp_path):
+    src, tgt = made_up_corpus(300, 0)
+    files = [
+        write_lines(tmp_path / "train.xx", src),
+        write_lines(tmp_path / "train.yy", tgt),
+        write_lines(tmp_path / "valid.xx", src[:16]),
+        write_lines(tmp_path / "valid.yy", tgt[:16]),
+    ]
+    common = [
+        *("--preset", "tiny", "--steps", "3", "--log_every", "1", "--vocab_size", "300"),
+        *("--eval_sentences", "8", "--eval_batch_size", "8", "--plots", "false"),
+        *("--progress", "false", "--src_lang", "xx", "--tgt_lang", "yy"),
+        *("--train_src", files[0], "--train_tgt", files[1]),
+        *("--valid_src", files[2], "--valid_tgt", files[3]),
+        *("--model.d_model", "32", "--model.n_heads", "2", "--model.d_ff", "64"),
+        *("--model.n_encoder_layers", "1", "--model.n_decoder_layers", "1"),
+    ]
+    one, two = tmp_path / "one", tmp_path / "two"
+    assert "data: encoded 300 training pairs" in _one(
+        "train.translate", [*common, "--workdir", str(one)]
+    )
+    (code0, out0), (code1, out1) = _pair("train.translate", [*common, "--workdir", str(two)])
+    assert code0 == 0 and code1 == 0, out0[-3000:] + out1[-3000:]
+    # Process 0 encoded the files while process 1 waited, then read the same cache (the
+    # losses: each process fed its own rows of the same batches).
+    assert "data: encoded 300 training pairs" in out0
+    (cache,) = os.listdir(two / "token_cache")
+    with open(two / "token_cache" / cache / "meta.json") as f:
+        assert json.load(f)["process_index"] == 0
+    a, b = _records(one, "train"), _records(two, "train")
+    assert len(a) == len(b) == 3 and all(_close(x["loss"], y["loss"]) for x, y in zip(a, b))
 
 
 def test_sigterm_to_one_process_stops_both_with_a_checkpoint(tmp_path, data_dir):

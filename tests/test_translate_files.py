@@ -9,9 +9,9 @@ import json
 import os
 import shutil
 
-import numpy as np
 import pytest
 import sacrebleu
+from helpers import made_up_corpus, write_lines
 
 from train import translate
 from train.core import cli
@@ -19,23 +19,6 @@ from train.core.metrics import read_metrics
 from train.data.text_files import DataError, read_parallel, set_name
 from train.translate import cli as translate_cli
 from train.translate.task import multi30k_pairs
-
-WORDS = [f"w{i}" for i in range(40)]
-
-
-def write(path, lines, *, gz=False):
-    data = "".join(line + "\n" for line in lines).encode("utf-8")
-    with gzip.open(path, "wb") if gz else open(path, "wb") as f:
-        f.write(data)
-    return str(path)
-
-
-def corpus(n, seed):
-    """Sentences of a made-up language and their 'translations' (the words reversed and
-    upper-cased): learnable, and enough text for a small SentencePiece vocabulary."""
-    rng = np.random.default_rng(seed)
-    src = [" ".join(rng.choice(WORDS, rng.integers(3, 9))) for _ in range(n)]
-    return src, [" ".join(w.upper() for w in reversed(s.split())) for s in src]
 
 
 @pytest.fixture(scope="module")
@@ -48,11 +31,11 @@ def files(tmp_path_factory):
         ("news", 24, 2, True),
         ("talks", 16, 3, False),
     ):
-        src, tgt = corpus(n, seed)
+        src, tgt = made_up_corpus(n, seed)
         ext = ".gz" if gz else ""
         out[name] = (
-            write(root / f"{name}.xx{ext}", src, gz=gz),
-            write(root / f"{name}.yy{ext}", tgt, gz=gz),
+            write_lines(root / f"{name}.xx{ext}", src, gz=gz),
+            write_lines(root / f"{name}.yy{ext}", tgt, gz=gz),
         )
     return out
 
@@ -79,24 +62,25 @@ def file_config(files, tmp_path, **overrides):
 
 # ----------------------------------------------------------------------------- reading
 def test_parallel_files_plain_and_gzipped_read_the_same(tmp_path):
-    src, tgt = corpus(10, 0)
-    plain = read_parallel(write(tmp_path / "a.de", src), write(tmp_path / "a.en", tgt))
+    src, tgt = made_up_corpus(10, 0)
+    plain = read_parallel(write_lines(tmp_path / "a.de", src), write_lines(tmp_path / "a.en", tgt))
     zipped = read_parallel(
-        write(tmp_path / "b.de.gz", src, gz=True), write(tmp_path / "b.en.gz", tgt, gz=True)
+        write_lines(tmp_path / "b.de.gz", src, gz=True),
+        write_lines(tmp_path / "b.en.gz", tgt, gz=True),
     )
     assert plain == zipped == (list(zip(src, tgt)), 0)
     assert set_name("/x/newstest2014.de.gz") == "newstest2014"
 
 
 def test_bad_parallel_files_are_refused_naming_file_and_line(tmp_path):
-    good_src, good_tgt = corpus(5, 0)
-    src = write(tmp_path / "s.de", good_src)
+    good_src, good_tgt = made_up_corpus(5, 0)
+    src = write_lines(tmp_path / "s.de", good_src)
     with pytest.raises(DataError, match=r"t\.en has 4 lines|s\.de has 5 lines, .*t\.en has 4"):
-        read_parallel(src, write(tmp_path / "t.en", good_tgt[:4]))
+        read_parallel(src, write_lines(tmp_path / "t.en", good_tgt[:4]))
     with pytest.raises(DataError, match="no such file"):
         read_parallel(src, str(tmp_path / "missing.en"))
     with pytest.raises(DataError, match="empty.en: the file is empty"):
-        read_parallel(src, write(tmp_path / "empty.en", []))
+        read_parallel(src, write_lines(tmp_path / "empty.en", []))
     (tmp_path / "latin1.en").write_bytes(
         "\n".join(good_tgt[:2]).encode()
         + "\nna\xefve\n".encode("latin-1")
@@ -107,7 +91,7 @@ def test_bad_parallel_files_are_refused_naming_file_and_line(tmp_path):
         read_parallel(src, str(tmp_path / "latin1.en"))
     holes = good_tgt[:1] + [""] + good_tgt[2:]
     with pytest.raises(DataError, match=r"holes\.en, line 2: empty"):
-        read_parallel(src, write(tmp_path / "holes.en", holes))
+        read_parallel(src, write_lines(tmp_path / "holes.en", holes))
     pairs, skipped = read_parallel(src, str(tmp_path / "holes.en"), skip_empty=True)
     assert skipped == 1 and len(pairs) == 4 and good_src[1] not in [s for s, _ in pairs]
 
@@ -190,7 +174,7 @@ def test_changed_training_files_on_resume_are_refused(straight, files, tmp_path,
     try:
         with open(train_src + ".orig") as f:
             lines = f.read().splitlines()
-        write(train_src, lines[:-1] + ["w1 w2 w3"])
+        write_lines(train_src, lines[:-1] + ["w1 w2 w3"])
         code = translate_cli.main(["--workdir", str(workdir), "--steps", "8"])
     finally:
         os.replace(train_src + ".orig", train_src)

@@ -38,7 +38,9 @@ class LMBatches(Sequence):
                 f"{tokens.shape[0]} tokens are too few for batch_size {batch_size}"
                 " (each row needs an input and a target)"
             )
-        self.rows = tokens[: n * batch_size].reshape(batch_size, n).astype(np.int32)  # [B, n]
+        # [B, n], a view: a memory-mapped stream stays on disk, and a batch reads (and casts to
+        # int32) only its own columns of the rows asked for.
+        self.rows = tokens[: n * batch_size].reshape(batch_size, n)
         self.tgt_len = tgt_len
         # Positions that have a next token to predict: 0 .. n - 2.
         self._predictable = n - 1
@@ -52,13 +54,19 @@ class LMBatches(Sequence):
     def __getitem__(self, i):
         if isinstance(i, slice):
             return [self[j] for j in range(*i.indices(len(self)))]
+        return self.batch(i)
+
+    def batch(self, i: int, rows: slice = slice(None)) -> tuple[np.ndarray, np.ndarray]:
+        """Batch i (`self[i]`), only its `rows` (a process's share: contiguous parts of the
+        stream, the only tokens read) -> (inputs [b, T], targets [b, T]) int32."""
         if i < 0:
             i += len(self)
         if not 0 <= i < len(self):
             raise IndexError(f"batch {i} of {len(self)}")
         start = i * self.tgt_len
         stop = min(start + self.tgt_len, self._predictable)
-        return self.rows[:, start:stop], self.rows[:, start + 1 : stop + 1]
+        window = np.asarray(self.rows[rows, start : stop + 1], np.int32)  # [b, T + 1]
+        return window[:, :-1], window[:, 1:]
 
     def __iter__(self) -> Iterator[tuple[np.ndarray, np.ndarray]]:
         return self.iter_from(0)

@@ -4,6 +4,7 @@
     python -m train.bench --quick true           # CPU sizes: a couple of minutes on 2 cores
     python -m train.bench --only train_xl_enwik8,xl_eval --out DIR
     python -m train.bench --only cpu_vs_torch    # the CPU training step against PyTorch
+    python -m train.bench --only data            # data preparation and loaders, on the CPU
 
 Flags: one per field of `options.BenchOptions` (`--field VALUE`, as every entry point).
 Sections (`--only` picks some; `matmul` runs first, the training sections divide by its rate):
@@ -26,6 +27,9 @@ Sections (`--only` picks some; `matmul` runs first, the training sections divide
   cpu_vs_torch       (only when asked for) the cpu presets' Transformer (32 x 16 and 64 x 32)
                      and Transformer-XL training steps on the CPU against PyTorch's, eager and
                      `torch.compile`d, same model size, interleaved: see `cpu_vs_torch`.
+  data               (only when asked for) preparing 1M synthetic sentence pairs and a 100M-token
+                     text (wall time, peak RSS, a reused cache) and the loaders that read their
+                     token caches against the CPU step: see `data`.
 
 Every training figure is the project's own train step (`train.core.step.make_train_step` jitted by
 `train.core.parallel.DataParallel`: state donated, metrics left on device) on one device, in the
@@ -40,7 +44,7 @@ OUT/bench.md (tables), and are printed.
 
 One concern per module: config (BenchConfig, its presets, the sections), options (the flags),
 timing, profile (trace parsing), train_steps, decode, xl_eval, cpu_vs_torch (with torch_reference
-and xl_torch_reference, its PyTorch models), report (json, markdown, merging) and run
+and xl_torch_reference, its PyTorch models), data, report (json, markdown, merging) and run
 (`run_benchmarks`). `__main__` only parses flags and calls `run.run_and_report`; each section is an
 importable function that the tests run at tiny sizes.
 """

@@ -20,9 +20,11 @@ SECTIONS = (
     "decode",
     "xl_eval",
     "cpu_vs_torch",
+    "data",
 )
-# cpu_vs_torch runs only when asked for: it times the CPU even on an accelerator machine.
-DEFAULT_SECTIONS = SECTIONS[:-1]
+# cpu_vs_torch and data run only when asked for: they time the CPU even on an accelerator
+# machine (data also writes a corpus of about 1.5 GB).
+DEFAULT_SECTIONS = SECTIONS[:-2]
 XL_SECTIONS = {"train_xl_enwik8": "enwik8", "train_xl_wt103": "wt103"}
 
 
@@ -54,6 +56,8 @@ class BenchConfig:
         lengths: its tgt_len and mem_len).
       torch_steps, torch_warmup: timed and untimed interleaved steps of that comparison.
       torch_compile: also time a `torch.compile`d PyTorch step.
+      data_pairs, data_lm_tokens: the synthetic corpus of the data section (sentence pairs,
+        LM text tokens); data_loader_seconds: how long each loader is drawn from.
     """
 
     dtype: str
@@ -85,6 +89,10 @@ class BenchConfig:
     torch_steps: int
     torch_warmup: int
     torch_compile: bool
+    # The data section is a CPU measure of the same size in both presets (issue 24's goals).
+    data_pairs: int = 1_000_000
+    data_lm_tokens: int = 100_000_000
+    data_loader_seconds: float = 5.0
 
     def __post_init__(self):
         if self.dtype not in ("float32", "bfloat16"):
@@ -104,6 +112,8 @@ class BenchConfig:
             "eval_repeats",
             "torch_xl_batch",
             "torch_steps",
+            "data_pairs",
+            "data_lm_tokens",
         ):
             if getattr(self, name) < 1:
                 raise ValueError(f"{name}: must be >= 1, got {getattr(self, name)}")

@@ -43,6 +43,8 @@ class BenchOptions:
       append: merge into OUT/bench.json (same device): the sections run now replace theirs.
       torch_steps: timed steps of cpu_vs_torch (None: the preset's).
       torch_compile: cpu_vs_torch also times a `torch.compile`d PyTorch step.
+      data_pairs, data_lm_tokens: the data section's corpus: sentence pairs and LM tokens
+        (None: the preset's, 1M and 100M).
     """
 
     quick: bool = False
@@ -63,6 +65,8 @@ class BenchOptions:
     append: bool = False
     torch_steps: int | None = None
     torch_compile: bool = True
+    data_pairs: int | None = None
+    data_lm_tokens: int | None = None
 
     def __post_init__(self):
         unknown = sorted(set(self.only) - set(SECTIONS))
@@ -116,6 +120,10 @@ def config_from_options(options: BenchOptions) -> BenchConfig:
     if options.decode_sentences is not None:
         changes["decode_sentences"] = options.decode_sentences
     changes["torch_compile"] = options.torch_compile
+    if options.data_pairs is not None:
+        changes["data_pairs"] = options.data_pairs
+    if options.data_lm_tokens is not None:
+        changes["data_lm_tokens"] = options.data_lm_tokens
     xl = list(config.xl)
     for item in options.batch:
         name, _, value = item.partition("=")

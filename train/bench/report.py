@@ -25,7 +25,7 @@ def merge_results(earlier: Mapping[str, Any], new: Mapping[str, Any]) -> dict[st
     )
     merged["train"] = [r for r in earlier.get("train", []) if r["name"] not in names]
     merged["train"] += new["train"]
-    for key in ("matmul", "decode", "xl_eval", "cpu_vs_torch"):
+    for key in ("matmul", "decode", "xl_eval", "cpu_vs_torch", "data"):
         if new.get(key) is not None:
             merged[key] = new[key]
     merged["errors"] = [e for e in earlier.get("errors", []) if e["section"] not in ran]
@@ -130,6 +130,7 @@ def to_markdown(results: Mapping[str, Any]) -> str:
             )
         lines.append("")
     lines += _cpu_vs_torch_lines(results.get("cpu_vs_torch"))
+    lines += _data_lines(results.get("data"))
     for err in results.get("errors") or []:
         lines.append(f"- {err['section']} failed: {err['error']}")
     return "\n".join(lines) + "\n"
@@ -194,6 +195,37 @@ def _cpu_vs_torch_lines(cmp: Mapping[str, Any] | None) -> list[str]:
     # Results of older runs may carry notes (such as an XL row skipped) in a bench.json.
     notes += cmp.get("notes", [])
     return lines + [""] + [f"- {note}" for note in notes] + ([""] if notes else [])
+
+
+def _data_lines(data: Mapping[str, Any] | None) -> list[str]:
+    """The data section: preparation (fresh and reused), loader and the CPU step, per task."""
+    if not data:
+        return []
+    goals = data["goals"]
+    lines = [
+        f"Data: a synthetic corpus of {data['pairs']:,} sentence pairs and a "
+        f"{data['lm_tokens']:,}-token LM text, the `cpu` presets. Goals: preparing the pairs "
+        f"under {goals['prepare_s']:.0f} s and {_gib(goals['peak_rss_bytes'])} GiB; a loader "
+        f"{goals['loader_over_step']:.0f}x faster than the CPU step and at least "
+        f"{goals['tokens_s'] / 1e6:.0f}M tokens/s.",
+        "",
+        "| task | prepare (s) | peak RSS (GiB) | reuse (s) | batches/s | positions/s | "
+        "tokens/s | CPU step (ms) | loader / step |",
+        "|---|---:|---:|---:|---:|---:|---:|---:|---:|",
+    ]
+    for task in ("translate", "lm"):
+        r = data.get(task)
+        if not r:
+            continue
+        loader = r["loader"]
+        lines.append(
+            f"| {task} | {r['prepare']['seconds']:.1f} | "
+            f"{_gib(r['prepare']['peak_rss_bytes'])} | {r['reuse']['seconds']:.1f} | "
+            f"{loader['batches_per_s']:,.0f} | {loader['positions_per_s'] / 1e6:.1f}M | "
+            f"{loader['tokens_per_s'] / 1e6:.1f}M | {r['step_s'] * 1e3:.0f} | "
+            f"{r['loader_over_step']:,.0f}x |"
+        )
+    return lines + [""]
 
 
 def _gib(n: int | None) -> str:

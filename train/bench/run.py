@@ -18,7 +18,7 @@ import flax
 import jax
 import jaxlib
 
-from train.bench import cpu_vs_torch, decode, train_steps, xl_eval
+from train.bench import cpu_vs_torch, data, decode, train_steps, xl_eval
 from train.bench.config import DEFAULT_SECTIONS, SECTIONS, XL_SECTIONS, BenchConfig
 from train.bench.options import BenchOptions, config_from_options, parse_options
 from train.bench.report import merge_results, to_markdown, write_results
@@ -26,7 +26,7 @@ from train.bench.timing import measure_matmul_rate, nominal_bf16_peak
 
 # Sections that do not use the matrix rate: a run of only these skips the matmul section (on
 # a CPU the full size, 8192^3, would take minutes).
-WITHOUT_MATMUL = ("cpu_vs_torch",)
+WITHOUT_MATMUL = ("cpu_vs_torch", "data")
 
 
 def run_benchmarks(
@@ -178,6 +178,18 @@ def run_benchmarks(
     if "cpu_vs_torch" in sections:
         results["cpu_vs_torch"] = attempt(
             "cpu_vs_torch", lambda: cpu_vs_torch.cpu_vs_torch_bench(config, log=log)
+        )
+        save()
+    if "data" in sections:
+        results["data"] = attempt(
+            "data",
+            lambda: data.data_bench(
+                cache_dir=cache_dir,
+                pairs=config.data_pairs,
+                lm_tokens=config.data_lm_tokens,
+                loader_seconds=config.data_loader_seconds,
+                log=log,
+            ),
         )
         save()
     return results if earlier is None else merge_results(earlier, results)

@@ -69,6 +69,9 @@ class RunConfig:
         what it would be evaluated with alone: its EMA when ema_decay keeps one. Needs
         keep_checkpoints >= N; a run that saved fewer averages those it has.
       data_dir: TFDS data directory (None: TFDS's default).
+      cache_dir: where the token ids of the user's training files are cached, encoded once
+        and read memory-mapped (train.data.token_cache; None: W/token_cache). Caches are
+        named by a hash of the files and options, so runs may share one directory.
       progress: a progress bar on a terminal (a line per log interval otherwise).
       plots: write W/plots/ at the end.
       on_nonfinite: what a step with a NaN or infinite loss or gradient does (its update is
@@ -92,6 +95,7 @@ class RunConfig:
     keep_checkpoints: int = 3
     average_checkpoints: int = 0
     data_dir: str | None = None
+    cache_dir: str | None = None
     progress: bool = True
     plots: bool = True
     on_nonfinite: str = "stop"
@@ -111,6 +115,7 @@ class RunConfig:
         "keep_checkpoints",
         "average_checkpoints",
         "data_dir",
+        "cache_dir",
         "progress",
         "plots",
         "on_nonfinite",

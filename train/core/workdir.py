@@ -34,6 +34,9 @@ from etils import epath
 LOCK_FILE = ".lock"
 # Written by orbax straight to the remote directory; never mirrored.
 REMOTE_ONLY = ("checkpoints",)
+# The token cache (train.data.token_cache), rebuilt from the data files when missing: too large
+# to copy up with the run's files, so never pushed.
+TOKEN_CACHE = "token_cache"
 # Where remote work directories are mirrored; override with $ATTENTION_JAX_MIRROR.
 MIRROR_ENV = "ATTENTION_JAX_MIRROR"
 
@@ -111,6 +114,7 @@ def push(workdir: str) -> int:
             path = os.path.join(parent, file)
             if (
                 file == LOCK_FILE
+                or os.path.relpath(path, local).split(os.sep)[0] == TOKEN_CACHE
                 or file.endswith((".tmp", ".pull"))
                 or _pushed.get(path) == _signature(path)
             ):

@@ -28,6 +28,8 @@ written in order.
 
 from __future__ import annotations
 
+import dataclasses
+import itertools
 import math
 from collections.abc import Callable, Iterator, Sequence
 
@@ -72,6 +74,69 @@ def _pack(
     return {"src": src, "tgt_in": tgt_in, "tgt_out": tgt_out}
 
 
+@dataclasses.dataclass(frozen=True)
+class PairArrays:
+    """Encoded pairs as two flat token streams and their offsets: pair i is
+    (src[src_offsets[i]:src_offsets[i + 1]], tgt[tgt_offsets[i]:tgt_offsets[i + 1]]).
+
+    The arrays may be memory-mapped (`train.data.token_cache`): lengths come from the offsets
+    alone, and a batch reads only its own rows' tokens, so a corpus of any size trains without
+    being loaded.
+    """
+
+    src: np.ndarray  # [S] every source's ids, concatenated (any integer dtype)
+    src_offsets: np.ndarray  # [P + 1] int64, from 0 to S
+    tgt: np.ndarray  # [T] every target's ids (no bos or eos)
+    tgt_offsets: np.ndarray  # [P + 1] int64, from 0 to T
+
+    @classmethod
+    def from_pairs(cls, pairs: Sequence[Pair]) -> PairArrays:
+        def flat(side: int):
+            lengths = np.fromiter((len(p[side]) for p in pairs), np.int64, len(pairs))
+            offsets = np.concatenate([[0], np.cumsum(lengths)]).astype(np.int64)
+            ids = itertools.chain.from_iterable(p[side] for p in pairs)
+            return np.fromiter(ids, np.int64, int(offsets[-1])), offsets
+
+        (src, src_offsets), (tgt, tgt_offsets) = flat(0), flat(1)
+        return cls(src, src_offsets, tgt, tgt_offsets)
+
+    def __len__(self) -> int:
+        return len(self.src_offsets) - 1
+
+    def lengths(self) -> tuple[np.ndarray, np.ndarray]:
+        """(source lengths [P], target lengths [P]), int64."""
+        return np.diff(self.src_offsets), np.diff(self.tgt_offsets)
+
+    def pack(
+        self, index: np.ndarray, length: int, *, pad_id: int, bos_id: int, eos_id: int
+    ) -> dict[str, np.ndarray]:
+        """The [N, length] arrays of the pairs `index` [N] (-1: an all-pad fill row), as
+        `_pack` builds them, reading only those pairs' tokens."""
+        index = np.asarray(index, np.int64)
+        real = index >= 0
+        at = np.where(real, index, 0)
+        src = _rows_of(self.src, self.src_offsets, at, real, length, pad_id)
+        tgt = _rows_of(self.tgt, self.tgt_offsets, at, real, length, pad_id)
+        n_tgt = np.where(real, self.tgt_offsets[at + 1] - self.tgt_offsets[at], 0)
+        tgt_out = tgt.copy()
+        tgt_out[real, n_tgt[real]] = eos_id  # fits: the bucket holds the target plus one
+        tgt_in = np.full_like(tgt, pad_id)
+        tgt_in[:, 1:] = tgt[:, :-1]
+        tgt_in[real, 0] = bos_id
+        return {"src": src, "tgt_in": tgt_in, "tgt_out": tgt_out}
+
+
+def _rows_of(tokens, offsets, at, real, length: int, pad_id: int) -> np.ndarray:
+    """int32 [N, length]: row r holds the ids of sequence at[r] (when real[r]), then pad."""
+    start = offsets[at]
+    count = np.where(real, offsets[at + 1] - start, 0)
+    positions = np.arange(length)
+    inside = positions[None, :] < count[:, None]  # [N, length]
+    out = np.full(inside.shape, pad_id, np.int32)
+    out[inside] = tokens[(start[:, None] + positions[None, :])[inside]]
+    return out
+
+
 def _rows_for(length: int, *, tokens_per_batch: int, num_devices: int) -> int:
     rows = tokens_per_batch // length // num_devices * num_devices
     if rows == 0:
@@ -87,7 +152,7 @@ class TokenBatcher:
 
     def __init__(
         self,
-        pairs: Sequence[Pair],
+        pairs: Sequence[Pair] | PairArrays,
         *,
         tokens_per_batch: int = 4096,
         buckets: Sequence[int] = DEFAULT_BUCKETS,
@@ -98,7 +163,8 @@ class TokenBatcher:
         eos_id: int = EOS_ID,
     ):
         """Args:
-        pairs: encoded (src_ids, tgt_ids) pairs, without bos/eos on the target.
+        pairs: encoded (src_ids, tgt_ids) pairs, without bos/eos on the target; or the same
+          as `PairArrays` (memory-mapped from a token cache: the batches are the same).
         tokens_per_batch: the budget N * L of each array of a batch.
         buckets: the allowed lengths L, increasing.
         num_devices: N is a multiple of this (the size of the data-parallel axis).
@@ -111,16 +177,15 @@ class TokenBatcher:
         self.tokens_per_batch = tokens_per_batch
         self.num_devices = num_devices
         self.seed = seed
-        members: dict[int, list[Pair]] = {L: [] for L in self.buckets}
-        self.num_dropped = 0
-        for src, tgt in pairs:
-            need = pair_length(src, tgt)
-            L = next((b for b in self.buckets if b >= need), None)
-            if L is None:
-                self.num_dropped += 1
-            else:
-                members[L].append((src, tgt))
-        self.bucket_counts = {L: len(m) for L, m in members.items() if m}
+        self._special = dict(pad_id=pad_id, bos_id=bos_id, eos_id=eos_id)
+        self.pairs = pairs if isinstance(pairs, PairArrays) else PairArrays.from_pairs(pairs)
+        # Each pair's bucket from the lengths alone (no token read): the smallest L >=
+        # pair_length; past the largest, dropped. Members keep the input order.
+        src_len, tgt_len = self.pairs.lengths()
+        which = np.searchsorted(np.asarray(self.buckets), np.maximum(src_len, tgt_len + 1))
+        self.num_dropped = int(np.count_nonzero(which == len(self.buckets)))
+        members = {L: np.flatnonzero(which == i) for i, L in enumerate(self.buckets)}
+        self.bucket_counts = {L: len(m) for L, m in members.items() if len(m)}
         if not self.bucket_counts:
             raise ValueError(
                 f"no pair fits the largest bucket ({self.buckets[-1]}); "
@@ -131,13 +196,8 @@ class TokenBatcher:
             L: _rows_for(L, tokens_per_batch=tokens_per_batch, num_devices=num_devices)
             for L in self.bucket_counts
         }
-        # Packed once; a batch is then a row gather. Row `count` of each bucket is all pad: the
-        # index that fills up a bucket's last batch.
-        self._packed = {
-            L: _pack(m, L, pad_id=pad_id, bos_id=bos_id, eos_id=eos_id, fill_rows=1)
-            for L, m in members.items()
-            if m
-        }
+        # Member `count` of each bucket is -1, the all-pad row that fills up its last batch.
+        self._members = {L: np.append(members[L], -1).astype(np.int64) for L in self.bucket_counts}
         self.num_batches = sum(math.ceil(n / self.rows[L]) for L, n in self.bucket_counts.items())
 
     @property
@@ -173,7 +233,8 @@ class TokenBatcher:
         return [plan[i] for i in rng.permutation(len(plan))]
 
     def _gather(self, L: int, rows: np.ndarray) -> dict[str, np.ndarray]:
-        return {k: v[rows] for k, v in self._packed[L].items()}
+        """The batch of bucket L's members `rows` (packed now: only these pairs are read)."""
+        return self.pairs.pack(self._members[L][rows], L, **self._special)
 
     def batches_for_epoch(self, epoch: int) -> Iterator[dict[str, np.ndarray]]:
         """The `num_batches` batches of `epoch`, in training order (built lazily)."""

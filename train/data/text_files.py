@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import gzip
 import hashlib
+import itertools
 import json
 import os
 from collections.abc import Iterator, Mapping
@@ -79,6 +80,47 @@ def read_parallel(
     return pairs, skipped
 
 
+def iter_parallel(
+    src_path: str, tgt_path: str, *, skip_empty: bool = False, skipped: list[int] | None = None
+) -> Iterator[tuple[str, str]]:
+    """`read_parallel` as a stream: the (source, target) pairs in file order, one at a time, so
+    a corpus of any size is never held whole. The same errors, each raised where it is found:
+    an empty line (unless `skip_empty`) before a difference in length found at the end.
+
+    skipped: a list whose one element counts the pairs left out for an empty side (read it
+    once the stream is exhausted)."""
+    skipped = [0] if skipped is None else skipped
+    skipped[:] = [0]
+    src, tgt = read_lines(src_path), read_lines(tgt_path)
+    number = kept = 0
+    for number, (s, t) in enumerate(itertools.zip_longest(src, tgt), 1):
+        if s is None or t is None:  # one file ended: count the rest of the other
+            longer = tgt if s is None else src
+            total = number + sum(1 for _ in longer)  # the longer file's lines
+            n_src, n_tgt = (number - 1, total) if s is None else (total, number - 1)
+            if number == 1:
+                raise DataError(f"{src_path if s is None else tgt_path}: the file is empty")
+            raise DataError(
+                f"parallel files differ in length: {src_path} has {n_src:,} lines, "
+                f"{tgt_path} has {n_tgt:,}"
+            )
+        if s.strip() and t.strip():
+            kept += 1
+            yield s, t
+        elif skip_empty:
+            skipped[0] += 1
+        else:
+            path = src_path if not s.strip() else tgt_path
+            raise DataError(
+                f"{path}, line {number}: empty (every line is a sentence; "
+                "--skip_empty true leaves such pairs out)"
+            )
+    if number == 0:
+        raise DataError(f"{src_path}: the file is empty")
+    if not kept:
+        raise DataError(f"{src_path}, {tgt_path}: no pair with text on both sides")
+
+
 def files_sha256(*paths: str) -> str:
     """One sha256 over the bytes of `paths` in order (their names left out, so a moved copy of
     the same files matches)."""
@@ -106,10 +148,11 @@ def set_name(path: str) -> str:
 FINGERPRINT_FILE = "data.json"
 
 
-def check_fingerprint(workdir: str, files: Mapping[str, str]) -> None:
+def check_fingerprint(workdir: str, files: Mapping[str, str]) -> str:
     """A resumed run must train on the bytes it started with: the sha256 of the training
     files ({field: path}) is kept in W/data.json (written by process 0 the first time);
-    other bytes, under the same names or others, are a DataError naming the fields."""
+    other bytes, under the same names or others, are a DataError naming the fields.
+    -> the sha256 (`files_sha256` of the files in order)."""
     digest = files_sha256(*files.values())
     path = os.path.join(workdir, FINGERPRINT_FILE)
     fields = ", ".join(files)
@@ -127,3 +170,4 @@ def check_fingerprint(workdir: str, files: Mapping[str, str]) -> None:
         with open(path + ".tmp", "w") as f:
             json.dump({"train_sha256": digest, **files}, f, indent=2)
         os.replace(path + ".tmp", path)
+    return digest

@@ -86,12 +86,7 @@ class SentencePieceTokenizer:
         workdir = Path(workdir)
         path = workdir / f"{name}_{model_type}{vocab_size}_{digest.hexdigest()[:12]}.model"
         if not path.exists():
-            workdir.mkdir(parents=True, exist_ok=True)
-            proto = _train_model(sentences, vocab_size=vocab_size, model_type=model_type)
-            # Write-then-rename: a concurrent reader (another host) never sees half a model.
-            with tempfile.NamedTemporaryFile(dir=workdir, suffix=".tmp", delete=False) as f:
-                f.write(proto)
-            os.replace(f.name, path)
+            write_model(path, sentences, vocab_size=vocab_size, model_type=model_type)
         return cls(path)
 
     @property
@@ -125,6 +120,19 @@ class SentencePieceTokenizer:
 
     def id_to_piece(self, i: int) -> str:
         return self._sp.id_to_piece(int(i))
+
+
+def write_model(
+    path: str | os.PathLike, sentences: Sequence[str], *, vocab_size: int, model_type: str = "bpe"
+) -> None:
+    """Trains a model on `sentences` (all of them, in order) and writes it to `path`."""
+    path = Path(path)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    proto = _train_model(sentences, vocab_size=vocab_size, model_type=model_type)
+    # Write-then-rename: a concurrent reader (another host) never sees half a model.
+    with tempfile.NamedTemporaryFile(dir=path.parent, suffix=".tmp", delete=False) as f:
+        f.write(proto)
+    os.replace(f.name, path)
 
 
 def _train_model(sentences: Sequence[str], *, vocab_size: int, model_type: str) -> bytes:

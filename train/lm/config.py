@@ -10,7 +10,7 @@ from typing import Any, ClassVar
 
 from train.core.config import RunConfig, check_finite, check_positive
 from train.data.tfds_source import is_tfds, tfds_name
-from train.lm.text import BYTE_VOCAB, TextVocab, text_lines, tfds_vocab
+from train.lm.text import BYTE_VOCAB, text_vocab, tfds_vocab
 from transformer_jax.optim import OptimizerConfig
 from xl_jax.config import TransformerXLConfig
 
@@ -465,8 +465,8 @@ def text_vocab_size(fields: Mapping[str, Any], dataset: str = "text") -> int:
             max_vocab=fields.get("max_vocab", LMConfig.max_vocab),
             data_dir=fields.get("data_dir"),
         ).vocab_size
-    vocab = TextVocab.build(
-        text_lines(fields["train_text"]),
+    vocab = text_vocab(
+        fields["train_text"],
         level,
         min_count=fields.get("min_count", LMConfig.min_count),
         max_vocab=fields.get("max_vocab", LMConfig.max_vocab),

@@ -26,17 +26,17 @@ from train import plots
 from train.core.metrics import MetricsWriter, add_sums, read_metrics, summarize
 from train.core.parallel import DataParallel
 from train.core.state import TrainState
-from train.data.text_files import DataError, check_fingerprint
+from train.data.text_files import DataError, check_fingerprint, files_sha256
 from train.data.tfds_source import is_tfds, open_dataset
+from train.data.token_cache import CACHE_DIR, ids_dtype, stream_cache
 from train.data.tokenizers import CharVocab, WordVocab
 from train.lm.config import DATASETS, PRESETS, LMConfig, make_config
 from train.lm.text import (
-    ByteVocab,
-    TextVocab,
-    byte_splits,
+    byte_chunks,
+    byte_length,
     encode_text,
-    read_bytes,
-    text_lines,
+    encoded_lines,
+    text_vocab,
     tfds_lines,
     tfds_vocab,
 )
@@ -65,7 +65,9 @@ def load_vocab(config: LMConfig):
             )
         return vocab
     if config.dataset == "text":
-        vocab = _text_vocab(config.train_text, config.level, config.min_count, config.max_vocab)
+        vocab = text_vocab(
+            config.train_text, config.level, min_count=config.min_count, max_vocab=config.max_vocab
+        )
         if vocab.vocab_size != config.model_config.vocab_size:
             raise DataError(
                 f"train_text: {config.train_text} gives {vocab.vocab_size:,} "
@@ -77,17 +79,14 @@ def load_vocab(config: LMConfig):
     return (WordVocab if level == "word" else CharVocab).from_ptb(data_dir=config.data_dir)
 
 
-@functools.lru_cache(maxsize=4)
-def _text_vocab(path: str, level: str, min_count: int, max_vocab: int):
-    if level == "byte":
-        return ByteVocab()
-    return TextVocab.build(text_lines(path), level, min_count=min_count, max_vocab=max_vocab)
-
-
-def load_stream(config: LMConfig, split: str) -> np.ndarray | None:
-    """The int32 token stream of a split ('train', 'valid', 'test'): PTB's, the text run's or
-    the TFDS run's, `<eos>` after every line (bytes as they are at the byte level); None for a
-    text or TFDS run without that split."""
+def load_stream(
+    config: LMConfig, split: str, *, cache_dir: str | None = None, log=None
+) -> np.ndarray | None:
+    """The token stream of a split ('train', 'valid', 'test'): PTB's, the text run's or the
+    TFDS run's, `<eos>` after every line (bytes as they are at the byte level); None for a
+    text or TFDS run without that split. With `cache_dir` a text run's stream is encoded once
+    into the token cache there and read memory-mapped (train.data.token_cache); else int32 in
+    memory (PTB, TFDS)."""
     if is_tfds(config.dataset):
         lines = tfds_lines(
             config.dataset, split, feature=config.text_feature, data_dir=config.data_dir
@@ -96,7 +95,7 @@ def load_stream(config: LMConfig, split: str) -> np.ndarray | None:
             return None
         stream = encode_text(load_vocab(config), lines)
     elif config.dataset == "text":
-        stream = _text_stream(config, split)
+        stream = _text_stream(config, split, cache_dir, log)
         if stream is None:
             return None
     else:
@@ -108,16 +107,70 @@ def load_stream(config: LMConfig, split: str) -> np.ndarray | None:
     return stream[: config.eval_tokens] if config.eval_tokens and split != "train" else stream
 
 
-def _text_stream(config: LMConfig, split: str) -> np.ndarray | None:
-    vocab = load_vocab(config)
+def _text_stream(config: LMConfig, split: str, cache_dir: str | None, log) -> np.ndarray | None:
+    """A text run's split: its ids as `chunks` yields them, cached when `cache_dir` is set."""
     if config.split_bytes:
-        return vocab.encode_bytes(byte_splits(config.train_text, config.split_bytes)[split])
-    path = {"train": config.train_text, "valid": config.valid_text, "test": config.test_text}[split]
-    if path is None:
-        return None
+        path = config.train_text
+        a, b, c = config.split_bytes
+        total = byte_length(path)
+        if a + b >= total:
+            raise DataError(
+                f"split_bytes {tuple(config.split_bytes)}: {path} has only {total:,} "
+                "bytes, too few for a train and a validation part and a test part"
+            )
+        start, stop = {"train": (0, a), "valid": (a, a + b), "test": (a + b, a + b + c)}[split]
+    else:
+        path = {"train": config.train_text, "valid": config.valid_text, "test": config.test_text}[
+            split
+        ]
+        if path is None:
+            return None
+        start, stop = 0, None
+    vocab = load_vocab(config)
     if config.level == "byte":
-        return vocab.encode_bytes(read_bytes(path))
-    return vocab.encode_lines(text_lines(path))
+        dtype = np.uint8
+
+        def chunks():
+            empty = True
+            for chunk in byte_chunks(path, start, stop):
+                empty = False
+                yield np.frombuffer(chunk, np.uint8)
+            if empty and not config.split_bytes:
+                raise DataError(f"{path}: the file is empty")
+    else:
+        dtype = ids_dtype(vocab.vocab_size)
+
+        def chunks():
+            yield from encoded_lines(vocab, path)
+
+    if cache_dir is None:
+        parts = list(chunks())
+        return np.concatenate(parts).astype(np.int32) if parts else np.zeros(0, np.int32)
+    return stream_cache(
+        cache_dir,
+        chunks,
+        dtype=dtype,
+        log=log,
+        what=f"{split} text",
+        text_sha256=_sha256(path),
+        byte_range=[start, stop],
+        train_sha256=_sha256(config.train_text),  # the vocabulary's source
+        level=config.level,
+        min_count=config.min_count,
+        max_vocab=config.max_vocab,
+    )
+
+
+def _sha256(path: str) -> str:
+    """`files_sha256(path)`, computed once per process for each file version (size, time):
+    the three splits' caches all name the training file."""
+    info = os.stat(path)
+    return _sha256_of(path, (info.st_size, info.st_mtime_ns))
+
+
+@functools.lru_cache(maxsize=8)
+def _sha256_of(path: str, stamp: tuple[int, int]) -> str:
+    return files_sha256(path)
 
 
 def make_loss_fn(model: TransformerXL):
@@ -158,12 +211,13 @@ def train_batches(stream: np.ndarray, config: LMConfig):
     )
 
     def from_step(start: int, rows: Callable[[int], slice] | None = None):
-        # This process's rows of every batch (rows of the stream: each is a contiguous part).
+        # This process's rows of every batch (rows of the stream: each is a contiguous part,
+        # and only those are read).
         mine = slice(None) if rows is None else rows(config.batch_size)
         step = start
         while True:
-            inputs, targets = batches[step % len(batches)]
-            batch = {"inputs": inputs[mine], "targets": targets[mine]}
+            inputs, targets = batches.batch(step % len(batches), rows=mine)
+            batch = {"inputs": inputs, "targets": targets}
             if config.reset_memory_each_epoch:
                 batch["reset"] = np.full(
                     (config.batch_size,), step > 0 and step % len(batches) == 0
@@ -299,21 +353,23 @@ class LMTask:
             raise ValueError(
                 f"batch_size: {config.batch_size} rows do not split over {dp.n_devices} devices"
             )
+        cached = {}
         if config.dataset == "text":
             check_fingerprint(workdir, {"train_text": config.train_text})
+            cached = dict(cache_dir=config.cache_dir or os.path.join(workdir, CACHE_DIR), log=log)
         elif is_tfds(config.dataset):  # its version and splits: dataset_info.json
             data = open_dataset(config.dataset, config.data_dir)
             check_fingerprint(workdir, {"dataset": data.info_path})
             if data.splits().note:
                 log(f"data: {config.dataset}: {data.splits().note}")
-        train_stream = load_stream(config, "train")
+        train_stream = load_stream(config, "train", **cached)
         batches, from_step = train_batches(train_stream, config)
         data = LMData(
             config=config,
             batches_per_epoch=len(batches),
             from_step=from_step,
-            valid=load_stream(config, "valid"),
-            test=load_stream(config, "test"),
+            valid=load_stream(config, "valid", **cached),
+            test=load_stream(config, "test", **cached),
             log=log,
         )
         log(

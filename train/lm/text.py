@@ -22,9 +22,10 @@ from __future__ import annotations
 
 import functools
 import gzip
+import itertools
 import os
 from collections import Counter
-from collections.abc import Iterable, Sequence
+from collections.abc import Iterable, Iterator, Sequence
 
 import numpy as np
 
@@ -55,7 +56,9 @@ class TextVocab:
     def build(
         cls, lines: Iterable[str], level: str, *, min_count: int = 1, max_vocab: int = 0
     ) -> TextVocab:
-        counts = Counter(sym for line in lines for sym in tokens(line, level))
+        counts: Counter = Counter()
+        for line in lines:  # a stream: the text is never held whole
+            counts.update(line.split() if level == "word" else line)
         for special in (EOS, UNK):
             counts.pop(special, None)
         kept = sorted(
@@ -83,9 +86,9 @@ class TextVocab:
 
     def encode_lines(self, lines: Iterable[str]) -> np.ndarray:
         """int32 [N]: each line's symbol ids (unknown ones `<unk>`), then `<eos>`."""
-        stream: list[int] = []
+        get, stream = self._ids.get, []
         for line in lines:
-            stream.extend(self._ids.get(s, 1) for s in tokens(line, self.level))
+            stream.extend(map(get, tokens(line, self.level), itertools.repeat(1)))
             stream.append(0)
         return np.asarray(stream, np.int32)
 
@@ -136,10 +139,18 @@ def byte_splits(path: str, split_bytes: Sequence[int]) -> dict[str, bytes]:
 
 
 def text_lines(path: str) -> list[str]:
-    lines = list(read_lines(path))
-    if not any(line.strip() for line in lines):
+    return list(iter_text(path))
+
+
+def iter_text(path: str) -> Iterator[str]:
+    """The lines of a text file as a stream (`read_lines`); a file with no text on any line
+    is a DataError, raised when the stream ends."""
+    blank = True
+    for line in read_lines(path):
+        blank = blank and not line.strip()
+        yield line
+    if blank:
         raise DataError(f"{path}: the file is empty")
-    return lines
 
 
 def tfds_lines(
@@ -178,3 +189,59 @@ def encode_text(vocab: TextVocab | ByteVocab, lines: Sequence[str]) -> np.ndarra
     if isinstance(vocab, ByteVocab):
         return vocab.encode_bytes("".join(line + "\n" for line in lines).encode("utf-8"))
     return vocab.encode_lines(lines)
+
+
+@functools.lru_cache(maxsize=4)
+def _text_vocab(path: str, stamp: tuple[int, int], level: str, min_count: int, max_vocab: int):
+    return TextVocab.build(iter_text(path), level, min_count=min_count, max_vocab=max_vocab)
+
+
+def text_vocab(path: str, level: str, *, min_count: int = 1, max_vocab: int = 0):
+    """The vocabulary of a training text at `level` (`ByteVocab` at the byte level), counted in
+    one streaming pass and kept for the process: the config and the data both ask for it.
+    A file changed since (size or time) is counted again."""
+    if level == "byte":
+        return ByteVocab()
+    try:
+        info = os.stat(path)
+    except FileNotFoundError:
+        raise DataError(f"{path}: no such file") from None
+    stamp = (info.st_size, info.st_mtime_ns)
+    return _text_vocab(path, stamp, level, min_count, max_vocab)
+
+
+def encoded_lines(vocab: TextVocab, path: str, *, lines: int = 100_000) -> Iterator[np.ndarray]:
+    """`vocab.encode_lines` of a text file, `lines` lines at a time (int32 arrays)."""
+    stream = iter_text(path)
+    while chunk := list(itertools.islice(stream, lines)):
+        yield vocab.encode_lines(chunk)
+
+
+def byte_length(path: str) -> int:
+    """The bytes of a file (uncompressed: a gzipped one is read through)."""
+    if not path.endswith(".gz"):
+        try:
+            return os.path.getsize(path)
+        except FileNotFoundError:
+            raise DataError(f"{path}: no such file") from None
+    return sum(len(chunk) for chunk in byte_chunks(path))
+
+
+def byte_chunks(
+    path: str, start: int = 0, stop: int | None = None, *, size: int = 1 << 24
+) -> Iterator[bytes]:
+    """Bytes [start, stop) of a file (uncompressed), `size` at a time."""
+    try:
+        with gzip.open(path, "rb") if path.endswith(".gz") else open(path, "rb") as f:
+            position = 0
+            while stop is None or position < stop:
+                chunk = f.read(size if stop is None else min(size, stop - position))
+                if not chunk:
+                    break
+                lo, position = max(start - position, 0), position + len(chunk)
+                if lo < len(chunk):
+                    yield chunk[lo:]
+    except FileNotFoundError:
+        raise DataError(f"{path}: no such file") from None
+    except (OSError, EOFError) as e:
+        raise DataError(f"{path}: cannot be read ({e})") from e

@@ -84,6 +84,10 @@ class TranslateConfig(RunConfig):
         each scored (BLEU and chrF) and written under its own name; without them a file run
         has no test evaluation and a Multi30k run uses test_split.
       skip_empty: leave out pairs with an empty side instead of refusing the file.
+      spm_sample: with training files, the SentencePiece model trains on at most this many
+        of their sentences: all when the files have no more, else both sides of a seeded
+        uniform sample of spm_sample / 2 pairs (SentencePiece's own default sample size; a
+        larger one changes the vocabulary little and costs memory and minutes).
     """
 
     model: str = "transformer"
@@ -117,6 +121,7 @@ class TranslateConfig(RunConfig):
     test_src: tuple[str, ...] = ()
     test_tgt: tuple[str, ...] = ()
     skip_empty: bool = False
+    spm_sample: int = 1_000_000
 
     MAY_CHANGE: ClassVar[tuple[str, ...]] = RunConfig.MAY_CHANGE + (
         "beam_size",
@@ -149,6 +154,7 @@ class TranslateConfig(RunConfig):
             self, ("vocab_size", "tokens_per_batch", "warmup_steps", "beam_size", "eval_batch_size")
         )
         check_positive(self, ("eval_sentences", "decode_margin"), minimum=0)
+        check_positive(self, ("spm_sample",), minimum=2)
         self._check_data()
         if self.data_source() == "multi30k" and self.vocab_size < MIN_VOCAB_SIZE:
             raise ValueError(

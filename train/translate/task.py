@@ -25,9 +25,16 @@ from train.core.parallel import DataParallel
 from train.core.state import TrainState
 from train.core.workdir import local_dir
 from train.data.batching import TokenBatcher, eval_batches
-from train.data.text_files import DataError, check_fingerprint, read_parallel, set_name
+from train.data.text_files import (
+    DataError,
+    check_fingerprint,
+    files_sha256,
+    read_parallel,
+    set_name,
+)
 from train.data.tfds_source import TfdsDataset, open_dataset
-from train.data.tokenizers import SentencePieceTokenizer, multi30k_tokenizer
+from train.data.token_cache import CACHE_DIR, cache_key, parallel_cache, sample_sentences
+from train.data.tokenizers import SentencePieceTokenizer, multi30k_tokenizer, write_model
 from train.translate import registry
 from train.translate.config import PRESETS, TranslateConfig, make_config
 from train.translate.evaluate import (
@@ -116,14 +123,44 @@ def load_tokenizer(
     directory = config.tokenizer_dir or os.path.join(local_dir(workdir), "tokenizer")
     if config.data_source() == "multi30k":
         return multi30k_tokenizer(directory, vocab_size=config.vocab_size, data_dir=config.data_dir)
-    pairs = training_pairs(config) if train_pairs is None else train_pairs
-    try:
-        return SentencePieceTokenizer.train_or_load(
-            [s for pair in pairs for s in pair],
-            directory,
-            vocab_size=config.vocab_size,
-            name=f"{config.data_source()}_spm",
+    if train_pairs is not None:  # pairs of another source, in memory
+        sentences = [s for pair in train_pairs for s in pair]
+        return _train_or_load(
+            lambda: SentencePieceTokenizer.train_or_load(
+                sentences,
+                directory,
+                vocab_size=config.vocab_size,
+                name=f"{config.data_source()}_spm",
+            )
         )
+    return files_tokenizer(config, directory)
+
+
+def files_tokenizer(
+    config: TranslateConfig, directory: str, *, train_sha256: str | None = None
+) -> SentencePieceTokenizer:
+    """The joint model of the training files, trained on at most spm_sample of their
+    sentences (`token_cache.sample_sentences`) the first time, and named by a hash of the
+    files' bytes and the options, so finding it reads no sentence."""
+    files = (config.train_src, config.train_tgt)
+    key = cache_key(
+        train_sha256=train_sha256 or files_sha256(*files),
+        vocab_size=config.vocab_size,
+        spm_sample=config.spm_sample,
+        skip_empty=config.skip_empty,
+    )
+    path = os.path.join(directory, f"files_spm_bpe{config.vocab_size}_{key[:12]}.model")
+    if not os.path.exists(path):
+        sentences, _ = sample_sentences(
+            *files, sample=config.spm_sample, skip_empty=config.skip_empty
+        )
+        _train_or_load(lambda: write_model(path, sentences, vocab_size=config.vocab_size))
+    return SentencePieceTokenizer(path)
+
+
+def _train_or_load(train: Callable[[], Any]):
+    try:
+        return train()
     except ValueError as e:  # SentencePiece cannot meet the vocabulary size on this text
         raise DataError(f"vocab_size: {e}") from e
 
@@ -428,16 +465,16 @@ class TranslationTask:
     def prepare(
         self, config: TranslateConfig, workdir: str, dp: DataParallel, log: Callable[[str], None]
     ) -> TranslationData:
-        pairs = training_pairs(config, log)
         if config.uses_files():
-            check_fingerprint(
-                workdir, {"train_src": config.train_src, "train_tgt": config.train_tgt}
-            )
-        elif config.data_source() == "tfds":  # its version and splits: dataset_info.json
-            check_fingerprint(workdir, {"dataset": open_tfds(config).info_path})
-        tokenizer = load_tokenizer(config, workdir, train_pairs=pairs)
+            encoded, tokenizer = _cached_files(config, workdir, log)
+        else:
+            if config.data_source() == "tfds":  # its version and splits: dataset_info.json
+                check_fingerprint(workdir, {"dataset": open_tfds(config).info_path})
+            pairs = training_pairs(config, log)
+            tokenizer = load_tokenizer(config, workdir, train_pairs=pairs)
+            encoded = encode_pairs(tokenizer, pairs)
         batcher = TokenBatcher(
-            encode_pairs(tokenizer, pairs),
+            encoded,
             tokens_per_batch=config.tokens_per_batch,
             buckets=config.buckets,
             num_devices=dp.n_devices,
@@ -486,6 +523,28 @@ def tfds_splits(config: TranslateConfig, tokenizer) -> tuple[Split, list[Split]]
         return validation, []
     test = data.read(splits.test, languages)
     return validation, [load_split(config, tokenizer, f"{data.name}.{splits.test}", pairs=test)]
+
+
+def _cached_files(config: TranslateConfig, workdir: str, log: Callable[[str], None]):
+    """-> (the training files' pairs from the token cache, memory-mapped; the tokenizer):
+    the corpus is streamed, never held as strings (train.data.token_cache)."""
+    digest = check_fingerprint(
+        workdir, {"train_src": config.train_src, "train_tgt": config.train_tgt}
+    )
+    directory = config.tokenizer_dir or os.path.join(workdir, "tokenizer")
+    tokenizer = files_tokenizer(config, directory, train_sha256=digest)
+    pairs, meta = parallel_cache(
+        config.train_src,
+        config.train_tgt,
+        tokenizer,
+        config.cache_dir or os.path.join(workdir, CACHE_DIR),
+        train_sha256=digest,
+        skip_empty=config.skip_empty,
+        log=log,
+    )
+    if meta["skipped"]:
+        log(f"data: {meta['skipped']:,} training pair(s) with an empty side left out (skip_empty)")
+    return pairs, tokenizer
 
 
 def unique_names(names: Sequence[str]) -> list[str]:

@@ -24,7 +24,14 @@ except AttributeError:  # pragma: no cover - jax without the option: the XLA fla
 # in-memory caches never share a program between two runs of the same model (and
 # jax.clear_caches() empties them after every module), while this one does, keyed by the
 # program itself. Every threshold at 0: the tiny test models compile in well under a second.
-_COMPILATION_CACHE = tempfile.mkdtemp(prefix="jax_cache_")
+# One cache for the whole test run: a pytest-xdist worker shares its controller's (its parent
+# process's), so a program one worker compiled is a hit on the other. Entries are written
+# whole or read as a miss (JAX warns and compiles), so the workers need no lock.
+_XDIST_WORKER = "PYTEST_XDIST_WORKER" in os.environ
+_COMPILATION_CACHE = os.path.join(
+    tempfile.gettempdir(), f"jax_cache_{os.getppid() if _XDIST_WORKER else os.getpid()}"
+)
+os.makedirs(_COMPILATION_CACHE, exist_ok=True)
 jax.config.update("jax_compilation_cache_dir", _COMPILATION_CACHE)
 jax.config.update("jax_persistent_cache_min_compile_time_secs", 0.0)
 jax.config.update("jax_persistent_cache_min_entry_size_bytes", 0)
@@ -99,7 +106,8 @@ def lm_straight(tmp_path_factory, data_dir):
     return config, workdir, lm.train_and_evaluate(config, str(workdir))
 
 
-@pytest.fixture(autouse=True, scope="session")
-def _remove_compilation_cache():
-    yield
-    shutil.rmtree(_COMPILATION_CACHE, ignore_errors=True)
+def pytest_unconfigure(config):
+    """The test run's cache goes when it ends: removed by the controller (the process that
+    started any workers), after every worker has stopped."""
+    if not _XDIST_WORKER:
+        shutil.rmtree(_COMPILATION_CACHE, ignore_errors=True)

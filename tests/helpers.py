@@ -100,6 +100,14 @@ def train_losses(workdir) -> list[tuple[int, float]]:
     return [(r["step"], r["loss"]) for r in read_metrics(str(workdir)) if r["split"] == "train"]
 
 
+def mtimes(directory) -> dict[str, int]:
+    """{name: modification time in ns} of the entries of `directory`: unchanged when nothing
+    was written there again."""
+    return {
+        name: os.stat(os.path.join(directory, name)).st_mtime_ns for name in os.listdir(directory)
+    }
+
+
 def file_hashes(directory) -> dict[str, str]:
     """{path relative to `directory`: sha256} of every file below it."""
     out = {}

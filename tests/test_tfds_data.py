@@ -1,6 +1,8 @@
 """Training on any prepared TFDS dataset (`--dataset tfds:NAME[/CONFIG]`): translation on
-`wmt14_translate/de-en`, language models on `lm1b` (word and byte level), exact resume, and
-every bad dataset refused with exit code 2 before training.
+`wmt14_translate/de-en`, language models on `lm1b` (word and byte level), exact resume, the
+training data streamed into the token cache once (the ids those of the in-memory reading, the
+tokenizer on at most spm_sample sentences), and every bad dataset refused with exit code 2
+before training.
 
 The datasets are real prepared TFDS datasets, written offline by TFDS's own builders for those
 names with their download replaced by a few made-up examples (`prepare_offline`): the same
@@ -14,25 +16,30 @@ MagicMock that holds no split names; and its text is random letters, the same in
 from __future__ import annotations
 
 import json
+import os
 import shutil
 import sys
+from pathlib import Path
 
 import numpy as np
 import pytest
 import tensorflow_datasets as tfds
 from etils import epath
-from helpers import tiny_lm_config, train_losses
+from helpers import mtimes, tiny_lm_config, train_losses
 from tensorflow_datasets.datasets.lm1b import lm1b_dataset_builder
 from tensorflow_datasets.translate import wmt14, wmt_t2t
 
-from train import lm
+from train import lm, translate
 from train.core import cli
 from train.core.metrics import read_metrics
-from train.data import tfds_source
+from train.data import tfds_source, token_cache
+from train.data.batching import PairArrays
 from train.lm import cli as lm_cli
 from train.lm.task import load_stream, load_vocab
 from train.lm.text import TextVocab
 from train.translate import cli as translate_cli
+from train.translate import task
+from train.translate.task import encode_pairs, load_tokenizer, tfds_pairs, tfds_splits
 
 WORDS = [f"w{i}" for i in range(40)]
 
@@ -98,6 +105,31 @@ def tfds_dir(tmp_path_factory):
 def read_split(root, name, split):
     """A prepared split read directly with TFDS (the order a run reads it in)."""
     return list(tfds.builder(name, data_dir=str(root)).as_data_source(split=split))
+
+
+def read_pairs(root, split, name="wmt14_translate/de-en"):
+    """A translation split's (de, en) pairs, read directly with TFDS, in its order."""
+    return [(ex["de"].decode(), ex["en"].decode()) for ex in read_split(root, name, split)]
+
+
+def wmt_config(root, **overrides):
+    """The translation run of `translate_argv` as a config (what its data depends on)."""
+    fields = dict(dataset="tfds:wmt14_translate/de-en", data_dir=str(root), vocab_size=300)
+    return translate.make_config("transformer", "tiny", **{**fields, **overrides})
+
+
+class ByteTokenizer:
+    """A stand-in for SentencePiece where no model needs training: a sentence's UTF-8 bytes
+    (+ 3 past the special ids); its 'model' is a file of its own, part of a cache's key."""
+
+    vocab_size, eos_id = 259, 2
+
+    def __init__(self, directory):
+        self.model_path = Path(directory) / "bytes.model"
+        self.model_path.write_bytes(b"bytes + 3")
+
+    def encode_batch(self, sentences):
+        return [[b + 3 for b in s.encode()] for s in sentences]
 
 
 def exit_code(main, argv) -> int:
@@ -170,8 +202,13 @@ def test_a_tfds_translation_run_resumes_exactly(tfds_dir, translated, tmp_path):
     assert translate_cli.main(translate_argv(tfds_dir, straight, "--steps", "6")) == 0
     resumed = tmp_path / "resumed"
     shutil.copytree(translated, resumed)
+    (cache,) = (resumed / "token_cache").glob("translate-*")
+    before = {d: mtimes(d) for d in (cache, resumed / "token_cache", resumed / "tokenizer")}
     assert translate_cli.main(["--workdir", str(resumed), "--steps", "6"]) == 0
     assert train_losses(resumed) == train_losses(straight)
+    # The resumed run opened the cache and the tokenizer its first part made: nothing was
+    # encoded, trained or written there again.
+    assert {d: mtimes(d) for d in before} == before
 
 
 @pytest.mark.slow
@@ -201,6 +238,98 @@ def test_resuming_on_other_data_is_refused(tfds_dir, translated, tmp_path, capsy
     assert max(r["step"] for r in read_metrics(str(workdir))) == 4  # nothing trained
 
 
+@pytest.mark.slow
+def test_the_training_split_is_cached_once_as_its_in_memory_encoding(tfds_dir, translated):
+    config, pairs = wmt_config(tfds_dir), read_pairs(tfds_dir, "train")
+    (cache,) = (translated / "token_cache").glob("translate-*")
+    meta = json.loads((cache / token_cache.META_FILE).read_text())
+    assert (meta["pairs"], meta["skipped"], meta["split"]) == (len(pairs), 0, "train")
+    models, before = mtimes(translated / "tokenizer"), mtimes(cache)
+    # The run's tokenizer is found by its name (the dataset's fingerprint), its cache by its
+    # key: nothing is trained or encoded again.
+    tokenizer = load_tokenizer(config, str(translated))
+    arrays, again = token_cache.pairs_cache(
+        tfds_pairs(config), tokenizer, str(translated / "token_cache")
+    )
+    assert not again["built"] and mtimes(cache) == before
+    assert mtimes(translated / "tokenizer") == models
+    assert isinstance(arrays.src, np.memmap) and arrays.src.dtype == np.uint16
+    expected = PairArrays.from_pairs(encode_pairs(tokenizer, pairs))
+    for name in ("src", "src_offsets", "tgt", "tgt_offsets"):
+        assert np.array_equal(getattr(arrays, name), getattr(expected, name)), name
+
+
+def test_a_split_is_streamed_in_batches_in_its_prepared_order(tfds_dir):
+    data = tfds_source.open_dataset("tfds:wmt14_translate/de-en", tfds_dir)
+    pairs = read_pairs(tfds_dir, "train")
+    assert list(data.iter_read("train", ("de", "en"), batch=7)) == pairs
+    assert data.read("train", ("de", "en")) == pairs
+    assert list(data.iter_read("train[390:]", ("en",), batch=4)) == [(t,) for _, t in pairs[390:]]
+
+
+def test_the_tfds_tokenizer_trains_on_at_most_spm_sample_sentences(tfds_dir, tmp_path, monkeypatch):
+    class Sampled(Exception):
+        pass
+
+    seen = []
+
+    def record(path, sentences, *, vocab_size):
+        seen.append((os.path.basename(path), list(sentences)))
+        raise Sampled  # what it would train on is all this test needs
+
+    monkeypatch.setattr(task, "write_model", record)
+    for sample in (1_000_000, 41):
+        with pytest.raises(Sampled):
+            load_tokenizer(wmt_config(tfds_dir, spm_sample=sample), str(tmp_path))
+    (name, everything), (small_name, small) = seen
+    pairs = read_pairs(tfds_dir, "train")
+    # Fewer sentences than spm_sample: all of them, in order (what training on the split held
+    # in memory gave) ...
+    assert everything == [side for pair in pairs for side in pair]
+    # ... else both sides of spm_sample // 2 of its pairs, in the split's order.
+    drawn = list(zip(small[::2], small[1::2]))
+    assert len(drawn) == 20 and len(set(drawn)) == 20
+    at = [pairs.index(pair) for pair in drawn]
+    assert at == sorted(at)
+    assert name.startswith("tfds_spm_bpe300_") and small_name != name  # the sample is in the key
+
+
+def test_tfds_pairs_with_an_empty_side_are_left_out_counted_and_cached(tmp_path):
+    train = parallel(30, 9)
+    train[3]["en"], train[10]["de"] = "", "  "
+    root = tmp_path / "tfds"
+    prepare_offline(
+        wmt14.Wmt14Translate, {"train": train, "validation": parallel(4, 10)}, root, config="de-en"
+    )
+    kept = [p for p in read_pairs(root, "train") if p[0].strip() and p[1].strip()]
+    source, skipped = tfds_pairs(wmt_config(root)), [0]
+    assert list(source.read(skipped)) == kept and len(kept) == 28 and skipped == [2]
+    tokenizer = ByteTokenizer(tmp_path)
+    arrays, meta = token_cache.pairs_cache(source, tokenizer, str(tmp_path / "cache"))
+    assert meta["built"] and (meta["pairs"], meta["skipped"]) == (28, 2)
+    expected = PairArrays.from_pairs(encode_pairs(tokenizer, kept))
+    for name in ("src", "src_offsets", "tgt", "tgt_offsets"):
+        assert np.array_equal(getattr(arrays, name), getattr(expected, name)), name
+    assert not token_cache.pairs_cache(source, tokenizer, str(tmp_path / "cache"))[1]["built"]
+    # The other direction is other data: another cache, its pairs swapped.
+    back = tfds_pairs(wmt_config(root, src_lang="en", tgt_lang="de"))
+    swapped, meta = token_cache.pairs_cache(back, tokenizer, str(tmp_path / "cache"))
+    assert meta["built"] and len(os.listdir(tmp_path / "cache")) == 2
+    assert np.array_equal(swapped.tgt, arrays.src[arrays.src != tokenizer.eos_id])
+
+
+def test_eval_sentences_bounds_what_is_read_of_the_evaluation_splits(tfds_dir, tmp_path):
+    tokenizer = ByteTokenizer(tmp_path)
+    validation, (test,) = tfds_splits(wmt_config(tfds_dir, eval_sentences=5), tokenizer)
+    assert (
+        list(zip(validation.sources, validation.references))
+        == read_pairs(tfds_dir, "validation")[:5]
+    )
+    assert test.name == "wmt14_translate.test" and len(test.pairs) == 5
+    validation, (test,) = tfds_splits(wmt_config(tfds_dir), tokenizer)
+    assert (len(validation.pairs), len(test.pairs)) == (40, 16)
+
+
 # ----------------------------------------------------------------------------- language models
 @pytest.mark.slow
 @pytest.mark.parametrize("level", ["word", "byte"])
@@ -224,6 +353,18 @@ def test_a_language_model_trains_on_lm1b(tfds_dir, tmp_path, level):
     final = lm.train_and_evaluate(config, str(tmp_path / "run"))
     figure = "test_ppl" if level == "word" else "test_bpc"
     assert final["step"] == 6 and np.isfinite(final[figure])
+    # Each split was encoded once into the run's token cache: read back memory-mapped, it is
+    # the in-memory stream, and reading it again encodes nothing.
+    root = tmp_path / "run" / "token_cache"
+    caches = sorted(root.glob("lm-*"))
+    assert len(caches) == 3
+    before = {c: mtimes(c) for c in caches}
+    for split in ("train", "valid", "test"):
+        cached = load_stream(config, split, cache_dir=str(root))
+        assert isinstance(cached, np.memmap)
+        assert cached.dtype == (np.uint16 if level == "word" else np.uint8)
+        assert cached.tolist() == load_stream(config, split).tolist(), split
+    assert {c: mtimes(c) for c in caches} == before and sorted(root.glob("lm-*")) == caches
 
 
 # ----------------------------------------------------------------------------- bad datasets

@@ -9,7 +9,7 @@ import os
 
 import numpy as np
 import pytest
-from helpers import made_up_corpus, write_lines
+from helpers import made_up_corpus, mtimes, write_lines
 
 from train import lm, translate
 from train.bench.config import BenchConfig
@@ -43,12 +43,6 @@ def cache(files, tokenizer, root, **options):
     return token_cache.parallel_cache(
         *files, tokenizer, str(root), train_sha256=files_sha256(*files), **options
     )
-
-
-def mtimes(directory):
-    return {
-        name: os.stat(os.path.join(directory, name)).st_mtime_ns for name in os.listdir(directory)
-    }
 
 
 def only_entry(root):

@@ -69,9 +69,10 @@ class RunConfig:
         what it would be evaluated with alone: its EMA when ema_decay keeps one. Needs
         keep_checkpoints >= N; a run that saved fewer averages those it has.
       data_dir: TFDS data directory (None: TFDS's default).
-      cache_dir: where the token ids of the user's training files are cached, encoded once
-        and read memory-mapped (train.data.token_cache; None: W/token_cache). Caches are
-        named by a hash of the files and options, so runs may share one directory.
+      cache_dir: where the token ids of the training data (the user's files, a TFDS dataset's
+        splits) are cached, encoded once and read memory-mapped (train.data.token_cache;
+        None: W/token_cache). Caches are named by a hash of the data and options, so runs may
+        share one directory.
       progress: a progress bar on a terminal (a line per log interval otherwise).
       plots: write W/plots/ at the end.
       on_nonfinite: what a step with a NaN or infinite loss or gradient does (its update is

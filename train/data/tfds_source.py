@@ -23,7 +23,7 @@ import difflib
 import importlib
 import os
 import sys
-from collections.abc import Sequence
+from collections.abc import Iterator, Sequence
 from typing import Any
 
 from train.data.text_files import DataError
@@ -127,7 +127,16 @@ class TfdsDataset:
                 )
 
     def read(self, split: str, names: Sequence[str]) -> list[tuple[str, ...]]:
-        """The text features `names` of every example of `split`, in the prepared order."""
+        """The text features `names` of every example of `split`, in the prepared order, as a
+        list: for small splits (validation, test); `iter_read` streams a large one."""
+        return list(self.iter_read(split, names))
+
+    def iter_read(
+        self, split: str, names: Sequence[str], *, batch: int = _CHUNK
+    ) -> Iterator[tuple[str, ...]]:
+        """The text features `names` of every example of `split`, in the prepared order, one
+        tuple at a time: `batch` examples are read per call to the data source, so a split
+        of any size is never held whole. The split is opened when the stream starts."""
         try:
             source = self.builder.as_data_source(split=split)
         except Exception as e:  # TFDS raises many types for a missing or damaged file
@@ -135,9 +144,8 @@ class TfdsDataset:
                 f"{self.dataset}: split {split!r} in {self.builder.data_dir} cannot be "
                 f"opened ({_cause(e)})"
             ) from e
-        rows: list[tuple[str, ...]] = []
-        for start in range(0, len(source), _CHUNK):
-            keys = list(range(start, min(start + _CHUNK, len(source))))
+        for start in range(0, len(source), batch):
+            keys = list(range(start, min(start + batch, len(source))))
             try:
                 examples = source.__getitems__(keys)
             except Exception as e:  # array_record raises many types for a damaged file
@@ -146,8 +154,7 @@ class TfdsDataset:
                     f"read ({_cause(e)}); prepare it again"
                 ) from e
             for index, example in zip(keys, examples):
-                rows.append(tuple(_text(example[n], self.dataset, split, index) for n in names))
-        return rows
+                yield tuple(_text(example[n], self.dataset, split, index) for n in names)
 
 
 def _text(value: Any, dataset: str, split: str, index: int) -> str:

@@ -1,16 +1,18 @@
 """Token ids encoded once, written to disk, and read memory-mapped: training data of any size.
 
-A corpus is never held as Python strings all at once. Translation files are read twice, as
-streams: once to check them and draw the sentences the tokenizer trains on (at most
-`spm_sample`, `sample_sentences`), once to encode them chunk by chunk (SentencePiece's batched
-encode, on every core) into the cache (`parallel_cache`). A language-model text is encoded
-the same way into one token stream (`stream_cache`). Training then reads the cache
+A corpus is never held as Python strings all at once. Translation pairs (a `PairSource`:
+the user's files, a TFDS dataset's train split) are read twice, as streams: once to check
+them and draw the sentences the tokenizer trains on (at most `spm_sample`, `sample_pairs`),
+once to encode them chunk by chunk (SentencePiece's batched encode, on every core) into the
+cache (`pairs_cache`). A language-model text or TFDS split is encoded the same way into one
+token stream (`stream_cache`). Training then reads the cache
 memory-mapped, each process only the tokens of its own rows (`PairArrays.pack`,
 `xl_jax.data.LMBatches.batch`).
 
 A cache is a directory named by a sha256 of everything its ids depend on (the input files'
-bytes, the tokenizer or vocabulary, the options), under the run's `cache_dir`
-(W/token_cache by default; never copied up to a remote W):
+bytes or the prepared TFDS copy's dataset_info.json, the tokenizer or vocabulary, the
+options), under the run's `cache_dir` (W/token_cache by default; never copied up to a remote
+W):
 
     <cache_dir>/<kind>-<key>/
         <name>.bin            the ids of one stream, concatenated, raw (dtype in meta.json:
@@ -29,6 +31,7 @@ wait; they then open its cache (a shared cache_dir: the local work directory, or
 
 from __future__ import annotations
 
+import dataclasses
 import hashlib
 import itertools
 import json
@@ -36,7 +39,7 @@ import os
 import shutil
 import socket
 import time
-from collections.abc import Callable, Iterable, Iterator
+from collections.abc import Callable, Iterable, Iterator, Mapping
 from typing import Any
 
 import jax
@@ -156,15 +159,57 @@ def open_ids(directory: str, name: str, meta: dict[str, Any]) -> np.ndarray:
 # ----------------------------------------------------------------------------- translation
 
 
+@dataclasses.dataclass(frozen=True)
+class PairSource:
+    """A corpus of (source, target) sentence pairs, read again as a stream on every pass.
+
+    read: skipped -> the pairs in order, one at a time; `skipped` is a one-element list that
+      counts the pairs left out for an empty side (read it once the stream is exhausted), as
+      `iter_parallel` takes it.
+    fingerprint: JSON-serialisable parts that name the pairs exactly (a sha256 of their bytes
+      and the options that choose them): part of the key of every tokenizer and cache made
+      from them, so other data never reuses one.
+    origin: where the pairs come from, for the cache's meta ({'files': [...]} or
+      {'dataset': ...}).
+    """
+
+    read: Callable[[list[int]], Iterator[tuple[str, str]]]
+    fingerprint: Mapping[str, Any]
+    origin: Mapping[str, Any]
+
+
+def file_pairs(
+    src_path: str, tgt_path: str, *, train_sha256: str, skip_empty: bool = False
+) -> PairSource:
+    """Two parallel files as a `PairSource` (`iter_parallel`); train_sha256:
+    `files_sha256(src_path, tgt_path)`."""
+    return PairSource(
+        read=lambda skipped: iter_parallel(
+            src_path, tgt_path, skip_empty=skip_empty, skipped=skipped
+        ),
+        fingerprint={"train_sha256": train_sha256, "skip_empty": skip_empty},
+        origin={"files": [src_path, tgt_path]},
+    )
+
+
 def sample_sentences(
     src_path: str, tgt_path: str, *, sample: int, skip_empty: bool = False, seed: int = 0
 ) -> tuple[list[str], int]:
-    """The sentences a joint tokenizer trains on, read as a stream (every line checked as
-    `iter_parallel` does) -> (sentences, the number of pairs).
+    """`sample_pairs` of two parallel files (every line checked as `iter_parallel` does)."""
+    return sample_pairs(
+        iter_parallel(src_path, tgt_path, skip_empty=skip_empty), sample=sample, seed=seed
+    )
+
+
+def sample_pairs(
+    pairs: Iterable[tuple[str, str]], *, sample: int, seed: int = 0
+) -> tuple[list[str], int]:
+    """The sentences a joint tokenizer trains on, drawn from a stream of pairs -> (sentences,
+    the number of pairs).
 
     At most `sample` sentences: when the pairs have no more (two sentences each), all of
-    them, source then target of each pair in file order (what training on every sentence
-    gives); else both sides of a uniform sample of sample // 2 pairs, seeded, in file order
+    them, source then target of each pair in stream order (what training on every sentence
+    gives); else both sides of a uniform sample of sample // 2 pairs, seeded, in stream order
     (reservoir sampling: one pass, memory for the sample only)."""
     if sample < 2:
         raise ValueError(f"spm_sample: at least one pair (2 sentences), got {sample}")
@@ -172,7 +217,7 @@ def sample_sentences(
     rng = np.random.default_rng(seed)
     reservoir: list[tuple[int, str, str]] = []
     count = 0
-    for block in _chunks(iter_parallel(src_path, tgt_path, skip_empty=skip_empty), CHUNK_PAIRS):
+    for block in _chunks(pairs, CHUNK_PAIRS):
         first = count
         count += len(block)
         if first + len(block) <= keep:
@@ -199,16 +244,25 @@ def parallel_cache(
     skip_empty: bool = False,
     log: Callable[[str], None] | None = None,
 ) -> tuple[PairArrays, dict[str, Any]]:
-    """The encoded training pairs of two parallel files, from the cache (built first when
-    missing) -> (PairArrays of memory-mapped ids, the cache's meta).
+    """`pairs_cache` of two parallel files; train_sha256: `files_sha256(src_path,
+    tgt_path)`."""
+    source = file_pairs(src_path, tgt_path, train_sha256=train_sha256, skip_empty=skip_empty)
+    return pairs_cache(source, tokenizer, root, log=log)
+
+
+def pairs_cache(
+    source: PairSource, tokenizer, root: str, *, log: Callable[[str], None] | None = None
+) -> tuple[PairArrays, dict[str, Any]]:
+    """The encoded training pairs of `source`, from the cache (built first when missing,
+    reading the source once as a stream) -> (PairArrays of memory-mapped ids, the cache's
+    meta; meta['skipped']: the pairs left out for an empty side).
 
     Sources end with the tokenizer's eos (as `train.translate.task.encode_source` writes them),
-    targets have neither bos nor eos. train_sha256: `files_sha256(src_path, tgt_path)`, part
-    of the key with the tokenizer model's bytes and skip_empty."""
+    targets have neither bos nor eos. The key: the source's fingerprint and the tokenizer
+    model's bytes."""
     key = cache_key(
-        train_sha256=train_sha256,
+        **source.fingerprint,
         tokenizer_sha256=hashlib.sha256(tokenizer.model_path.read_bytes()).hexdigest(),
-        skip_empty=skip_empty,
     )
 
     def build(directory: str) -> dict[str, Any]:
@@ -218,9 +272,8 @@ def parallel_cache(
             for name in ("src", "tgt")
         }
         lengths: dict[str, list[np.ndarray]] = {"src": [], "tgt": []}
-        skipped: list[int] = []
-        pairs = iter_parallel(src_path, tgt_path, skip_empty=skip_empty, skipped=skipped)
-        for block in _chunks(pairs, CHUNK_PAIRS):
+        skipped: list[int] = [0]
+        for block in _chunks(source.read(skipped), CHUNK_PAIRS):
             for side, name in enumerate(("src", "tgt")):
                 ids = tokenizer.encode_batch([pair[side] for pair in block])
                 flat, n = _flatten(ids, eos_id=tokenizer.eos_id if name == "src" else None)
@@ -237,7 +290,7 @@ def parallel_cache(
             "pairs": int(sum(len(n) for n in lengths["src"])),
             "skipped": skipped[0],
             "vocab_size": tokenizer.vocab_size,
-            "files": [src_path, tgt_path],
+            **source.origin,
         }
 
     directory, meta = cached(root, "translate", key, build)

@@ -15,7 +15,7 @@ import functools
 import math
 import os
 import time
-from collections.abc import Callable, Mapping
+from collections.abc import Callable, Iterable, Mapping
 from typing import Any
 
 import jax
@@ -34,10 +34,10 @@ from train.lm.config import DATASETS, PRESETS, LMConfig, make_config
 from train.lm.text import (
     byte_chunks,
     byte_length,
-    encode_text,
+    encoded_chunks,
     encoded_lines,
     text_vocab,
-    tfds_lines,
+    tfds_split,
     tfds_vocab,
 )
 from xl_jax.config import TransformerXLConfig
@@ -83,27 +83,22 @@ def load_stream(
     config: LMConfig, split: str, *, cache_dir: str | None = None, log=None
 ) -> np.ndarray | None:
     """The token stream of a split ('train', 'valid', 'test'): PTB's, the text run's or the
-    TFDS run's, `<eos>` after every line (bytes as they are at the byte level); None for a
-    text or TFDS run without that split. With `cache_dir` a text run's stream is encoded once
-    into the token cache there and read memory-mapped (train.data.token_cache); else int32 in
-    memory (PTB, TFDS)."""
+    TFDS run's, `<eos>` after every line (bytes as they are at the byte level, a newline
+    after each TFDS example); None for a text or TFDS run without that split. With
+    `cache_dir` a text or TFDS run's stream is encoded once into the token cache there and
+    read memory-mapped (train.data.token_cache); else int32 in memory."""
     if is_tfds(config.dataset):
-        lines = tfds_lines(
-            config.dataset, split, feature=config.text_feature, data_dir=config.data_dir
-        )
-        if lines is None:
-            return None
-        stream = encode_text(load_vocab(config), lines)
+        stream = _tfds_stream(config, split, cache_dir, log)
     elif config.dataset == "text":
         stream = _text_stream(config, split, cache_dir, log)
-        if stream is None:
-            return None
     else:
         from train.data.datasets import load_ptb  # lazy: importing TFDS is not free
 
         stream = load_vocab(config).encode_lines(
             load_ptb(DATASETS[config.dataset], split, data_dir=config.data_dir)
         )
+    if stream is None:
+        return None
     return stream[: config.eval_tokens] if config.eval_tokens and split != "train" else stream
 
 
@@ -143,13 +138,10 @@ def _text_stream(config: LMConfig, split: str, cache_dir: str | None, log) -> np
         def chunks():
             yield from encoded_lines(vocab, path)
 
-    if cache_dir is None:
-        parts = list(chunks())
-        return np.concatenate(parts).astype(np.int32) if parts else np.zeros(0, np.int32)
-    return stream_cache(
-        cache_dir,
+    return _stream(
         chunks,
         dtype=dtype,
+        cache_dir=cache_dir,
         log=log,
         what=f"{split} text",
         text_sha256=_sha256(path),
@@ -159,6 +151,53 @@ def _text_stream(config: LMConfig, split: str, cache_dir: str | None, log) -> np
         min_count=config.min_count,
         max_vocab=config.max_vocab,
     )
+
+
+def _tfds_stream(config: LMConfig, split: str, cache_dir: str | None, log) -> np.ndarray | None:
+    """A TFDS run's split, its examples read and encoded in chunks, cached when `cache_dir` is
+    set; keyed by the prepared copy's dataset_info.json (which fixes every split, the train
+    split the vocabulary is counted on included)."""
+    feature = config.text_feature
+    data, name = tfds_split(config.dataset, split, feature=feature, data_dir=config.data_dir)
+    if name is None:
+        return None
+    vocab = load_vocab(config)
+
+    def chunks():
+        lines = (line for (line,) in data.iter_read(name, (feature,)))
+        yield from encoded_chunks(vocab, lines)
+
+    return _stream(
+        chunks,
+        dtype=np.uint8 if config.level == "byte" else ids_dtype(vocab.vocab_size),
+        cache_dir=cache_dir,
+        log=log,
+        what=f"{config.dataset} {name}",
+        dataset_sha256=_sha256(data.info_path),
+        dataset=data.builder.info.full_name,  # name/config/version
+        split=name,
+        feature=feature,
+        level=config.level,
+        min_count=config.min_count,
+        max_vocab=config.max_vocab,
+    )
+
+
+def _stream(
+    chunks: Callable[[], Iterable[np.ndarray]],
+    *,
+    dtype: np.dtype,
+    cache_dir: str | None,
+    log,
+    what: str,
+    **key_parts: Any,
+) -> np.ndarray:
+    """The ids `chunks()` yields, concatenated: from the token cache of `key_parts` in
+    `cache_dir` (memory-mapped), or with no cache_dir in memory (int32)."""
+    if cache_dir is None:
+        parts = list(chunks())
+        return np.concatenate(parts).astype(np.int32) if parts else np.zeros(0, np.int32)
+    return stream_cache(cache_dir, chunks, dtype=dtype, log=log, what=what, **key_parts)
 
 
 def _sha256(path: str) -> str:
@@ -362,6 +401,7 @@ class LMTask:
             check_fingerprint(workdir, {"dataset": data.info_path})
             if data.splits().note:
                 log(f"data: {config.dataset}: {data.splits().note}")
+            cached = dict(cache_dir=config.cache_dir or os.path.join(workdir, CACHE_DIR), log=log)
         train_stream = load_stream(config, "train", **cached)
         batches, from_step = train_batches(train_stream, config)
         data = LMData(

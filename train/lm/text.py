@@ -13,9 +13,9 @@
 Files are UTF-8 (`train.data.text_files.read_lines`: a bad byte is an error naming file and
 line), optionally gzipped; at the byte level any bytes are data.
 
-A prepared TFDS dataset (`tfds_lines`) is read the same way, each example's text feature a
-line: word and char levels as above, the byte level the UTF-8 bytes of each line and a
-newline.
+A prepared TFDS dataset (`tfds_lines`) is read the same way, as a stream, each example's text
+feature a line: word and char levels as above, the byte level the UTF-8 bytes of each line and
+a newline.
 """
 
 from __future__ import annotations
@@ -30,7 +30,7 @@ from collections.abc import Iterable, Iterator, Sequence
 import numpy as np
 
 from train.data.text_files import DataError, read_lines
-from train.data.tfds_source import open_dataset
+from train.data.tfds_source import TfdsDataset, open_dataset
 
 LEVELS = ("word", "char", "byte")
 EOS, UNK = "<eos>", "<unk>"
@@ -153,16 +153,25 @@ def iter_text(path: str) -> Iterator[str]:
         raise DataError(f"{path}: the file is empty")
 
 
-def tfds_lines(
+def tfds_split(
     dataset: str, split: str, *, feature: str, data_dir: str | os.PathLike | None
-) -> list[str] | None:
-    """The `feature` text of every example of a prepared TFDS dataset's split 'train',
-    'valid' or 'test' (train.data.tfds_source.Splits); None for a test split it lacks."""
+) -> tuple[TfdsDataset, str | None]:
+    """A prepared TFDS dataset, checked to have the text `feature`, and the TFDS split a run's
+    'train', 'valid' or 'test' reads (train.data.tfds_source.Splits; None for a test split it
+    lacks)."""
     data = open_dataset(dataset, data_dir)
     data.check_text_features((feature,), field="text_feature", what="text feature")
     splits = data.splits()
-    name = {"train": splits.train, "valid": splits.validation, "test": splits.test}[split]
-    return None if name is None else [line for (line,) in data.read(name, (feature,))]
+    return data, {"train": splits.train, "valid": splits.validation, "test": splits.test}[split]
+
+
+def tfds_lines(
+    dataset: str, split: str, *, feature: str, data_dir: str | os.PathLike | None
+) -> Iterator[str] | None:
+    """The `feature` text of every example of a prepared TFDS dataset's split 'train',
+    'valid' or 'test' (`tfds_split`), as a stream; None for a test split it lacks."""
+    data, name = tfds_split(dataset, split, feature=feature, data_dir=data_dir)
+    return None if name is None else (line for (line,) in data.iter_read(name, (feature,)))
 
 
 @functools.lru_cache(maxsize=4)
@@ -175,8 +184,9 @@ def tfds_vocab(
     max_vocab: int,
     data_dir: str | None,
 ) -> TextVocab | ByteVocab:
-    """The vocabulary of a TFDS dataset's train split at `level` (cached: the config and the
-    run's data both ask for it, and a large split takes a while to count)."""
+    """The vocabulary of a TFDS dataset's train split at `level`, counted in one streaming
+    pass (cached: the config and the run's data both ask for it, and a large split takes a
+    while to count)."""
     if level == "byte":
         return ByteVocab()
     lines = tfds_lines(dataset, "train", feature=feature, data_dir=data_dir)
@@ -184,11 +194,21 @@ def tfds_vocab(
 
 
 def encode_text(vocab: TextVocab | ByteVocab, lines: Sequence[str]) -> np.ndarray:
-    """int32 [N]: `lines` at the vocabulary's level, each ended by `<eos>` (a newline byte at
-    the byte level)."""
+    """[N]: `lines` at the vocabulary's level, each ended by `<eos>` (int32), or at the byte
+    level their UTF-8 bytes, each line ended by a newline (uint8)."""
     if isinstance(vocab, ByteVocab):
-        return vocab.encode_bytes("".join(line + "\n" for line in lines).encode("utf-8"))
+        return np.frombuffer("".join(line + "\n" for line in lines).encode("utf-8"), np.uint8)
     return vocab.encode_lines(lines)
+
+
+def encoded_chunks(
+    vocab: TextVocab | ByteVocab, lines: Iterable[str], *, size: int = 100_000
+) -> Iterator[np.ndarray]:
+    """`encode_text` of a stream of lines, `size` lines at a time: their concatenation is
+    `encode_text` of all of them."""
+    stream = iter(lines)
+    while chunk := list(itertools.islice(stream, size)):
+        yield encode_text(vocab, chunk)
 
 
 @functools.lru_cache(maxsize=4)
@@ -212,9 +232,7 @@ def text_vocab(path: str, level: str, *, min_count: int = 1, max_vocab: int = 0)
 
 def encoded_lines(vocab: TextVocab, path: str, *, lines: int = 100_000) -> Iterator[np.ndarray]:
     """`vocab.encode_lines` of a text file, `lines` lines at a time (int32 arrays)."""
-    stream = iter_text(path)
-    while chunk := list(itertools.islice(stream, lines)):
-        yield vocab.encode_lines(chunk)
+    return encoded_chunks(vocab, iter_text(path), size=lines)
 
 
 def byte_length(path: str) -> int:

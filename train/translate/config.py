@@ -84,10 +84,11 @@ class TranslateConfig(RunConfig):
         each scored (BLEU and chrF) and written under its own name; without them a file run
         has no test evaluation and a Multi30k run uses test_split.
       skip_empty: leave out pairs with an empty side instead of refusing the file.
-      spm_sample: with training files, the SentencePiece model trains on at most this many
-        of their sentences: all when the files have no more, else both sides of a seeded
-        uniform sample of spm_sample / 2 pairs (SentencePiece's own default sample size; a
-        larger one changes the vocabulary little and costs memory and minutes).
+      spm_sample: with training files or a TFDS dataset, the SentencePiece model trains on
+        at most this many of their training sentences: all when the data has no more, else
+        both sides of a seeded uniform sample of spm_sample / 2 pairs (SentencePiece's own
+        default sample size; a larger one changes the vocabulary little and costs memory and
+        minutes).
     """
 
     model: str = "transformer"

@@ -9,9 +9,10 @@ translations written to W/translations/ and plots to W/plots/.
 from __future__ import annotations
 
 import dataclasses
+import itertools
 import os
 import time
-from collections.abc import Callable, Mapping, Sequence
+from collections.abc import Callable, Iterator, Mapping, Sequence
 from typing import Any
 
 import flax.linen as nn
@@ -33,7 +34,14 @@ from train.data.text_files import (
     set_name,
 )
 from train.data.tfds_source import TfdsDataset, open_dataset
-from train.data.token_cache import CACHE_DIR, cache_key, parallel_cache, sample_sentences
+from train.data.token_cache import (
+    CACHE_DIR,
+    PairSource,
+    cache_key,
+    file_pairs,
+    pairs_cache,
+    sample_pairs,
+)
 from train.data.tokenizers import SentencePieceTokenizer, multi30k_tokenizer, write_model
 from train.translate import registry
 from train.translate.config import PRESETS, TranslateConfig, make_config
@@ -62,24 +70,6 @@ class Split:
     pairs: list[tuple[list[int], list[int]]]
 
 
-def training_pairs(
-    config: TranslateConfig, log: Callable[[str], None] | None = None
-) -> list[tuple[str, str]]:
-    """The (source, target) sentences of the training data: the user's files, a TFDS
-    dataset's train split (pairs with an empty side left out), else the shipped Multi30k, in
-    the configured direction."""
-    if config.data_source() == "tfds":
-        return tfds_training_pairs(config, log)
-    if config.uses_files():
-        pairs, skipped = read_parallel(
-            config.train_src, config.train_tgt, skip_empty=config.skip_empty
-        )
-        if skipped and log:
-            log(f"data: {skipped:,} training pair(s) with an empty side left out (skip_empty)")
-        return pairs
-    return multi30k_pairs(config, "train")
-
-
 def multi30k_pairs(config: TranslateConfig, split: str) -> list[tuple[str, str]]:
     """A Multi30k split as (source, target) in the configured direction (de-en or en-de)."""
     from train.data.datasets import load_multi30k  # lazy: importing TFDS is not free
@@ -88,22 +78,39 @@ def multi30k_pairs(config: TranslateConfig, split: str) -> list[tuple[str, str]]
     return pairs if config.src_lang == "de" else [(en, de) for de, en in pairs]
 
 
-def tfds_training_pairs(
-    config: TranslateConfig, log: Callable[[str], None] | None = None
-) -> list[tuple[str, str]]:
-    """A TFDS dataset's training pairs; those with an empty side are left out (a published
-    corpus has a few, and there is no file to fix)."""
-    data = open_tfds(config)
-    splits = data.splits()
-    pairs = data.read(splits.train, (config.src_lang, config.tgt_lang))
-    kept = [(s, t) for s, t in pairs if s.strip() and t.strip()]
-    if log and splits.note:
-        log(f"data: {config.dataset}: {splits.note}")
-    if log and len(kept) < len(pairs):
-        log(f"data: {len(pairs) - len(kept):,} training pair(s) with an empty side left out")
-    if not kept:
-        raise DataError(f"{config.dataset}: no training pair with text on both sides")
-    return kept
+def tfds_pairs(config: TranslateConfig, data: TfdsDataset | None = None) -> PairSource:
+    """A TFDS dataset's training split as a stream of pairs; those with an empty side are left
+    out and counted (a published corpus has a few, and there is no file to fix), and a split
+    with none left is a DataError at the end of the stream.
+
+    Its fingerprint: the sha256 of the prepared copy's dataset_info.json (its version, splits
+    and sizes: what `check_fingerprint` keeps), the dataset's full name, the split and the
+    direction."""
+    data = data or open_tfds(config)
+    split, languages = data.splits().train, (config.src_lang, config.tgt_lang)
+
+    def read(skipped: list[int]) -> Iterator[tuple[str, str]]:
+        skipped[:] = [0]
+        kept = 0
+        for s, t in data.iter_read(split, languages):
+            if s.strip() and t.strip():
+                kept += 1
+                yield s, t
+            else:
+                skipped[0] += 1
+        if not kept:
+            raise DataError(f"{config.dataset}: no training pair with text on both sides")
+
+    return PairSource(
+        read=read,
+        fingerprint={
+            "dataset_sha256": files_sha256(data.info_path),
+            "dataset": data.builder.info.full_name,  # name/config/version
+            "split": split,
+            "languages": list(languages),
+        },
+        origin={"dataset": config.dataset, "split": split},
+    )
 
 
 def open_tfds(config: TranslateConfig) -> TfdsDataset:
@@ -115,45 +122,41 @@ def open_tfds(config: TranslateConfig) -> TfdsDataset:
     return data
 
 
-def load_tokenizer(
-    config: TranslateConfig, workdir: str, *, train_pairs: Sequence[tuple[str, str]] | None = None
-):
-    """The run's joint SentencePiece model, trained on its training sentences (both sides) the
-    first time and cached by a hash of the text and options."""
+def load_tokenizer(config: TranslateConfig, workdir: str) -> SentencePieceTokenizer:
+    """The run's joint SentencePiece model: Multi30k's, or the one trained on a sample of the
+    training files' or TFDS split's sentences the first time (`sampled_tokenizer`)."""
     directory = config.tokenizer_dir or os.path.join(local_dir(workdir), "tokenizer")
     if config.data_source() == "multi30k":
         return multi30k_tokenizer(directory, vocab_size=config.vocab_size, data_dir=config.data_dir)
-    if train_pairs is not None:  # pairs of another source, in memory
-        sentences = [s for pair in train_pairs for s in pair]
-        return _train_or_load(
-            lambda: SentencePieceTokenizer.train_or_load(
-                sentences,
-                directory,
-                vocab_size=config.vocab_size,
-                name=f"{config.data_source()}_spm",
-            )
-        )
+    if config.data_source() == "tfds":
+        return sampled_tokenizer(config, directory, tfds_pairs(config), name="tfds")
     return files_tokenizer(config, directory)
 
 
 def files_tokenizer(
     config: TranslateConfig, directory: str, *, train_sha256: str | None = None
 ) -> SentencePieceTokenizer:
-    """The joint model of the training files, trained on at most spm_sample of their
-    sentences (`token_cache.sample_sentences`) the first time, and named by a hash of the
-    files' bytes and the options, so finding it reads no sentence."""
+    """`sampled_tokenizer` of the training files (train_sha256: their `files_sha256`, computed
+    when not given)."""
     files = (config.train_src, config.train_tgt)
-    key = cache_key(
-        train_sha256=train_sha256 or files_sha256(*files),
-        vocab_size=config.vocab_size,
-        spm_sample=config.spm_sample,
-        skip_empty=config.skip_empty,
+    source = file_pairs(
+        *files, train_sha256=train_sha256 or files_sha256(*files), skip_empty=config.skip_empty
     )
-    path = os.path.join(directory, f"files_spm_bpe{config.vocab_size}_{key[:12]}.model")
+    return sampled_tokenizer(config, directory, source, name="files")
+
+
+def sampled_tokenizer(
+    config: TranslateConfig, directory: str, source: PairSource, *, name: str
+) -> SentencePieceTokenizer:
+    """The joint model of `source`'s pairs, trained on at most spm_sample of their sentences
+    (`token_cache.sample_pairs`, one pass over the stream) the first time, and named by a hash
+    of the source's fingerprint and the options, so finding it reads no sentence."""
+    key = cache_key(
+        **source.fingerprint, vocab_size=config.vocab_size, spm_sample=config.spm_sample
+    )
+    path = os.path.join(directory, f"{name}_spm_bpe{config.vocab_size}_{key[:12]}.model")
     if not os.path.exists(path):
-        sentences, _ = sample_sentences(
-            *files, sample=config.spm_sample, skip_empty=config.skip_empty
-        )
+        sentences, _ = sample_pairs(source.read([0]), sample=config.spm_sample)
         _train_or_load(lambda: write_model(path, sentences, vocab_size=config.vocab_size))
     return SentencePieceTokenizer(path)
 
@@ -465,14 +468,11 @@ class TranslationTask:
     def prepare(
         self, config: TranslateConfig, workdir: str, dp: DataParallel, log: Callable[[str], None]
     ) -> TranslationData:
-        if config.uses_files():
-            encoded, tokenizer = _cached_files(config, workdir, log)
-        else:
-            if config.data_source() == "tfds":  # its version and splits: dataset_info.json
-                check_fingerprint(workdir, {"dataset": open_tfds(config).info_path})
-            pairs = training_pairs(config, log)
-            tokenizer = load_tokenizer(config, workdir, train_pairs=pairs)
-            encoded = encode_pairs(tokenizer, pairs)
+        if config.data_source() == "multi30k":
+            tokenizer = load_tokenizer(config, workdir)
+            encoded = encode_pairs(tokenizer, multi30k_pairs(config, "train"))
+        else:  # files or a TFDS split: streamed into the token cache
+            encoded, tokenizer = _cached_pairs(config, workdir, log)
         batcher = TokenBatcher(
             encoded,
             tokens_per_batch=config.tokens_per_batch,
@@ -513,37 +513,48 @@ class TranslationTask:
 
 
 def tfds_splits(config: TranslateConfig, tokenizer) -> tuple[Split, list[Split]]:
-    """A TFDS run's validation split and its test set ('<NAME>.test'; none without one)."""
+    """A TFDS run's validation split and its test set ('<NAME>.test'; none without one), in
+    memory: only their first eval_sentences pairs are read when that is set."""
     data = open_tfds(config)
     splits, languages = data.splits(), (config.src_lang, config.tgt_lang)
-    validation = load_split(
-        config, tokenizer, "validation", pairs=data.read(splits.validation, languages)
-    )
+
+    def head(split: str) -> list[tuple[str, str]]:
+        pairs = data.iter_read(split, languages)
+        return list(itertools.islice(pairs, config.eval_sentences or None))
+
+    validation = load_split(config, tokenizer, "validation", pairs=head(splits.validation))
     if splits.test is None:
         return validation, []
-    test = data.read(splits.test, languages)
-    return validation, [load_split(config, tokenizer, f"{data.name}.{splits.test}", pairs=test)]
+    name = f"{data.name}.{splits.test}"
+    return validation, [load_split(config, tokenizer, name, pairs=head(splits.test))]
 
 
-def _cached_files(config: TranslateConfig, workdir: str, log: Callable[[str], None]):
-    """-> (the training files' pairs from the token cache, memory-mapped; the tokenizer):
-    the corpus is streamed, never held as strings (train.data.token_cache)."""
-    digest = check_fingerprint(
-        workdir, {"train_src": config.train_src, "train_tgt": config.train_tgt}
-    )
+def _cached_pairs(config: TranslateConfig, workdir: str, log: Callable[[str], None]):
+    """-> (the training pairs of the files or the TFDS split from the token cache,
+    memory-mapped; the tokenizer): the corpus is streamed, never held as strings
+    (train.data.token_cache). A resumed run checks the files' bytes (or the prepared copy's
+    dataset_info.json) against W/data.json first."""
+    if config.uses_files():
+        digest = check_fingerprint(
+            workdir, {"train_src": config.train_src, "train_tgt": config.train_tgt}
+        )
+        source = file_pairs(
+            config.train_src, config.train_tgt, train_sha256=digest, skip_empty=config.skip_empty
+        )
+        name, why = "files", " (skip_empty)"
+    else:
+        data = open_tfds(config)
+        check_fingerprint(workdir, {"dataset": data.info_path})
+        if data.splits().note:
+            log(f"data: {config.dataset}: {data.splits().note}")
+        source, name, why = tfds_pairs(config, data), "tfds", ""
     directory = config.tokenizer_dir or os.path.join(workdir, "tokenizer")
-    tokenizer = files_tokenizer(config, directory, train_sha256=digest)
-    pairs, meta = parallel_cache(
-        config.train_src,
-        config.train_tgt,
-        tokenizer,
-        config.cache_dir or os.path.join(workdir, CACHE_DIR),
-        train_sha256=digest,
-        skip_empty=config.skip_empty,
-        log=log,
+    tokenizer = sampled_tokenizer(config, directory, source, name=name)
+    pairs, meta = pairs_cache(
+        source, tokenizer, config.cache_dir or os.path.join(workdir, CACHE_DIR), log=log
     )
     if meta["skipped"]:
-        log(f"data: {meta['skipped']:,} training pair(s) with an empty side left out (skip_empty)")
+        log(f"data: {meta['skipped']:,} training pair(s) with an empty side left out{why}")
     return pairs, tokenizer
 
 

@@ -18,7 +18,7 @@ import pytest
 from helpers import REPO, Running, finish_all, made_up_corpus, write_lines
 
 from train.core import cli
-from train.core.checkpoint import Checkpoints
+from train.core.checkpoint import Checkpoints, load_run_config
 
 # Every test here trains runs (several processes, or every model).
 pytestmark = pytest.mark.slow
@@ -140,10 +140,14 @@ def _close(a: float, b: float) -> bool:
     return abs(a - b) <= 1e-5 * max(abs(a), abs(b), 1e-12)
 
 
-def test_two_processes_train_evaluate_and_resume_as_one(tmp_path, data_dir):
-    common = [*LM_FLAGS, "--data_dir", str(data_dir), "--decay_steps", "6"]
-    # One process, four devices: the reference.
-    _one("train.lm", [*common, "--workdir", str(tmp_path / "one"), "--steps", "6"])
+def test_two_processes_train_evaluate_and_resume_as_one(tmp_path, data_dir, lm_straight):
+    # The reference: the session's uninterrupted 6-step run, one process on eight devices.
+    reference, one, _ = lm_straight
+    common = [
+        *LM_FLAGS,
+        *("--data_dir", str(data_dir), "--decay_steps", "6"),
+        *("--learning_rate", str(reference.learning_rate)),
+    ]
     two = str(tmp_path / "two")
     # Three steps, then six: a resumed two-process run, whose second half splits parameters
     # and optimizer state over the four devices of both processes (--sharding fsdp): the
@@ -157,12 +161,18 @@ def test_two_processes_train_evaluate_and_resume_as_one(tmp_path, data_dir):
             via_env=via_env,
         ):
             assert code == 0, out[-3000:]
-    one_train, two_train = _records(tmp_path / "one", "train"), _records(two, "train")
+    # The same run as the reference: only where it ran (and how its state was laid out) differ.
+    saved, wanted = load_run_config(two), load_run_config(str(one))
+    fields = ("steps", "decay_steps", "learning_rate", "batch_size", "seed", "eval_tokens")
+    assert {k: saved[k] for k in fields + ("model_config",)} == {
+        k: wanted[k] for k in fields + ("model_config",)
+    }
+    one_train, two_train = _records(one, "train"), _records(two, "train")
     assert [r["step"] for r in two_train] == [1, 2, 3, 4, 5, 6]
     assert len(one_train) == len(two_train) == 6  # zip below compares every step
     assert all(_close(a["loss"], b["loss"]) for a, b in zip(one_train, two_train))
     for split in ("validation", "test"):
-        a, b = _records(tmp_path / "one", split)[-1], _records(two, split)[-1]
+        a, b = _records(one, split)[-1], _records(two, split)[-1]
         assert _close(a["loss"], b["loss"]), (split, a, b)
     assert Checkpoints(two).all_steps() == [3, 6]
 

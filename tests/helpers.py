@@ -27,6 +27,14 @@ from train.core.metrics import read_metrics
 
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
+
+def subprocess_xla_flags() -> str:
+    """The test run's XLA flags (conftest.py) without its 8 fake devices: what a run a test
+    starts as a subprocess gets (its devices are its own: JAX_NUM_CPU_DEVICES or one)."""
+    flags = os.environ.get("XLA_FLAGS", "").split()
+    return " ".join(f for f in flags if not f.startswith("--xla_force_host_platform_device_count"))
+
+
 # The fused cuDNN kernel needs a GPU; under tests/conftest.py that takes
 # JAX_PLATFORMS=cuda,cpu (the default is the 8 fake CPU devices).
 needs_gpu = pytest.mark.skipif(

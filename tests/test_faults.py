@@ -26,7 +26,15 @@ import jax
 import numpy as np
 import orbax.checkpoint as ocp
 import pytest
-from helpers import FRESH_LM, REPO, TIMEOUT, Running, file_hashes, train_losses
+from helpers import (
+    FRESH_LM,
+    REPO,
+    TIMEOUT,
+    Running,
+    file_hashes,
+    subprocess_xla_flags,
+    train_losses,
+)
 
 from train.core import cli
 from train.core.checkpoint import Checkpoints
@@ -41,7 +49,7 @@ FRESH = FRESH_LM  # a fresh tiny run (helpers.py)
 @pytest.fixture(scope="module")
 def env():
     # os.environ holds the session's compilation cache (conftest.py).
-    return dict(os.environ, JAX_PLATFORMS="cpu", XLA_FLAGS="", PYTHONPATH=REPO)
+    return dict(os.environ, JAX_PLATFORMS="cpu", XLA_FLAGS=subprocess_xla_flags(), PYTHONPATH=REPO)
 
 
 def lm(workdir, *args):

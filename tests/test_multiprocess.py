@@ -15,7 +15,7 @@ import subprocess
 import sys
 
 import pytest
-from helpers import REPO, Running, finish_all, made_up_corpus, write_lines
+from helpers import REPO, Running, finish_all, made_up_corpus, subprocess_xla_flags, write_lines
 
 from train.core import cli
 from train.core.checkpoint import Checkpoints, load_run_config
@@ -51,7 +51,12 @@ def _env(devices: int) -> dict[str, str]:
         if not k.startswith(("JAX_", "TRAIN_"))
         or k.startswith(("JAX_COMPILATION_CACHE", "JAX_PERSISTENT_CACHE"))
     }
-    env.update(JAX_PLATFORMS="cpu", XLA_FLAGS="", PYTHONPATH=REPO, JAX_NUM_CPU_DEVICES=str(devices))
+    env.update(
+        JAX_PLATFORMS="cpu",
+        XLA_FLAGS=subprocess_xla_flags(),
+        PYTHONPATH=REPO,
+        JAX_NUM_CPU_DEVICES=str(devices),
+    )
     return env
 
 

@@ -15,7 +15,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
-from helpers import REPO, tiny_lm_config, train_losses
+from helpers import REPO, subprocess_xla_flags, tiny_lm_config, train_losses
 
 from train import lm
 from train.core.checkpoint import Checkpoints
@@ -145,7 +145,7 @@ def test_bad_configs_are_clear_errors(data_dir, capsys):
 
 @pytest.mark.slow
 def test_cli_smoke(tmp_path, data_dir):
-    env = dict(os.environ, JAX_PLATFORMS="cpu", XLA_FLAGS="", PYTHONPATH=REPO)
+    env = dict(os.environ, JAX_PLATFORMS="cpu", XLA_FLAGS=subprocess_xla_flags(), PYTHONPATH=REPO)
     done = subprocess.run(
         [
             sys.executable,

@@ -18,7 +18,7 @@ import jax
 import numpy as np
 import pytest
 import sacrebleu
-from helpers import REPO, Running, file_hashes, train_losses
+from helpers import REPO, Running, file_hashes, subprocess_xla_flags, train_losses
 
 from train import translate
 from train.core.checkpoint import CheckpointError, Checkpoints
@@ -320,7 +320,7 @@ def _cli(*args):
 def test_cli_sigterm_saves_then_workdir_alone_resumes_then_translates(
     tmp_path, data_dir, tokenizer_dir
 ):
-    env = dict(os.environ, JAX_PLATFORMS="cpu", XLA_FLAGS="", PYTHONPATH=REPO)
+    env = dict(os.environ, JAX_PLATFORMS="cpu", XLA_FLAGS=subprocess_xla_flags(), PYTHONPATH=REPO)
     workdir = str(tmp_path / "run")
     common = [
         "--data_dir",

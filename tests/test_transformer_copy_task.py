@@ -15,7 +15,10 @@ def test_copy_task_converges():
     logged = []
     # factor 0.5: a peak learning rate of about 0.01 trains width 32 without loss spikes.
     loss, params = train_copy_task(
-        steps=250,
+        # 300 steps: at 250 the run had only just converged, and only with XLA's optimised
+        # code generation (loss 0.567; at the tests' level 0, 0.704 and 86% of the tokens
+        # copied); at 300 both are at the floor (0.566, 0.569) and copy every token.
+        steps=300,
         batch_size=32,
         warmup_steps=80,
         factor=0.5,
@@ -24,7 +27,7 @@ def test_copy_task_converges():
         log_every=50,
         log=logged.append,
     )
-    assert len(logged) == 5 and "loss" in logged[0]
+    assert len(logged) == 6 and "loss" in logged[0]
     # The floor is the entropy of the smoothed targets, about 0.56 nats for V = 13, s = 0.1.
     assert loss < 0.75, loss
     src = np.arange(1, 11, dtype=np.int32)[None]

@@ -148,6 +148,19 @@ def test_beam_scores_are_normalised_log_probs_of_the_returned_sequences():
     assert np.all(np.asarray(scores[:, 0]) >= np.asarray(greedy_scores[:, 0]) - 1e-5)
 
 
+def test_one_compiled_search_serves_every_length_penalty():
+    # The penalty is an argument of the compiled search, not a constant of it: three alphas,
+    # one compilation, and the alphas still rank differently (the scores are divided by it).
+    model, params, src = _model(5, share_embeddings=False, tie_output=False)
+    compiled_before = beam_search._cache_size()
+    scores = [
+        np.asarray(beam_search(model, params, src, beam_size=2, max_len=6, length_penalty=a)[1])
+        for a in (0.0, 0.6, 2.0)
+    ]
+    assert beam_search._cache_size() == compiled_before + 1
+    assert not np.array_equal(scores[0], scores[2])
+
+
 @pytest.mark.parametrize("alpha", [0.0, 0.6, 1.3, 2.0])
 @pytest.mark.parametrize("beam_size", [2, 4])
 def test_best_only_beam_equals_the_full_searchs_best(alpha, beam_size):

@@ -125,12 +125,18 @@ def open_tfds(config: TranslateConfig) -> TfdsDataset:
 def load_tokenizer(config: TranslateConfig, workdir: str) -> SentencePieceTokenizer:
     """The run's joint SentencePiece model: Multi30k's, or the one trained on a sample of the
     training files' or TFDS split's sentences the first time (`sampled_tokenizer`)."""
-    directory = config.tokenizer_dir or os.path.join(local_dir(workdir), "tokenizer")
+    directory = tokenizer_dir(config, workdir)
     if config.data_source() == "multi30k":
         return multi30k_tokenizer(directory, vocab_size=config.vocab_size, data_dir=config.data_dir)
     if config.data_source() == "tfds":
         return sampled_tokenizer(config, directory, tfds_pairs(config), name="tfds")
     return files_tokenizer(config, directory)
+
+
+def tokenizer_dir(config: TranslateConfig, workdir: str) -> str:
+    """Where the run's SentencePiece model is kept: tokenizer_dir, else W/tokenizer (the local
+    copy of a remote W)."""
+    return config.tokenizer_dir or os.path.join(local_dir(workdir), "tokenizer")
 
 
 def files_tokenizer(
@@ -157,15 +163,11 @@ def sampled_tokenizer(
     path = os.path.join(directory, f"{name}_spm_bpe{config.vocab_size}_{key[:12]}.model")
     if not os.path.exists(path):
         sentences, _ = sample_pairs(source.read([0]), sample=config.spm_sample)
-        _train_or_load(lambda: write_model(path, sentences, vocab_size=config.vocab_size))
+        try:
+            write_model(path, sentences, vocab_size=config.vocab_size)
+        except ValueError as e:  # SentencePiece cannot meet the vocabulary size on this text
+            raise DataError(f"vocab_size: {e}") from e
     return SentencePieceTokenizer(path)
-
-
-def _train_or_load(train: Callable[[], Any]):
-    try:
-        return train()
-    except ValueError as e:  # SentencePiece cannot meet the vocabulary size on this text
-        raise DataError(f"vocab_size: {e}") from e
 
 
 def encode_source(tokenizer, sentences: Sequence[str]) -> list[list[int]]:
@@ -548,8 +550,7 @@ def _cached_pairs(config: TranslateConfig, workdir: str, log: Callable[[str], No
         if data.splits().note:
             log(f"data: {config.dataset}: {data.splits().note}")
         source, name, why = tfds_pairs(config, data), "tfds", ""
-    directory = config.tokenizer_dir or os.path.join(workdir, "tokenizer")
-    tokenizer = sampled_tokenizer(config, directory, source, name=name)
+    tokenizer = sampled_tokenizer(config, tokenizer_dir(config, workdir), source, name=name)
     pairs, meta = pairs_cache(
         source, tokenizer, config.cache_dir or os.path.join(workdir, CACHE_DIR), log=log
     )

@@ -10,7 +10,7 @@ from typing import Any, ClassVar
 
 from train.core.config import RunConfig, check_finite, check_positive
 from train.data.tfds_source import is_tfds, tfds_name
-from train.lm.text import BYTE_VOCAB, text_vocab, tfds_vocab
+from train.lm.text import BYTE_VOCAB, training_vocab
 from transformer_jax.optim import OptimizerConfig
 from xl_jax.config import TransformerXLConfig
 
@@ -456,19 +456,12 @@ def text_vocab_size(fields: Mapping[str, Any], dataset: str = "text") -> int:
         raise ValueError(f"level: expected one of {LEVELS}, got {level!r}")
     if level == "byte":
         return BYTE_VOCAB
-    if is_tfds(dataset):
-        return tfds_vocab(
-            dataset,
-            level,
-            feature=fields.get("text_feature", LMConfig.text_feature),
-            min_count=fields.get("min_count", LMConfig.min_count),
-            max_vocab=fields.get("max_vocab", LMConfig.max_vocab),
-            data_dir=fields.get("data_dir"),
-        ).vocab_size
-    vocab = text_vocab(
-        fields["train_text"],
+    return training_vocab(
+        dataset,
         level,
+        train_text=None if is_tfds(dataset) else fields["train_text"],
+        text_feature=fields.get("text_feature", LMConfig.text_feature),
         min_count=fields.get("min_count", LMConfig.min_count),
         max_vocab=fields.get("max_vocab", LMConfig.max_vocab),
-    )
-    return vocab.vocab_size
+        data_dir=fields.get("data_dir"),
+    ).vocab_size

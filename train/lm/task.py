@@ -36,9 +36,8 @@ from train.lm.text import (
     byte_length,
     encoded_chunks,
     encoded_lines,
-    text_vocab,
     tfds_split,
-    tfds_vocab,
+    training_vocab,
 )
 from xl_jax.config import TransformerXLConfig
 from xl_jax.data import lm_batches
@@ -49,30 +48,25 @@ from xl_jax.model import TransformerXL
 def load_vocab(config: LMConfig):
     """PTB's closed vocabulary, or the one of a text run's training file or a TFDS run's train
     split at its level."""
-    if is_tfds(config.dataset):
-        vocab = tfds_vocab(
+    if config.dataset == "text" or is_tfds(config.dataset):
+        vocab = training_vocab(
             config.dataset,
             config.level,
-            feature=config.text_feature,
+            train_text=config.train_text,
+            text_feature=config.text_feature,
             min_count=config.min_count,
             max_vocab=config.max_vocab,
             data_dir=config.data_dir,
         )
         if vocab.vocab_size != config.model_config.vocab_size:
-            raise DataError(
-                f"dataset: {config.dataset} gives {vocab.vocab_size:,} symbols, the run's "
-                f"model {config.model_config.vocab_size:,}: not the data this run was made from"
+            source, what = (
+                (f"dataset: {config.dataset}", "data")
+                if is_tfds(config.dataset)
+                else (f"train_text: {config.train_text}", "text")
             )
-        return vocab
-    if config.dataset == "text":
-        vocab = text_vocab(
-            config.train_text, config.level, min_count=config.min_count, max_vocab=config.max_vocab
-        )
-        if vocab.vocab_size != config.model_config.vocab_size:
             raise DataError(
-                f"train_text: {config.train_text} gives {vocab.vocab_size:,} "
-                f"symbols, the run's model {config.model_config.vocab_size:,}: "
-                "not the text this run was made from"
+                f"{source} gives {vocab.vocab_size:,} symbols, the run's model "
+                f"{config.model_config.vocab_size:,}: not the {what} this run was made from"
             )
         return vocab
     level = DATASETS[config.dataset]

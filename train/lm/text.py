@@ -30,7 +30,7 @@ from collections.abc import Iterable, Iterator, Sequence
 import numpy as np
 
 from train.data.text_files import DataError, read_lines
-from train.data.tfds_source import TfdsDataset, open_dataset
+from train.data.tfds_source import TfdsDataset, is_tfds, open_dataset
 
 LEVELS = ("word", "char", "byte")
 EOS, UNK = "<eos>", "<unk>"
@@ -58,7 +58,7 @@ class TextVocab:
     ) -> TextVocab:
         counts: Counter = Counter()
         for line in lines:  # a stream: the text is never held whole
-            counts.update(line.split() if level == "word" else line)
+            counts.update(tokens(line, level))
         for special in (EOS, UNK):
             counts.pop(special, None)
         kept = sorted(
@@ -111,35 +111,6 @@ class ByteVocab:
 
     def decode(self, ids: Iterable[int]) -> str:
         return bytes(np.asarray(ids, np.uint8).reshape(-1).tolist()).decode("utf-8", "replace")
-
-
-def read_bytes(path: str) -> bytes:
-    try:
-        with gzip.open(path, "rb") if path.endswith(".gz") else open(path, "rb") as f:
-            data = f.read()
-    except FileNotFoundError:
-        raise DataError(f"{path}: no such file") from None
-    except (OSError, EOFError) as e:
-        raise DataError(f"{path}: cannot be read ({e})") from e
-    if not data:
-        raise DataError(f"{path}: the file is empty")
-    return data
-
-
-def byte_splits(path: str, split_bytes: Sequence[int]) -> dict[str, bytes]:
-    """train / valid / test of one file cut at byte counts (the last may be shorter)."""
-    data = read_bytes(path)
-    if sum(split_bytes[:2]) >= len(data):
-        raise DataError(
-            f"split_bytes {tuple(split_bytes)}: {path} has only {len(data):,} "
-            "bytes, too few for a train and a validation part and a test part"
-        )
-    a, b, c = split_bytes
-    return {"train": data[:a], "valid": data[a : a + b], "test": data[a + b : a + b + c]}
-
-
-def text_lines(path: str) -> list[str]:
-    return list(iter_text(path))
 
 
 def iter_text(path: str) -> Iterator[str]:
@@ -228,6 +199,31 @@ def text_vocab(path: str, level: str, *, min_count: int = 1, max_vocab: int = 0)
         raise DataError(f"{path}: no such file") from None
     stamp = (info.st_size, info.st_mtime_ns)
     return _text_vocab(path, stamp, level, min_count, max_vocab)
+
+
+def training_vocab(
+    dataset: str,
+    level: str,
+    *,
+    train_text: str | None,
+    text_feature: str,
+    min_count: int,
+    max_vocab: int,
+    data_dir: str | None,
+) -> TextVocab | ByteVocab:
+    """The vocabulary of a run's own training data at `level`: its training file (dataset
+    'text', `text_vocab`) or its TFDS dataset's train split (`tfds_vocab`). The config (for
+    the model's size) and the data both ask for it; each is counted once per process."""
+    if is_tfds(dataset):
+        return tfds_vocab(
+            dataset,
+            level,
+            feature=text_feature,
+            min_count=min_count,
+            max_vocab=max_vocab,
+            data_dir=data_dir,
+        )
+    return text_vocab(train_text, level, min_count=min_count, max_vocab=max_vocab)
 
 
 def encoded_lines(vocab: TextVocab, path: str, *, lines: int = 100_000) -> Iterator[np.ndarray]:

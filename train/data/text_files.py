@@ -25,6 +25,13 @@ class DataError(UsageError):
     """A data file the run was given cannot be used as it is (exit 2: fix the input)."""
 
 
+def error_cause(e: BaseException) -> str:
+    """The first line of an exception's message (at most 200 characters), or its type's name
+    when it has none: what a DataError quotes of a library's error."""
+    text = str(e).strip()
+    return text.splitlines()[0][:200] if text else type(e).__name__
+
+
 def _open_bytes(path: str):
     if not os.path.exists(path):
         raise DataError(f"{path}: no such file")

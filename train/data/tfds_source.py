@@ -26,7 +26,7 @@ import sys
 from collections.abc import Iterator, Sequence
 from typing import Any
 
-from train.data.text_files import DataError
+from train.data.text_files import DataError, error_cause
 
 PREFIX = "tfds:"
 VALIDATION_SPLITS = ("validation", "valid", "dev")
@@ -142,7 +142,7 @@ class TfdsDataset:
         except Exception as e:  # TFDS raises many types for a missing or damaged file
             raise DataError(
                 f"{self.dataset}: split {split!r} in {self.builder.data_dir} cannot be "
-                f"opened ({_cause(e)})"
+                f"opened ({error_cause(e)})"
             ) from e
         for start in range(0, len(source), batch):
             keys = list(range(start, min(start + batch, len(source))))
@@ -151,7 +151,7 @@ class TfdsDataset:
             except Exception as e:  # array_record raises many types for a damaged file
                 raise DataError(
                     f"{self.dataset}: split {split!r} in {self.builder.data_dir} cannot be "
-                    f"read ({_cause(e)}); prepare it again"
+                    f"read ({error_cause(e)}); prepare it again"
                 ) from e
             for index, example in zip(keys, examples):
                 yield tuple(_text(example[n], self.dataset, split, index) for n in names)
@@ -166,11 +166,6 @@ def _text(value: Any, dataset: str, split: str, index: int) -> str:
         raise DataError(
             f"{dataset}: split {split!r}, example {index}: not UTF-8 ({e.reason} at byte {e.start})"
         ) from None
-
-
-def _cause(e: BaseException) -> str:
-    text = str(e).strip()
-    return text.splitlines()[0][:200] if text else type(e).__name__
 
 
 def _root(data_dir: str | os.PathLike | None) -> str:
@@ -199,7 +194,7 @@ def _builder(name: str, data_dir: str | os.PathLike | None, **kwargs):
             f"{_root(data_dir)}{hint}"
         ) from None
     except (ValueError, AssertionError) as e:  # a bad config, version or name syntax
-        raise DataError(f"tfds:{name}: {_cause(e)}") from e
+        raise DataError(f"tfds:{name}: {error_cause(e)}") from e
 
 
 def open_dataset(dataset: str, data_dir: str | os.PathLike | None) -> TfdsDataset:

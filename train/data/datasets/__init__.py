@@ -17,6 +17,7 @@ import tensorflow_datasets as tfds
 from train.data.datasets.multi30k import Multi30k
 from train.data.datasets.ptb import Ptb
 from train.data.datasets.sources import DatasetSourceError
+from train.data.text_files import error_cause
 
 
 class DatasetError(RuntimeError):
@@ -41,7 +42,7 @@ def _builder(cls: type, data_dir: str | os.PathLike | None, **kwargs) -> tfds.co
     except Exception as e:  # TFDS raises protobuf, JSON and OS errors for damaged metadata
         root = os.fspath(data_dir) if data_dir is not None else tfds.core.constants.DATA_DIR
         where = os.path.join(root, cls.name, kwargs.get("config", "") or "")
-        cause = str(e).strip().splitlines()[0][:200] if str(e).strip() else type(e).__name__
+        cause = error_cause(e)
         raise DatasetError(
             f"the prepared dataset {os.path.normpath(where)} cannot be read ({cause}). It is "
             f"built from the files shipped with the package: delete that directory and run "
@@ -60,7 +61,7 @@ def _read_split(builder: tfds.core.DatasetBuilder, split: str) -> list[dict]:
         source = builder.as_data_source(split=split)
         return source.__getitems__(list(range(len(source))))
     except Exception as e:  # array_record / TFDS raise many types for a damaged file
-        cause = str(e).strip().splitlines()[0][:200] if str(e).strip() else type(e).__name__
+        cause = error_cause(e)
         raise DatasetError(
             f"the prepared dataset {builder.data_dir} cannot be read ({cause}). It is built "
             f"from the files shipped with the package: delete that directory and run again to "

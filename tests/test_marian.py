@@ -131,6 +131,21 @@ def test_tokenizer_equals_transformers(tmp_path, separate):
     ]
     assert decoded[1] == TARGET_TEXT[1] and ours.decode(tgt[1]) == TARGET_TEXT[1]
 
+    # What fine-tuning trains on: source ids and labels as transformers makes them, less EOS.
+    labels = hf(text_target=TARGET_TEXT + ODD_TEXT)["input_ids"]
+    assert ours.encode_targets(TARGET_TEXT + ODD_TEXT) == [row[:-1] for row in labels]
+    assert ours.encode_batch(texts) == [row[:-1] for row in hf(texts)["input_ids"]]
+
+    # save() writes a folder both tokenizers read back as the same tokenizer.
+    ours.save(tmp_path / "saved")
+    again = MarianTokenizer.from_folder(tmp_path / "saved")
+    assert again.sha256() == ours.sha256() and again.files.keys() == ours.files.keys()
+    reloaded = transformers.MarianTokenizer.from_pretrained(tmp_path / "saved")
+    np.testing.assert_array_equal(reloaded(texts, padding=True)["input_ids"], ids)
+    assert (
+        reloaded(text_target=TARGET_TEXT)["input_ids"] == hf(text_target=TARGET_TEXT)["input_ids"]
+    )
+
 
 def test_translation_recipe_equals_transformers_greedy_generate(tmp_path):
     """The README's recipe, load_marian -> encode -> greedy -> decode, as transformers runs it;

@@ -13,8 +13,10 @@ skip_special_tokens=True)` with the target SentencePiece model); the tests compa
 
 from __future__ import annotations
 
+import hashlib
 import json
 import re
+import tempfile
 from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
@@ -28,6 +30,7 @@ SOURCE_SPM, TARGET_SPM, VOCAB, TARGET_VOCAB = (
     "target_vocab.json",
 )
 TOKENIZER_FILES = (SOURCE_SPM, TARGET_SPM, VOCAB)
+TOKENIZER_CONFIG = "tokenizer_config.json"
 # SentencePiece's word-boundary mark, which decoding turns back into a space.
 _SPACE = "\u2581"
 
@@ -76,6 +79,12 @@ class MarianTokenizer:
     Attributes:
       pad_id, eos_id, unk_id: the ids of `<pad>`, `</s>` and `<unk>` in the source vocabulary
         (the target vocabulary, where separate, must agree on pad and eos).
+      files: the files it was read from, by their names in a Marian folder (`save` copies
+        them).
+
+    Besides transformers' calls (`encode`, `decode`), it has the ones the training library
+    reads of a tokenizer (`encode_batch`, `encode_targets`, `bos_id`, `vocab_size`,
+    `id_to_piece`, `sha256`), so a Marian model fine-tunes on its own pieces.
     """
 
     def __init__(
@@ -90,6 +99,18 @@ class MarianTokenizer:
         pad_token: str = "<pad>",
     ):
         specials = (unk_token, eos_token, pad_token)
+        self.files = {
+            SOURCE_SPM: Path(source_spm),
+            TARGET_SPM: Path(target_spm),
+            VOCAB: Path(vocab),
+        }
+        if target_vocab is not None:
+            self.files[TARGET_VOCAB] = Path(target_vocab)
+        self.special_tokens = {
+            "unk_token": unk_token,
+            "eos_token": eos_token,
+            "pad_token": pad_token,
+        }
         self.spm_source = _load_spm(Path(source_spm))
         self.spm_target = _load_spm(Path(target_spm))
         self.source_vocab = _read_vocab(Path(vocab), specials)
@@ -101,7 +122,9 @@ class MarianTokenizer:
             raise ValueError(
                 f"{target_vocab} gives {eos_token} and {pad_token} other ids than {vocab}"
             )
+        self.target_vocab = target
         self._target_pieces = {i: piece for piece, i in target.items()}
+        self._source_pieces = {i: piece for piece, i in self.source_vocab.items()}
         # Text naming a special token stands for that token, as in transformers.
         self._specials = {t: self.source_vocab[t] for t in specials}
         self._special_re = re.compile("(" + "|".join(map(re.escape, specials)) + ")")
@@ -112,7 +135,7 @@ class MarianTokenizer:
     def from_folder(cls, folder: str | Path) -> MarianTokenizer:
         """Reads source.spm, target.spm, vocab.json (and target_vocab.json where present)."""
         folder = Path(folder)
-        config_path = folder / "tokenizer_config.json"
+        config_path = folder / TOKENIZER_CONFIG
         options = read_json(config_path) if config_path.is_file() else {}
         target_vocab = folder / TARGET_VOCAB
         separate = options.get("separate_vocabs", target_vocab.is_file())
@@ -134,25 +157,54 @@ class MarianTokenizer:
         """One more than the largest source id (the embedding rows the model needs)."""
         return max(self.source_vocab.values()) + 1
 
-    def _pieces(self, text: str) -> list[str]:
+    @property
+    def vocab_size(self) -> int:
+        """One more than the largest id of either vocabulary."""
+        return max(self.source_vocab_size, max(self.target_vocab.values()) + 1)
+
+    @property
+    def bos_id(self) -> int:
+        """The id decoding starts from: Marian's decoder starts from pad."""
+        return self.pad_id
+
+    def _pieces(self, text: str, spm: Any) -> list[str]:
         """One text (no special tokens in it) -> its SentencePiece pieces; a leading language
         code such as `>>fra<<` (multilingual targets) stays one piece."""
         code = []
         if text.startswith(">>") and (end := text.find("<<")) != -1:
             code, text = [text[: end + 2]], text[end + 2 :]
-        return code + self.spm_source.encode(text, out_type=str)
+        return code + spm.encode(text, out_type=str)
 
-    def encode_one(self, text: str, *, max_len: int | None = None) -> list[int]:
-        """One source text -> its ids, ending with EOS (at most `max_len` ids)."""
+    def _ids(self, text: str, *, target: bool = False) -> list[int]:
+        """One text -> its ids in the source (or target) vocabulary, without EOS: a special
+        token's text is that token, an unknown piece is <unk>."""
+        spm, vocab = (
+            (self.spm_target, self.target_vocab) if target else (self.spm_source, self.source_vocab)
+        )
         ids = []
         for chunk in self._special_re.split(text):
             if chunk in self._specials:
-                ids.append(self._specials[chunk])
+                ids.append(vocab[chunk])
             elif chunk:
-                ids.extend(self.source_vocab.get(p, self.unk_id) for p in self._pieces(chunk))
+                ids.extend(vocab.get(p, self.unk_id) for p in self._pieces(chunk, spm))
+        return ids
+
+    def encode_one(self, text: str, *, max_len: int | None = None) -> list[int]:
+        """One source text -> its ids, ending with EOS (at most `max_len` ids)."""
+        ids = self._ids(text)
         if max_len is not None:
             ids = ids[: max_len - 1]
         return ids + [self.eos_id]
+
+    def encode_batch(self, texts: Sequence[str]) -> list[list[int]]:
+        """Source texts -> their ids without EOS (the training library appends it)."""
+        return [self._ids(t) for t in texts]
+
+    def encode_targets(self, texts: Sequence[str]) -> list[list[int]]:
+        """Target texts -> their ids in the target vocabulary, through the target SentencePiece
+        model, without EOS: the labels, as transformers' `tokenizer(text_target=...)` makes
+        them (less the EOS, which the training batches append)."""
+        return [self._ids(t, target=True) for t in texts]
 
     def encode(self, texts: Sequence[str], *, max_len: int | None = None) -> np.ndarray:
         """Source texts -> [B, S] int32 ids, each row ending with EOS, right-padded with pad_id
@@ -187,6 +239,43 @@ class MarianTokenizer:
         if ids.ndim == 2:
             return [self.decode_one(row) for row in ids]
         raise ValueError(f"decode takes ids of shape [T] or [B, T], got {ids.shape}")
+
+    def id_to_piece(self, i: int) -> str:
+        """The target piece of id `i` (the source piece where the target has none)."""
+        i = int(i)
+        return self._target_pieces.get(i, self._source_pieces.get(i, f"<{i}>"))
+
+    def sha256(self) -> str:
+        """A hash of its files' bytes and its special tokens: what a cache of its ids keys on."""
+        digest = hashlib.sha256(json.dumps(self.special_tokens, sort_keys=True).encode())
+        for name in sorted(self.files):
+            digest.update(f"{name}\n".encode())
+            digest.update(self.files[name].read_bytes())
+        return digest.hexdigest()
+
+    def save(self, folder: str | Path) -> None:
+        """Writes its files (source.spm, target.spm, vocab.json, target_vocab.json where
+        separate) and tokenizer_config.json to `folder`, each written whole then renamed, so
+        `MarianTokenizer.from_folder(folder)` and transformers' `MarianTokenizer` read it."""
+        folder = Path(folder)
+        folder.mkdir(parents=True, exist_ok=True)
+        options = {
+            **self.special_tokens,
+            "separate_vocabs": TARGET_VOCAB in self.files,
+            "tokenizer_class": "MarianTokenizer",
+        }
+        contents = {name: path.read_bytes() for name, path in self.files.items()}
+        contents[TOKENIZER_CONFIG] = (json.dumps(options, indent=2) + "\n").encode()
+        for name, data in contents.items():
+            write_bytes(folder / name, data)
+
+
+def write_bytes(path: Path, data: bytes) -> None:
+    """`data` into `path`, through a temporary file renamed over it: a reader never sees half a
+    file, and a failed write leaves what was there."""
+    with tempfile.NamedTemporaryFile(dir=path.parent, prefix=path.name, delete=False) as f:
+        f.write(data)
+    Path(f.name).replace(path)
 
 
 def has_tokenizer_files(folder: str | Path) -> bool:

@@ -257,12 +257,12 @@ def pairs_cache(
     reading the source once as a stream) -> (PairArrays of memory-mapped ids, the cache's
     meta; meta['skipped']: the pairs left out for an empty side).
 
-    Sources end with the tokenizer's eos (as `train.translate.task.encode_source` writes them),
-    targets have neither bos nor eos. The key: the source's fingerprint and the tokenizer
-    model's bytes."""
+    Sources (`tokenizer.encode_batch`) end with the tokenizer's eos (as
+    `train.translate.task.encode_source` writes them), targets (`tokenizer.encode_targets`)
+    have neither bos nor eos. The key: the source's fingerprint and `tokenizer.sha256()`."""
     key = cache_key(
         **source.fingerprint,
-        tokenizer_sha256=hashlib.sha256(tokenizer.model_path.read_bytes()).hexdigest(),
+        tokenizer_sha256=tokenizer.sha256(),
     )
 
     def build(directory: str) -> dict[str, Any]:
@@ -275,7 +275,8 @@ def pairs_cache(
         skipped: list[int] = [0]
         for block in _chunks(source.read(skipped), CHUNK_PAIRS):
             for side, name in enumerate(("src", "tgt")):
-                ids = tokenizer.encode_batch([pair[side] for pair in block])
+                encode = tokenizer.encode_batch if name == "src" else tokenizer.encode_targets
+                ids = encode([pair[side] for pair in block])
                 flat, n = _flatten(ids, eos_id=tokenizer.eos_id if name == "src" else None)
                 writers[name].write(flat)
                 lengths[name].append(n)

@@ -101,6 +101,14 @@ class SentencePieceTokenizer:
         """`encode` over many texts at once (faster: one call into SentencePiece)."""
         return self._sp.encode(list(texts))
 
+    def encode_targets(self, texts: Sequence[str]) -> list[list[int]]:
+        """The target side's ids: a joint model encodes both sides alike (`encode_batch`)."""
+        return self.encode_batch(texts)
+
+    def sha256(self) -> str:
+        """A hash of the model file's bytes: what a cache of its ids keys on."""
+        return hashlib.sha256(self.model_path.read_bytes()).hexdigest()
+
     def decode(self, ids: Iterable[int]) -> str:
         """Detokenized text of `ids`: stops at the first eos, skips pad and bos.
 

@@ -179,7 +179,7 @@ def encode_pairs(tokenizer, pairs: Sequence[tuple[str, str]]) -> list[tuple[list
     return list(
         zip(
             encode_source(tokenizer, [p[0] for p in pairs]),
-            tokenizer.encode_batch([p[1] for p in pairs]),
+            tokenizer.encode_targets([p[1] for p in pairs]),
         )
     )
 

@@ -351,6 +351,28 @@ def marian_params(state: Mapping[str, np.ndarray], config: TransformerConfig) ->
     return params
 
 
+def check_tokenizer(
+    tokenizer: MarianTokenizer, config: TransformerConfig, *, source: str | Path
+) -> None:
+    """The tokenizer's pad and EOS ids must be the model's, and its source ids inside the
+    model's vocabulary: a ValueError naming `source` (its folder) otherwise."""
+    ids = {
+        "pad_token_id": (tokenizer.pad_id, config.pad_id),
+        "eos_token_id": (tokenizer.eos_id, config.eos_id),
+    }
+    for name, (theirs, ours) in ids.items():
+        if theirs != ours:
+            raise ValueError(
+                f"{source}: the tokenizer's {name} is {theirs}, config.json's is {ours}"
+            )
+    if tokenizer.source_vocab_size > config.src_vocab_size:
+        raise ValueError(
+            f"{source}: vocab.json has ids up to "
+            f"{tokenizer.source_vocab_size - 1}, beyond config.json's "
+            f"vocab_size {config.src_vocab_size}"
+        )
+
+
 def load_marian(
     folder: str | Path, *, dtype: Any = jnp.float32
 ) -> tuple[Transformer, dict, MarianTokenizer | None]:
@@ -370,20 +392,6 @@ def load_marian(
     config = marian_config(read_json(folder / CONFIG), dtype=dtype, source=str(folder / CONFIG))
     tokenizer = MarianTokenizer.from_folder(folder) if has_tokenizer_files(folder) else None
     if tokenizer is not None:
-        ids = {
-            "pad_token_id": (tokenizer.pad_id, config.pad_id),
-            "eos_token_id": (tokenizer.eos_id, config.eos_id),
-        }
-        for name, (theirs, ours) in ids.items():
-            if theirs != ours:
-                raise ValueError(
-                    f"{folder}: the tokenizer's {name} is {theirs}, config.json's is {ours}"
-                )
-        if tokenizer.source_vocab_size > config.src_vocab_size:
-            raise ValueError(
-                f"{folder}: vocab.json has ids up to "
-                f"{tokenizer.source_vocab_size - 1}, beyond config.json's "
-                f"vocab_size {config.src_vocab_size}"
-            )
+        check_tokenizer(tokenizer, config, source=folder)
     params = marian_params(read_marian_weights(folder), config)
     return Transformer(config), params, tokenizer

@@ -23,12 +23,13 @@ class OptimizerConfig:
     Attributes:
       schedule: 'noam' (section 5.3 of the paper: Adam 0.9 / 0.98 / 1e-9 on
         lr_factor * d_model^-0.5 * min(t^-0.5, t * warmup^-1.5)), 'constant' (Adam with its
-        usual betas at learning_rate) or 'cosine' (the Transformer-XL reference: Adam with
-        its usual betas, linear warm-up over warmup_steps, then cosine from learning_rate to
-        min_learning_rate over decay_steps).
+        usual betas at learning_rate, after a linear warm-up over warmup_steps where set:
+        the usual schedule for fine-tuning a pretrained model) or 'cosine' (the
+        Transformer-XL reference: Adam with its usual betas, linear warm-up over
+        warmup_steps, then cosine from learning_rate to min_learning_rate over decay_steps).
       learning_rate: the rate of 'constant', the peak of 'cosine' (unused by 'noam').
       d_model, lr_factor: the model width and factor of 'noam'.
-      warmup_steps: 'noam' and 'cosine' warm-up (0: none, 'cosine' only).
+      warmup_steps: the warm-up of each schedule (0: none, 'constant' and 'cosine' only).
       decay_steps, min_learning_rate: the cosine horizon and floor.
       clip_norm: clip the gradient to this global norm first (None: no clipping).
       ema_decay: keep an average of the parameters at this decay (0: none); see `params_ema`.
@@ -105,6 +106,19 @@ def warmup_cosine_schedule(
     return schedule
 
 
+def warmup_constant_schedule(learning_rate: float, *, warmup_steps: int) -> optax.Schedule:
+    """lr * min(1, t / warmup_steps) with 1-based step t: a linear warm-up to a constant rate,
+    reached at step t = warmup_steps (the cosine schedule's warm-up, without the decay)."""
+    if warmup_steps <= 0:
+        raise ValueError(f"warmup_steps must be positive, got {warmup_steps}")
+
+    def schedule(count):
+        t = jnp.asarray(count, jnp.float32) + 1.0
+        return learning_rate * jnp.minimum(t / warmup_steps, 1.0)
+
+    return schedule
+
+
 def make_schedule(config: OptimizerConfig) -> optax.Schedule:
     if config.schedule == "noam":
         return noam_schedule(config.d_model, config.warmup_steps, config.lr_factor)
@@ -115,6 +129,8 @@ def make_schedule(config: OptimizerConfig) -> optax.Schedule:
             decay_steps=config.decay_steps,
             min_learning_rate=config.min_learning_rate,
         )
+    if config.warmup_steps:
+        return warmup_constant_schedule(config.learning_rate, warmup_steps=config.warmup_steps)
     return optax.constant_schedule(config.learning_rate)
 
 

@@ -67,6 +67,19 @@ class TaskData(Protocol):
     def evaluate(self, dp: DataParallel, eval_step: Callable, params: PyTree) -> dict[str, float]:
         """Validation figures ('loss' ranks the checkpoints) of `params` (global layout)."""
 
+    def start(
+        self,
+        *,
+        workdir: str,
+        dp: DataParallel,
+        eval_step: Callable,
+        model: nn.Module,
+        params: PyTree,
+        writer: MetricsWriter,
+    ) -> None:
+        """Before the first step of a new run (not a resumed one): what the task measures of
+        the model it starts from (a pretrained model's BLEU; nothing for a random one)."""
+
     def finish(
         self,
         *,
@@ -111,6 +124,11 @@ class Task(Protocol):
     ) -> tuple[PyTree, PyTree]:
         """-> (params, the initial carried state `extra` or None), traceable under jit."""
 
+    def initial_params(self, config: RunConfig) -> PyTree | None:
+        """The weights a new run starts from instead of init_params' (a pretrained model's,
+        host arrays of the same tree), or None: from the seed. Read only when the run has no
+        checkpoint yet."""
+
     def loss_fn(self, config: RunConfig, model: nn.Module) -> LossFn: ...
 
     def prepare(
@@ -145,16 +163,30 @@ def normal_form(
     return config_to_dict(config_from_saved(task, values, path=path))
 
 
-def init_state(task: Task, config: RunConfig, model: nn.Module, tx, dp: DataParallel) -> TrainState:
+def init_state(
+    task: Task,
+    config: RunConfig,
+    model: nn.Module,
+    tx,
+    dp: DataParallel,
+    *,
+    params: PyTree | None = None,
+) -> TrainState:
     """Fresh float32 params, optimizer state and carried state from the seed, in the global
-    layout."""
-    return dp.init_state(_state_maker(task, config, model, tx), config.seed)
+    layout; with `params` (`Task.initial_params`), those weights instead of init_params',
+    and the optimizer state (its parameter average too) made from them."""
+    create = _state_maker(task, config, model, tx)
+    if params is None:
+        return dp.init_state(create, config.seed)
+    return dp.init_state(create, config.seed, params)
 
 
 def _state_maker(task: Task, config: RunConfig, model: nn.Module, tx):
-    def create(seed):
+    def create(seed, start_params=None):
         init_rng, train_rng = jax.random.split(jax.random.PRNGKey(seed))
         params, extra = task.init_params(config, model, init_rng)
+        if start_params is not None:  # the random ones are then dead code, left out by XLA
+            params = jax.tree.map(lambda x: x.astype(jnp.float32), start_params)
         return TrainState.create(params=params, tx=tx, rng=train_rng, extra=extra)
 
     return create
@@ -320,10 +352,14 @@ def train_and_evaluate(task: Task, config: RunConfig, workdir: str) -> dict[str,
         checkpoints = Checkpoints(workdir, keep=config.keep_checkpoints)
         writer = MetricsWriter(workdir)
         try:
-            # 2. Restore: a fresh state from the seed, or the latest checkpoint into it.
-            state = init_state(task, config, model, tx, eval_dp)
+            # 2. Restore: a fresh state from the seed (or the task's pretrained weights), or
+            # the latest checkpoint into it.
+            fresh = checkpoints.latest_step() is None
+            start_params = task.initial_params(config) if fresh else None
+            state = init_state(task, config, model, tx, eval_dp, params=start_params)
+            del start_params
             elapsed, carried = 0.0, []
-            if checkpoints.latest_step() is not None:
+            if not fresh:
                 state, meta = checkpoints.restore(state)
                 elapsed = float(meta.get("elapsed", 0.0))
                 carried = list(meta.get("interval_metrics", []))
@@ -352,6 +388,15 @@ def train_and_evaluate(task: Task, config: RunConfig, workdir: str) -> dict[str,
             def evaluate(global_state: TrainState) -> dict[str, float]:
                 return data.evaluate(eval_dp, eval_step, eval_params(global_state))
 
+            if step == 0:
+                data.start(
+                    workdir=local_dir(workdir),
+                    dp=eval_dp,
+                    eval_step=eval_step,
+                    model=model,
+                    params=eval_params(state),
+                    writer=writer,
+                )
             dstate = dp.put_state(state)
             train_step = dp.compile_train_step(loss_fn, dstate, lr_schedule=schedule)
             if config.compile_ahead and step < config.steps:

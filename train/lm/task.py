@@ -303,6 +303,9 @@ class LMData:
     def evaluate(self, dp: DataParallel, eval_step: Callable, params) -> dict[str, float]:
         return evaluate_stream(dp, eval_step, params, self.valid, self.config)
 
+    def start(self, **_) -> None:
+        """Nothing to measure before the first step: the model starts from random weights."""
+
     def finish(
         self,
         *,
@@ -365,6 +368,10 @@ class LMTask:
 
     def optimizer_config(self, config: LMConfig):
         return config.optimizer_config()
+
+    def initial_params(self, config: LMConfig) -> None:
+        """From the seed: language models are trained from scratch here."""
+        return None
 
     def init_params(self, config: LMConfig, model: TransformerXL, rng):
         mc = config.model_config

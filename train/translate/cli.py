@@ -29,6 +29,14 @@ DESCRIPTION = """Train and evaluate a translation model: Multi30k German -> Engl
     python -m train.translate --workdir W --translate "Ein Mann fährt Fahrrad."
     python -m train.translate --pretrained opus-mt-de-en --translate "Ein Mann fährt Fahrrad."
     python -m train.translate --pretrained opus-mt-de-en --eval     # BLEU on Multi30k test
+    python -m train.translate --pretrained opus-mt-de-en --workdir W    # fine-tune on Multi30k
+    python -m train.translate --pretrained opus-mt-de-en --train_src A.de --train_tgt A.en \
+        --valid_src V.de --valid_tgt V.en --workdir W      # fine-tune on your files
+
+--pretrained DIR: an OPUS-MT / Marian folder (config.json, model.safetensors, source.spm,
+target.spm, vocab.json). With --translate, --translate_file or --eval it decodes; otherwise it
+is fine-tuned (preset 'finetune': Adam at a constant 5e-5 after a 200-step warm-up), with its
+own tokenizer, and scored before the first step and at the end.
 
 Evaluation: teacher-forced loss and perplexity on validation and test, then sacreBLEU (cased,
 13a tokenization, on detokenized text) and chrF of beam-search output on each test set,
@@ -55,12 +63,6 @@ def make_parser() -> argparse.ArgumentParser:
         "--output", metavar="PATH", help="write the translations here (default: standard output)"
     )
     parser.add_argument(
-        "--pretrained",
-        metavar="DIR",
-        help="an OPUS-MT / Marian folder (config.json, model.safetensors, "
-        "source.spm, target.spm, vocab.json) to translate or --eval with",
-    )
-    parser.add_argument(
         "--eval",
         action="store_true",
         help="with --pretrained: sacreBLEU on the --test_split of Multi30k",
@@ -71,17 +73,28 @@ def make_parser() -> argparse.ArgumentParser:
 def check_modes(parser: argparse.ArgumentParser, args: argparse.Namespace) -> None:
     """The flags that choose what the command does must go together (usage errors)."""
     inference = bool(args.translate or args.translate_file)
-    if args.pretrained and not (inference or args.eval):
-        parser.error("--pretrained needs --translate, --translate_file or --eval")
-    if args.eval and not args.pretrained:
+    pretrained = getattr(args, "pretrained", None)
+    if args.eval and not pretrained:
         parser.error("--eval needs --pretrained (a trained run is evaluated when it ends)")
-    if inference and not (args.workdir or args.pretrained):
+    if inference and not (args.workdir or pretrained):
         parser.error("--translate needs --workdir (a trained run) or --pretrained")
 
 
 def config_from_args(argv: Sequence[str] | None) -> tuple[TranslateConfig, str, argparse.Namespace]:
     """-> (config, workdir, args) of a training command line, as `main` makes them."""
-    return cli.config_from_args(TASK, make_parser(), argv)
+    parser = make_parser()
+    args = parser.parse_args(argv)
+    saved = cli.start(args)
+    config, workdir = cli.resolve(TASK, parser, finetune_default(args, saved), saved)
+    return config, workdir, args
+
+
+def finetune_default(args: argparse.Namespace, saved) -> argparse.Namespace:
+    """A new run with --pretrained and no --preset fine-tunes with its own recipe ('finetune'),
+    not the CPU or GPU one of a model trained from scratch."""
+    if getattr(args, "pretrained", None) and saved is None and "preset" not in args:
+        args.preset = "finetune"
+    return args
 
 
 def main(argv: Sequence[str] | None = None) -> int:
@@ -99,9 +112,10 @@ def _given(args: argparse.Namespace, name: str):
 def _run(parser: argparse.ArgumentParser, args: argparse.Namespace) -> int:
     check_modes(parser, args)
     saved = cli.start(args)
-    if args.pretrained and args.eval:
+    pretrained = getattr(args, "pretrained", None)
+    if pretrained and args.eval:
         result = evaluate_pretrained(
-            args.pretrained,
+            pretrained,
             split=_given(args, "test_split"),
             data_dir=_given(args, "data_dir"),
             sentences=_given(args, "eval_sentences"),
@@ -114,7 +128,7 @@ def _run(parser: argparse.ArgumentParser, args: argparse.Namespace) -> int:
             write_lines(args.output, result["hypotheses"])
         print(
             f"{result['split']}: BLEU {result['bleu']:.2f} (sacreBLEU, cased, 13a) of "
-            f"{args.pretrained} on {result['sentences']} sentences, "
+            f"{pretrained} on {result['sentences']} sentences, "
             f"{result['seconds']:.0f}s",
             flush=True,
         )
@@ -124,10 +138,10 @@ def _run(parser: argparse.ArgumentParser, args: argparse.Namespace) -> int:
         if args.translate_file:
             with open(args.translate_file, encoding="utf-8") as f:
                 sentences += f.read().splitlines()
-        if args.pretrained:
-            lines = Pretrained(
-                args.pretrained, beam_size=getattr(args, "beam_size", None)
-            ).translate(sentences)
+        if pretrained:
+            lines = Pretrained(pretrained, beam_size=getattr(args, "beam_size", None)).translate(
+                sentences
+            )
         else:
             lines = translate_text(args.workdir, sentences)
         # With several processes each holds every line (decoding gathers them); one writes,
@@ -140,7 +154,7 @@ def _run(parser: argparse.ArgumentParser, args: argparse.Namespace) -> int:
             for line in lines:
                 print(line)
         return cli.EXIT_OK
-    config, workdir = cli.resolve(TASK, parser, args, saved)
+    config, workdir = cli.resolve(TASK, parser, finetune_default(args, saved), saved)
     print(f"workdir: {workdir}", flush=True)
     final = train_and_evaluate(TASK, config, workdir)
     if "test_bleu" in final:

@@ -21,7 +21,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from train import plots
-from train.core.metrics import MetricsWriter
+from train.core.metrics import MetricsWriter, read_metrics
 from train.core.parallel import DataParallel
 from train.core.state import TrainState
 from train.core.workdir import local_dir
@@ -57,6 +57,8 @@ from transformer_jax.losses import (
     init_reinforce_baseline,
     label_smoothed_cross_entropy,
 )
+from transformer_jax.marian import check_tokenizer, marian_params, read_marian_weights
+from transformer_jax.marian_tokenizer import MarianTokenizer, has_tokenizer_files
 from transformer_jax.optim import make_schedule
 
 
@@ -68,6 +70,17 @@ class Split:
     sources: list[str]
     references: list[str]
     pairs: list[tuple[list[int], list[int]]]
+
+
+# The metrics split (prefix) of a pretrained model's figures before fine-tuning.
+PRETRAINED = "pretrained"
+
+
+def _gain(before: Mapping[str, float] | None) -> str:
+    """' (BLEU b, chrF c before fine-tuning)' for a log line, or ''."""
+    if not before:
+        return ""
+    return f" (BLEU {before['bleu']:.2f}, chrF {before['chrf']:.2f} before fine-tuning)"
 
 
 def multi30k_pairs(config: TranslateConfig, split: str) -> list[tuple[str, str]]:
@@ -123,9 +136,12 @@ def open_tfds(config: TranslateConfig) -> TfdsDataset:
 
 
 def load_tokenizer(config: TranslateConfig, workdir: str) -> SentencePieceTokenizer:
-    """The run's joint SentencePiece model: Multi30k's, or the one trained on a sample of the
-    training files' or TFDS split's sentences the first time (`sampled_tokenizer`)."""
+    """The run's tokenizer: a pretrained model's own (`pretrained_tokenizer`), else the joint
+    SentencePiece model of Multi30k, or the one trained on a sample of the training files' or
+    TFDS split's sentences the first time (`sampled_tokenizer`)."""
     directory = tokenizer_dir(config, workdir)
+    if config.pretrained is not None:
+        return pretrained_tokenizer(config, directory)
     if config.data_source() == "multi30k":
         return multi30k_tokenizer(directory, vocab_size=config.vocab_size, data_dir=config.data_dir)
     if config.data_source() == "tfds":
@@ -137,6 +153,23 @@ def tokenizer_dir(config: TranslateConfig, workdir: str) -> str:
     """Where the run's SentencePiece model is kept: tokenizer_dir, else W/tokenizer (the local
     copy of a remote W)."""
     return config.tokenizer_dir or os.path.join(local_dir(workdir), "tokenizer")
+
+
+def pretrained_tokenizer(config: TranslateConfig, directory: str) -> MarianTokenizer:
+    """A fine-tuning run's tokenizer: the pretrained folder's, copied to directory/marian the
+    first time (so the run no longer needs the folder), and checked against the model's
+    config (pad and EOS ids, vocabulary size)."""
+    copy = os.path.join(directory, "marian")
+    if not has_tokenizer_files(copy):
+        if not has_tokenizer_files(config.pretrained):
+            raise DataError(
+                f"pretrained: {config.pretrained} has no tokenizer (source.spm, target.spm, "
+                "vocab.json); fine-tuning encodes the data with the model's own"
+            )
+        MarianTokenizer.from_folder(config.pretrained).save(copy)
+    tokenizer = MarianTokenizer.from_folder(copy)
+    check_tokenizer(tokenizer, config.model_config, source=copy)
+    return tokenizer
 
 
 def files_tokenizer(
@@ -168,6 +201,12 @@ def sampled_tokenizer(
         except ValueError as e:  # SentencePiece cannot meet the vocabulary size on this text
             raise DataError(f"vocab_size: {e}") from e
     return SentencePieceTokenizer(path)
+
+
+def special_ids(model_config) -> dict[str, int]:
+    """The pad, bos (decoding's start) and eos ids batches are built with: the model's (a
+    Marian model pads with its last id and starts from pad)."""
+    return dict(pad_id=model_config.pad_id, bos_id=model_config.bos_id, eos_id=model_config.eos_id)
 
 
 def encode_source(tokenizer, sentences: Sequence[str]) -> list[list[int]]:
@@ -319,10 +358,43 @@ class TranslationData:
             batch_size=self.eval_rows,
             buckets=self.config.buckets,
             num_devices=dp.n_devices,
+            **special_ids(self.config.model_config),
         )
 
     def evaluate(self, dp: DataParallel, eval_step: Callable, params) -> dict[str, float]:
         return teacher_forced(dp, eval_step, params, self._eval_batches(self.validation, dp))
+
+    def start(
+        self,
+        *,
+        workdir: str,
+        dp: DataParallel,
+        eval_step: Callable,
+        model: nn.Module,
+        params,
+        writer: MetricsWriter,
+    ) -> None:
+        """A fine-tuning run's starting point, before its first step: perplexity, BLEU and
+        chrF of the pretrained model on validation and each test set, logged and written as
+        step 0 of split 'pretrained/NAME' (its translations as step 0's), so the end's figures
+        show the gain. A model trained from scratch starts random: nothing is measured."""
+        if self.config.pretrained is None:
+            return
+        for split in (self.validation, *self.tests):
+            record, path, _ = self._score(
+                split,
+                workdir=workdir,
+                dp=dp,
+                eval_step=eval_step,
+                model=model,
+                params=params,
+                step=0,
+            )
+            writer.write_final(0, f"{PRETRAINED}/{split.name}", record)
+            self.log(
+                f"{split.name} before fine-tuning: BLEU {record['bleu']:.2f}, chrF "
+                f"{record['chrf']:.2f}, ppl {record['ppl']:.2f}; translations in {path}"
+            )
 
     def finish(
         self,
@@ -340,6 +412,25 @@ class TranslationData:
         config, log = self.config, self.log
         step = int(jax.device_get(state.step))
         out = {f"val_{k}": v for k, v in validation.items() if k in ("loss", "nll", "ppl")}
+        before = self._before(writer) if config.pretrained is not None else {}
+        if config.pretrained is not None:  # the gain of fine-tuning: validation BLEU too
+            record, path, _ = self._score(
+                self.validation,
+                workdir=workdir,
+                dp=dp,
+                eval_step=eval_step,
+                model=model,
+                params=params,
+                step=step,
+            )
+            writer.write_final(step, "validation_bleu", record)
+            out.update({f"val_{k}": record[k] for k in ("bleu", "chrf")})
+            out.update({f"start_val_{k}": v for k, v in before.get("validation", {}).items()})
+            log(
+                f"validation: BLEU {record['bleu']:.2f}, chrF {record['chrf']:.2f}"
+                + _gain(before.get("validation"))
+                + f"; translations in {path}"
+            )
         first = None
         for test in self.tests:
             record, path, hypotheses = self._score(
@@ -353,16 +444,19 @@ class TranslationData:
             )
             record["total_seconds"] = time.monotonic() - start
             writer.write_final(step, test.name, record)
+            started = before.get(test.name)
             if first is None:  # the first test set's figures are the run's test_ figures
                 first = (test, hypotheses)
                 out.update({f"test_{k}": v for k, v in record.items()})
                 out["hypotheses"] = path
+                out.update({f"start_test_{k}": v for k, v in (started or {}).items()})
             if len(self.tests) > 1:
                 out.update({f"test_{test.name}_{k}": record[k] for k in ("bleu", "chrf", "ppl")})
             log(
                 f"{test.name}: BLEU {record['bleu']:.2f} (sacreBLEU, cased, 13a, beam "
-                f"{config.beam_size}), chrF {record['chrf']:.2f}, ppl {record['ppl']:.2f}; "
-                f"validation ppl {validation['ppl']:.2f}; translations in {path}"
+                f"{config.beam_size}), chrF {record['chrf']:.2f}, ppl {record['ppl']:.2f}"
+                + _gain(started)
+                + f"; validation ppl {validation['ppl']:.2f}; translations in {path}"
             )
         if first is None:
             log(f"no test set; validation ppl {validation['ppl']:.2f}")
@@ -394,6 +488,16 @@ class TranslationData:
                 f"{os.path.join(workdir, plots.PLOTS_DIR)}"
             )
         return out
+
+    def _before(self, writer: MetricsWriter) -> dict[str, dict[str, float]]:
+        """The pretrained model's BLEU and chrF per split, as `start` wrote them (on process 0,
+        which writes the metrics; empty elsewhere)."""
+        prefix = f"{PRETRAINED}/"
+        return {
+            r["split"][len(prefix) :]: {k: r[k] for k in ("bleu", "chrf")}
+            for r in read_metrics(writer.path)
+            if r["split"].startswith(prefix) and r["step"] == 0
+        }
 
     def _score(self, test: Split, *, workdir: str, dp, eval_step, model, params, step: int):
         """-> (the metrics record of one test set, its translations' path, the hypotheses)."""
@@ -464,7 +568,15 @@ class TranslationTask:
             free_running=config.uses_teacher_forcing(),
         )
 
+    def initial_params(self, config: TranslateConfig):
+        """A pretrained model's weights (checked against its config), else None."""
+        if config.pretrained is None:
+            return None
+        return marian_params(read_marian_weights(config.pretrained), config.model_config)
+
     def describe(self, config: TranslateConfig) -> str:
+        if config.pretrained is not None:
+            return f"{config.model} fine-tuned from {config.pretrained}"
         return config.model
 
     def prepare(
@@ -481,6 +593,7 @@ class TranslationTask:
             buckets=config.buckets,
             num_devices=dp.n_devices,
             seed=config.seed,
+            **special_ids(config.model_config),
         )
         if config.uses_files():
             validation = load_split(
@@ -550,7 +663,10 @@ def _cached_pairs(config: TranslateConfig, workdir: str, log: Callable[[str], No
         if data.splits().note:
             log(f"data: {config.dataset}: {data.splits().note}")
         source, name, why = tfds_pairs(config, data), "tfds", ""
-    tokenizer = sampled_tokenizer(config, tokenizer_dir(config, workdir), source, name=name)
+    if config.pretrained is not None:
+        tokenizer = load_tokenizer(config, workdir)
+    else:
+        tokenizer = sampled_tokenizer(config, tokenizer_dir(config, workdir), source, name=name)
     pairs, meta = pairs_cache(
         source, tokenizer, config.cache_dir or os.path.join(workdir, CACHE_DIR), log=log
     )

@@ -1,0 +1,179 @@
+"""Fine-tuning a pretrained Marian model (`python -m train.translate --pretrained DIR`): it
+starts from the folder's weights with the folder's own tokenizer and Marian's decoder start =
+pad convention, scores the pretrained model before the first step, lowers the loss, and goes
+through the trainer's usual machinery (fsdp over the 8 test devices, EMA, checkpoints) with an
+exact resume. The folder is a random MarianMTModel written by transformers, as in test_marian.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+
+import jax
+import numpy as np
+import pytest
+from helpers import SOURCE_TEXT, TARGET_TEXT, save_marian, save_tokenizer, train_losses
+
+from train import translate
+from train.core.metrics import read_metrics
+from train.core.parallel import DataParallel
+from train.core.task import init_state
+from train.translate import cli
+from transformer_jax import MarianTokenizer, load_marian
+from transformer_jax.optim import make_optimizer, make_schedule
+
+pytest.importorskip("transformers")
+pytest.importorskip("torch")
+pytestmark = pytest.mark.filterwarnings("ignore:Recommended. pip install sacremoses")
+
+
+@pytest.fixture(scope="module")
+def folder(tmp_path_factory):
+    path = tmp_path_factory.mktemp("opus")
+    save_tokenizer(path)
+    save_marian(path, vocab_size=len(json.loads((path / "vocab.json").read_text())))
+    return path
+
+
+@pytest.fixture(scope="module")
+def files(tmp_path_factory):
+    """Parallel training, validation and test files of the sentences the tokenizer knows."""
+    root = tmp_path_factory.mktemp("files")
+    paths = {}
+    for name, rows in (("train", slice(0, 6)), ("valid", slice(0, 4)), ("test", slice(2, 6))):
+        for lang, text in (("de", SOURCE_TEXT), ("en", TARGET_TEXT)):
+            path = root / f"{name}.{lang}"
+            path.write_text("\n".join(text[rows] * (4 if name == "train" else 1)) + "\n")
+            paths[f"{name}_{lang}"] = str(path)
+    return paths
+
+
+def finetune_config(folder, files, **overrides):
+    fields = dict(
+        pretrained=str(folder),
+        train_src=files["train_de"],
+        train_tgt=files["train_en"],
+        valid_src=files["valid_de"],
+        valid_tgt=files["valid_en"],
+        test_src=(files["test_de"],),
+        test_tgt=(files["test_en"],),
+        steps=8,
+        learning_rate=3e-3,  # a random model, a few steps: the recipe's 5e-5 would not show
+        adam_warmup_steps=2,
+        tokens_per_batch=256,  # 8 rows of 32: one a device
+        buckets=(32,),  # the test tokenizer's pieces are short: ~23 a sentence
+        log_every=1,
+        checkpoint_every=4,
+        eval_batch_size=8,
+        beam_size=2,
+        decode_margin=6,
+        ema_decay=0.5,
+        sharding="fsdp",
+        progress=False,
+        plots=False,
+    )
+    fields.update(overrides)
+    return translate.make_config("transformer", "finetune", **fields)
+
+
+@pytest.fixture(scope="module")
+def straight(folder, files, tmp_path_factory):
+    workdir = tmp_path_factory.mktemp("finetuned")
+    config = finetune_config(folder, files)
+    return config, workdir, translate.train_and_evaluate(config, str(workdir))
+
+
+@pytest.mark.slow
+def test_finetuning_starts_from_the_checkpoint_and_lowers_the_loss(folder, straight):
+    config, workdir, final = straight
+    model, params, _ = load_marian(folder)
+    assert config.model_config == model.config  # the folder's architecture and special ids
+
+    losses = train_losses(workdir)
+    assert [s for s, _ in losses] == list(range(1, 9))
+    assert losses[-1][1] < losses[0][1] - 0.5
+    records = {r["split"]: r for r in read_metrics(str(workdir)) if r["step"] == 0}
+    before = records["pretrained/validation"]
+    assert final["val_ppl"] < before["ppl"]
+    # The figures before the first step are the folder's weights': the same teacher-forced
+    # validation loss as load_marian's parameters give (no re-initialisation).
+    dp = DataParallel("jit")
+    data = translate.TASK.prepare(config, str(workdir), dp, log=lambda _: None)
+    state = init_state(translate.TASK, config, model, _tx(config), dp, params=params)
+    loss_fn = translate.TASK.loss_fn(config, model)
+    ppl = data.evaluate(dp, dp.compile_eval_step(loss_fn, state), params)["ppl"]
+    np.testing.assert_allclose(before["ppl"], ppl, rtol=1e-5)
+    # ... and the state that training started from holds those weights exactly.
+    start = init_state(
+        translate.TASK,
+        config,
+        model,
+        _tx(config),
+        dp,
+        params=translate.TASK.initial_params(config),
+    )
+    jax.tree.map(np.testing.assert_array_equal, jax.device_get(start.params), params)
+    # BLEU and chrF before and after, on validation and the test set.
+    for key in ("start_val_bleu", "val_bleu", "val_chrf", "start_test_bleu", "test_chrf"):
+        assert key in final
+    assert final["start_test_bleu"] == records["pretrained/test"]["bleu"]
+    # Marian's conventions in the batches: the decoder starts from pad, sources end with EOS.
+    batch = next(data.batches(0))
+    mc = config.model_config
+    assert mc.bos_id == mc.pad_id
+    assert (batch["tgt_in"][:, 0] == mc.pad_id).all()
+    real = batch["src"][:, 0] != mc.pad_id
+    assert real.any() and (batch["tgt_out"][real] == mc.eos_id).sum(1).tolist() == [1] * sum(real)
+    # The run's tokenizer is the folder's, copied into W: a resume needs the folder no more.
+    tokenizer = translate.load_tokenizer(config, str(workdir))
+    assert isinstance(tokenizer, MarianTokenizer)
+    assert tokenizer.sha256() == MarianTokenizer.from_folder(folder).sha256()
+    assert os.path.dirname(tokenizer.files["vocab.json"]).startswith(str(workdir))
+
+
+def _tx(config):
+    return make_optimizer(config.optimizer_config())[0]
+
+
+@pytest.mark.slow
+def test_a_resumed_finetuning_repeats_the_uninterrupted_one(folder, files, straight, tmp_path):
+    config, workdir, final = straight
+    first = translate.train_and_evaluate(translate.replace(config, steps=4), str(tmp_path))
+    assert first["step"] == 4
+    # The folder is gone: the resume reads neither its weights nor its tokenizer.
+    moved = tmp_path.parent / (tmp_path.name + "_moved")
+    os.rename(folder, moved)
+    try:
+        second = translate.train_and_evaluate(config, str(tmp_path))
+    finally:
+        os.rename(moved, folder)
+    assert train_losses(tmp_path) == train_losses(workdir)
+    assert second["val_loss"] == final["val_loss"]
+    assert second["test_bleu"] == final["test_bleu"]
+    assert second["start_test_bleu"] == final["start_test_bleu"]
+
+
+def test_the_command_line_fine_tunes_with_its_own_recipe(folder, tmp_path):
+    config, _, _ = cli.config_from_args(["--pretrained", str(folder), "--steps", "3"])
+    assert config.preset == "finetune" and config.pretrained == str(folder)
+    assert (config.optimizer, config.learning_rate, config.adam_warmup_steps) == ("adam", 5e-5, 200)
+    schedule = make_schedule(config.optimizer_config())
+    np.testing.assert_allclose(
+        [schedule(0), schedule(99), schedule(199), schedule(5000)],
+        [5e-5 / 200, 5e-5 / 2, 5e-5, 5e-5],
+        rtol=1e-6,
+    )
+    assert config.model_config == load_marian(folder)[0].config
+    assert config.data_source() == "multi30k"  # no files: the shipped corpus
+    # Dropout may change; the architecture may not.
+    config, _, _ = cli.config_from_args(["--pretrained", str(folder), "--model.dropout", "0.3"])
+    assert config.model_config.dropout == 0.3
+    with pytest.raises(SystemExit):
+        cli.config_from_args(["--pretrained", str(folder), "--model.d_model", "64"])
+    with pytest.raises(SystemExit):
+        cli.config_from_args(["--pretrained", str(folder), "--model", "gru"])
+    with pytest.raises(SystemExit):
+        cli.config_from_args(["--preset", "finetune"])
+    with pytest.raises(SystemExit):
+        cli.config_from_args(["--pretrained", str(tmp_path / "missing")])

@@ -16,11 +16,13 @@ import pytest
 from helpers import SOURCE_TEXT, TARGET_TEXT, save_marian, save_tokenizer, train_losses
 
 from train import translate
+from train.core.checkpoint import save_run_config
+from train.core.config import config_to_dict
 from train.core.metrics import read_metrics
 from train.core.parallel import DataParallel
-from train.core.task import init_state
+from train.core.task import init_state, params_for_inference
 from train.translate import cli
-from transformer_jax import MarianTokenizer, load_marian
+from transformer_jax import MarianTokenizer, Transformer, greedy_decode, load_marian
 from transformer_jax.optim import make_optimizer, make_schedule
 
 pytest.importorskip("transformers")
@@ -177,3 +179,61 @@ def test_the_command_line_fine_tunes_with_its_own_recipe(folder, tmp_path):
         cli.config_from_args(["--preset", "finetune"])
     with pytest.raises(SystemExit):
         cli.config_from_args(["--pretrained", str(tmp_path / "missing")])
+
+
+@pytest.mark.slow
+def test_a_finetuned_run_exports_to_transformers_and_ctranslate2(straight, tmp_path, capsys):
+    """--export_marian and --export_ct2 of the fine-tuned work directory: transformers'
+    MarianMTModel and CTranslate2 decode greedily as our greedy search does, with the
+    parameters the run decodes with (its EMA here)."""
+    import torch
+    import transformers
+
+    ctranslate2 = pytest.importorskip("ctranslate2")
+    from transformer_jax.ct2 import ct2_translate
+
+    config, workdir, _ = straight
+    hf_dir, ct2_dir = tmp_path / "marian", tmp_path / "ct2"
+    argv = ["--workdir", str(workdir), "--export_marian", str(hf_dir), "--export_ct2", str(ct2_dir)]
+    assert cli.main(argv) == 0
+    assert "wrote the CTranslate2 model" in capsys.readouterr().out
+
+    ours_config, _, params, _ = params_for_inference(translate.TASK, str(workdir))
+    model = Transformer(ours_config.model_config)
+    tokenizer = translate.load_tokenizer(config, str(workdir))
+    src = tokenizer.encode(SOURCE_TEXT)
+    tokens = np.asarray(greedy_decode(model, params, src, max_len=10))
+    pad = model.config.pad_id
+
+    hf = transformers.MarianMTModel.from_pretrained(hf_dir).eval()
+    with torch.no_grad():
+        out = hf.generate(
+            input_ids=torch.tensor(src),
+            attention_mask=torch.tensor(src != pad),
+            num_beams=1,
+            do_sample=False,
+            max_length=11,
+        )
+    ref = out.numpy()[:, 1:]
+    np.testing.assert_array_equal(tokens[:, : ref.shape[1]], ref)
+    assert (tokens[:, ref.shape[1] :] == pad).all()
+    # The exported tokenizer is the run's: transformers encodes as ours.
+    hf_tokenizer = transformers.MarianTokenizer.from_pretrained(hf_dir)
+    np.testing.assert_array_equal(hf_tokenizer(SOURCE_TEXT, padding=True)["input_ids"], src)
+
+    translator = ctranslate2.Translator(str(ct2_dir), device="cpu", compute_type="float32")
+    np.testing.assert_array_equal(ct2_translate(translator, tokenizer, src, max_len=10), tokens)
+
+
+def test_an_export_marian_cannot_express_is_an_error_naming_the_field(tmp_path, capsys):
+    """A pre-LN run (the CPU preset's model) to Marian: an error naming norm_first before any
+    checkpoint is read (the work directory holds none), and nothing is written."""
+    config = translate.make_config("transformer", "cpu")
+    save_run_config(str(tmp_path / "w"), config_to_dict(config))
+    out = tmp_path / "marian"
+    assert cli.main(["--workdir", str(tmp_path / "w"), "--export_marian", str(out)]) == 1
+    assert "norm_first" in capsys.readouterr().err
+    assert not out.exists()
+    # Exporting needs a trained run or a folder to export from.
+    with pytest.raises(SystemExit):
+        cli.main(["--export_ct2", str(out)])

@@ -209,7 +209,7 @@ def restore_for_inference(
     Adam's moments and the carried state are neither built nor read (their leaves in the
     returned state are `ocp.PLACEHOLDER`), which halves the memory of a large model's
     inference."""
-    config = _saved_config(task, workdir)
+    config = saved_config(task, workdir)
     checkpoints = Checkpoints(workdir, keep=config.keep_checkpoints)
     try:
         if checkpoints.latest_step() is None:
@@ -230,7 +230,7 @@ def params_for_inference(
     `step` (default: the best, as `restore_for_inference`), or, when the run averages
     checkpoints (`average_checkpoints`) and no step is asked for, the mean of its last N, as
     its own evaluation used."""
-    config = _saved_config(task, workdir)
+    config = saved_config(task, workdir)
     if step is not None or not config.average_checkpoints:
         config, model, state, dp = restore_for_inference(task, workdir, step=step, dp=dp)
         return config, model, eval_params(state), dp
@@ -240,7 +240,7 @@ def params_for_inference(
     return config, model, params, dp
 
 
-def _saved_config(task: Task, workdir: str) -> RunConfig:
+def saved_config(task: Task, workdir: str) -> RunConfig:
     """The run config of a trained work directory (pulling a remote W's local files)."""
     saved = load_run_config(workdir)
     if saved is None:
@@ -589,5 +589,6 @@ __all__ = [
     "normal_form",
     "params_for_inference",
     "restore_for_inference",
+    "saved_config",
     "train_and_evaluate",
 ]

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import argparse
+import os
 from collections.abc import Sequence
 
 import jax
@@ -11,9 +12,11 @@ from train.core import cli
 from train.core.task import train_and_evaluate
 from train.translate.config import TranslateConfig
 from train.translate.evaluate import write_lines
+from train.translate.export import export_ct2, export_marian, load_exportable
 from train.translate.infer import translate_text
 from train.translate.pretrained import Pretrained, evaluate_pretrained
 from train.translate.task import TASK
+from transformer_jax.ct2 import QUANTIZATIONS, ctranslate2_module
 
 DESCRIPTION = """Train and evaluate a translation model: Multi30k German -> English, or your files.
 
@@ -67,6 +70,25 @@ def make_parser() -> argparse.ArgumentParser:
         action="store_true",
         help="with --pretrained: sacreBLEU on the --test_split of Multi30k",
     )
+    group = parser.add_argument_group("export (a trained --workdir, or --pretrained)")
+    group.add_argument(
+        "--export_marian",
+        metavar="DIR",
+        help="write the model as a Hugging Face Marian folder (transformers' MarianMTModel and "
+        "MarianTokenizer load it) and exit",
+    )
+    group.add_argument(
+        "--export_ct2",
+        metavar="DIR",
+        help='write the model as a CTranslate2 model folder and exit (pip install "attention-jax'
+        '[serve]")',
+    )
+    group.add_argument(
+        "--ct2_quantization",
+        choices=QUANTIZATIONS,
+        default=None,
+        help="with --export_ct2: the weights' type (default: float32 as trained)",
+    )
     return parser
 
 
@@ -78,6 +100,15 @@ def check_modes(parser: argparse.ArgumentParser, args: argparse.Namespace) -> No
         parser.error("--eval needs --pretrained (a trained run is evaluated when it ends)")
     if inference and not (args.workdir or pretrained):
         parser.error("--translate needs --workdir (a trained run) or --pretrained")
+    export = bool(args.export_marian or args.export_ct2)
+    if export and not (args.workdir or pretrained):
+        parser.error(
+            "--export_marian and --export_ct2 need --workdir (a trained run) or --pretrained"
+        )
+    if export and (inference or args.eval):
+        parser.error("--export_marian / --export_ct2 export and exit: run --translate on its own")
+    if args.ct2_quantization and not args.export_ct2:
+        parser.error("--ct2_quantization goes with --export_ct2")
 
 
 def config_from_args(argv: Sequence[str] | None) -> tuple[TranslateConfig, str, argparse.Namespace]:
@@ -109,6 +140,33 @@ def _given(args: argparse.Namespace, name: str):
     return getattr(args, name, getattr(TranslateConfig, name))
 
 
+def _export(args: argparse.Namespace, pretrained: str | None) -> int:
+    """--export_marian / --export_ct2: every check (the config Marian can express, ctranslate2
+    installed, the folders free) before the checkpoint is read, then the exports."""
+    if args.export_ct2:
+        ctranslate2_module()  # an ImportError saying what to install, before any work
+    for folder in (args.export_marian, args.export_ct2):
+        if folder and os.path.exists(folder) and os.listdir(folder):
+            raise FileExistsError(f"{folder} exists and is not empty: choose a new folder")
+    model = load_exportable(
+        workdir=None if pretrained else args.workdir,
+        pretrained=pretrained,
+        marian=bool(args.export_marian),
+    )
+    if jax.process_index() != 0:  # one process writes
+        return cli.EXIT_OK
+    if args.export_marian:
+        export_marian(model, args.export_marian)
+        print(f"wrote the Hugging Face Marian folder {args.export_marian}", flush=True)
+    if args.export_ct2:
+        export_ct2(model, args.export_ct2, quantization=args.ct2_quantization)
+        print(
+            f"wrote the CTranslate2 model {args.export_ct2} ({args.ct2_quantization or 'float32'})",
+            flush=True,
+        )
+    return cli.EXIT_OK
+
+
 def _run(parser: argparse.ArgumentParser, args: argparse.Namespace) -> int:
     check_modes(parser, args)
     saved = cli.start(args)
@@ -133,6 +191,8 @@ def _run(parser: argparse.ArgumentParser, args: argparse.Namespace) -> int:
             flush=True,
         )
         return cli.EXIT_OK
+    if args.export_marian or args.export_ct2:
+        return _export(args, pretrained)
     if args.translate or args.translate_file:
         sentences = list(args.translate or [])
         if args.translate_file:

@@ -41,6 +41,7 @@ from transformer_jax.marian import (
     marian_params,
     read_marian_weights,
 )
+from transformer_jax.marian_export import marian_fields, marian_state, save_marian
 from transformer_jax.marian_tokenizer import MarianTokenizer
 from transformer_jax.model import Transformer
 from transformer_jax.optim import OptimizerConfig, make_optimizer, noam_schedule, params_ema
@@ -84,8 +85,10 @@ __all__ = [
     "make_optimizer",
     "make_padding_mask",
     "marian_config",
+    "marian_fields",
     "marian_generation_defaults",
     "marian_params",
+    "marian_state",
     "MarianTokenizer",
     "model_step_fn",
     "MultiHeadAttention",
@@ -95,6 +98,7 @@ __all__ = [
     "PositionalEncoding",
     "read_marian_weights",
     "RNNSeq2SeqConfig",
+    "save_marian",
     "score_function_surrogate",
     "search_beam",
     "search_greedy",

@@ -7,7 +7,8 @@
 The folder: `config.json` (MarianConfig's fields), `model.safetensors` (or `pytorch_model.bin`,
 read by torch with `weights_only=True`), optionally `generation_config.json`, and the
 tokenizer's `source.spm`, `target.spm`, `vocab.json` (see `transformer_jax.marian_tokenizer`).
-Nothing here needs the `transformers` package.
+Nothing here needs the `transformers` package. `transformer_jax.marian_export.save_marian`
+writes such a folder.
 
 A Marian model is the paper's post-LN Transformer with these options of `TransformerConfig`:
 `positional="sinusoidal_concat"` (sines then cosines, positions from 0), `activation` (swish

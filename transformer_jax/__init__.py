@@ -1,5 +1,8 @@
 """transformer_jax: the Transformer of "Attention Is All You Need" and the seq2seq models
-before it."""
+before it.
+
+Released OPUS-MT (Marian) checkpoints load with `load_marian`; `save_ct2` exports a Transformer
+to CTranslate2 for serving (`transformer_jax.ct2`, the 'serve' extra)."""
 
 from transformer_jax.attention import (
     attend,
@@ -12,6 +15,7 @@ from transformer_jax.attention import (
 from transformer_jax.baselines import BASELINES, make_baseline
 from transformer_jax.config import TransformerConfig
 from transformer_jax.convs2s import ConvS2S, ConvS2SConfig
+from transformer_jax.ct2 import save_ct2
 from transformer_jax.decode import (
     beam_search,
     greedy_decode,
@@ -95,6 +99,7 @@ __all__ = [
     "PositionalEncoding",
     "read_marian_weights",
     "RNNSeq2SeqConfig",
+    "save_ct2",
     "score_function_surrogate",
     "search_beam",
     "search_greedy",

@@ -128,7 +128,7 @@ def test_the_model_libraries_need_only_jax_flax_optax_and_numpy():
     code = (
         "import sys, transformer_jax, xl_jax; "
         "heavy = {'tensorflow_datasets', 'orbax', 'sacrebleu', 'matplotlib', 'tqdm', "
-        "'tensorboardX', 'sentencepiece', 'safetensors', 'torch'}; "
+        "'tensorboardX', 'sentencepiece', 'safetensors', 'torch', 'ctranslate2'}; "
         "print(sorted(heavy & set(sys.modules)))"
     )
     done = subprocess.run(

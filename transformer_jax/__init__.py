@@ -1,5 +1,10 @@
 """transformer_jax: the Transformer of "Attention Is All You Need" and the seq2seq models
-before it."""
+before it.
+
+Released OPUS-MT (Marian) checkpoints load with `load_marian`; `save_marian` writes a
+Transformer back in that format (transformers' `MarianMTModel` loads it), and `save_ct2`
+exports any Transformer to CTranslate2 for serving (`transformer_jax.ct2`, the 'serve'
+extra)."""
 
 from transformer_jax.attention import (
     attend,
@@ -12,6 +17,7 @@ from transformer_jax.attention import (
 from transformer_jax.baselines import BASELINES, make_baseline
 from transformer_jax.config import TransformerConfig
 from transformer_jax.convs2s import ConvS2S, ConvS2SConfig
+from transformer_jax.ct2 import save_ct2
 from transformer_jax.decode import (
     beam_search,
     greedy_decode,
@@ -98,6 +104,7 @@ __all__ = [
     "PositionalEncoding",
     "read_marian_weights",
     "RNNSeq2SeqConfig",
+    "save_ct2",
     "save_marian",
     "score_function_surrogate",
     "search_beam",

@@ -31,8 +31,6 @@ Nothing here needs `transformers`; writing needs `safetensors` (the 'pretrained'
 from __future__ import annotations
 
 import json
-import secrets
-import shutil
 from collections.abc import Mapping
 from pathlib import Path
 from typing import Any
@@ -43,6 +41,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from transformer_jax.config import TransformerConfig
+from transformer_jax.files import staged_folder
 from transformer_jax.marian import (
     CONFIG,
     GENERATION_CONFIG,
@@ -322,10 +321,7 @@ def save_marian(
             'pip install "attention-jax[pretrained]"'
         ) from e
 
-    folder.parent.mkdir(parents=True, exist_ok=True)
-    staging = _sibling(folder, "partial")
-    staging.mkdir()
-    try:
+    with staged_folder(folder) as staging:
         (staging / CONFIG).write_bytes(_json_bytes(fields))
         (staging / GENERATION_CONFIG).write_bytes(
             _json_bytes(_generation_fields(config, generation))
@@ -337,32 +333,7 @@ def save_marian(
         elif tokenizer is not None:
             for name, data in _joint_spm_files(tokenizer).items():
                 (staging / name).write_bytes(data)
-        _move_into_place(staging, folder)
-    except BaseException:
-        shutil.rmtree(staging, ignore_errors=True)
-        raise
 
 
 def _is_empty_dir(path: Path) -> bool:
     return path.is_dir() and not any(path.iterdir())
-
-
-def _sibling(folder: Path, kind: str) -> Path:
-    """A new hidden name beside `folder` (not mkdtemp's: its folders are private, 0700)."""
-    return folder.with_name(f".{folder.name}.{kind}-{secrets.token_hex(6)}")
-
-
-def _move_into_place(staging: Path, folder: Path) -> None:
-    """Renames the complete `staging` folder to `folder`; an older `folder` is moved aside
-    first and deleted only once the new one is in place (put back if the rename fails)."""
-    if not folder.exists():
-        staging.rename(folder)
-        return
-    old = _sibling(folder, "old")
-    folder.rename(old)
-    try:
-        staging.rename(folder)
-    except BaseException:
-        old.rename(folder)
-        raise
-    shutil.rmtree(old)

@@ -16,12 +16,13 @@ from __future__ import annotations
 import hashlib
 import json
 import re
-import tempfile
 from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
 
 import numpy as np
+
+from transformer_jax.files import write_bytes
 
 SOURCE_SPM, TARGET_SPM, VOCAB, TARGET_VOCAB = (
     "source.spm",
@@ -268,14 +269,6 @@ class MarianTokenizer:
         contents[TOKENIZER_CONFIG] = (json.dumps(options, indent=2) + "\n").encode()
         for name, data in contents.items():
             write_bytes(folder / name, data)
-
-
-def write_bytes(path: Path, data: bytes) -> None:
-    """`data` into `path`, through a temporary file renamed over it: a reader never sees half a
-    file, and a failed write leaves what was there."""
-    with tempfile.NamedTemporaryFile(dir=path.parent, prefix=path.name, delete=False) as f:
-        f.write(data)
-    Path(f.name).replace(path)
 
 
 def has_tokenizer_files(folder: str | Path) -> bool:

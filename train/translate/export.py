@@ -23,13 +23,8 @@ import numpy as np
 from train.core.task import params_for_inference, saved_config
 from train.translate.task import TASK, load_tokenizer
 from transformer_jax.config import TransformerConfig
-from transformer_jax.marian import (
-    GenerationDefaults,
-    load_marian,
-    marian_fields,
-    marian_generation_defaults,
-    save_marian,
-)
+from transformer_jax.marian import GenerationDefaults, load_marian, marian_generation_defaults
+from transformer_jax.marian_export import marian_fields, save_marian
 
 
 @dataclasses.dataclass(frozen=True)

@@ -15,6 +15,7 @@ MagicMock that holds no split names; and its text is random letters, the same in
 
 from __future__ import annotations
 
+import hashlib
 import json
 import os
 import shutil
@@ -130,6 +131,11 @@ class ByteTokenizer:
 
     def encode_batch(self, sentences):
         return [[b + 3 for b in s.encode()] for s in sentences]
+
+    encode_targets = encode_batch  # one joint "model", as SentencePieceTokenizer's
+
+    def sha256(self):
+        return hashlib.sha256(self.model_path.read_bytes()).hexdigest()
 
 
 def exit_code(main, argv) -> int:

@@ -44,8 +44,9 @@ from transformer_jax.model import Transformer
 
 
 def _batches(config, sources: list[list[int]]) -> list[dict[str, np.ndarray]]:
-    """The evaluation's length-sorted batches of the sources (one device)."""
-    return eval_batches(
+    """The evaluation's length-sorted batches of the sources (one device), without the rows
+    that only fill a batch (the engines take ragged batches)."""
+    batches = eval_batches(
         [(s, []) for s in sources],
         batch_size=config.eval_batch_size,
         buckets=config.buckets,
@@ -53,6 +54,7 @@ def _batches(config, sources: list[list[int]]) -> list[dict[str, np.ndarray]]:
         sort_by_length=True,
         **special_ids(config.model_config),
     )
+    return [{k: v[b["index"] >= 0] for k, v in b.items()} for b in batches]
 
 
 def _in_order(batches, outputs: Sequence[np.ndarray], n: int) -> list[np.ndarray]:
@@ -60,8 +62,7 @@ def _in_order(batches, outputs: Sequence[np.ndarray], n: int) -> list[np.ndarray
     out: list[np.ndarray] = [None] * n  # type: ignore[list-item]
     for batch, ids in zip(batches, outputs):
         for row, i in enumerate(batch["index"]):
-            if i >= 0:
-                out[i] = np.asarray(ids[row])
+            out[i] = np.asarray(ids[row])
     return out
 
 

@@ -9,6 +9,7 @@ translations written to W/translations/ and plots to W/plots/.
 from __future__ import annotations
 
 import dataclasses
+import functools
 import itertools
 import os
 import time
@@ -411,18 +412,19 @@ class TranslationData:
     ) -> dict[str, Any]:
         config, log = self.config, self.log
         step = int(jax.device_get(state.step))
+        score = functools.partial(
+            self._score,
+            workdir=workdir,
+            dp=dp,
+            eval_step=eval_step,
+            model=model,
+            params=params,
+            step=step,
+        )
         out = {f"val_{k}": v for k, v in validation.items() if k in ("loss", "nll", "ppl")}
         before = self._before(writer) if config.pretrained is not None else {}
         if config.pretrained is not None:  # the gain of fine-tuning: validation BLEU too
-            record, path, _ = self._score(
-                self.validation,
-                workdir=workdir,
-                dp=dp,
-                eval_step=eval_step,
-                model=model,
-                params=params,
-                step=step,
-            )
+            record, path, _ = score(self.validation)
             writer.write_final(step, "validation_bleu", record)
             out.update({f"val_{k}": record[k] for k in ("bleu", "chrf")})
             out.update({f"start_val_{k}": v for k, v in before.get("validation", {}).items()})
@@ -433,15 +435,7 @@ class TranslationData:
             )
         first = None
         for test in self.tests:
-            record, path, hypotheses = self._score(
-                test,
-                workdir=workdir,
-                dp=dp,
-                eval_step=eval_step,
-                model=model,
-                params=params,
-                step=step,
-            )
+            record, path, hypotheses = score(test)
             record["total_seconds"] = time.monotonic() - start
             writer.write_final(step, test.name, record)
             started = before.get(test.name)

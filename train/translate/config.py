@@ -54,7 +54,8 @@ class TranslateConfig(RunConfig):
         attention_impl), its weights start the run (no re-initialisation) and its own
         tokenizer encodes the data (no SentencePiece is trained; decoding starts from pad,
         Marian's convention). Its tokenizer is copied into the work directory at the first
-        start, so a resumed run, --translate and the exports need the folder no more.
+        start, so a resumed run, --translate and the exports need the folder no more (a
+        resume reads neither; it may not name another folder: that would be another run).
       preset: 'tiny' | 'cpu' | 'gpu' | 'base', or a paper's recipe: 'wmt14_base' |
         'wmt14_big' (see PRESETS; those need training files).
       vocab_size: joint German+English SentencePiece pieces (at least MIN_VOCAB_SIZE).
@@ -152,9 +153,6 @@ class TranslateConfig(RunConfig):
         # The rate may change (say, after a divergence); the optimizer state's tree does not.
         "learning_rate",
         "lr_factor",
-        # Read at the first start only (the weights; the tokenizer is copied into W then), so
-        # a moved folder does not stop a resume.
-        "pretrained",
     )
 
     def __post_init__(self):
@@ -389,11 +387,12 @@ PRESETS: dict[str, dict[str, Any]] = {
         checkpoint_every=1000,
     ),
     # Fine-tuning a pretrained model (--pretrained; the default preset with it): the usual
-    # recipe for adapting OPUS-MT / Marian to a domain, as in transformers' translation
-    # examples and the OPUS-MT fine-tuning guides: a small constant rate (5e-5) after a short
-    # linear warm-up, clipping, the checkpoint's own dropout, label smoothing 0.1 as it was
-    # trained with. Validation, BLEU and chrF every 500 steps would cost more than the steps
-    # on a CPU; validation loss ranks the checkpoints.
+    # recipe for adapting a trained model, not the from-scratch ones: a small constant rate
+    # (5e-5, transformers' Trainer default) after a short linear warm-up, so Adam's first,
+    # poorly estimated steps do not undo the pretrained weights; clipping; the checkpoint's
+    # own dropout; label smoothing 0.1 as OPUS-MT was trained with. The validation every 500
+    # steps is teacher-forced (it ranks the checkpoints); BLEU and chrF come before the first
+    # step and at the end, decoding being dearer than 500 steps on a CPU.
     "finetune": dict(
         optimizer="adam",
         learning_rate=5e-5,

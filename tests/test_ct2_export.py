@@ -353,7 +353,6 @@ class MarianVocabs:
     """The vocabulary calls save_ct2 makes of a MarianTokenizer, over given vocab.json dicts."""
 
     eos_id, unk_id, pad_id = 0, 1, 2
-    bos_id = pad_id
 
     def __init__(self, source: dict, target: dict):
         self.source_vocab, self.target_vocab = source, target

@@ -39,6 +39,7 @@ from transformer_jax import (
 from transformer_jax import (
     save_marian as export_marian,  # helpers.save_marian writes a transformers-made folder
 )
+from transformer_jax.ct2 import ct2_translate, save_ct2
 
 transformers = pytest.importorskip("transformers")
 torch = pytest.importorskip("torch")
@@ -306,6 +307,13 @@ def test_our_model_and_tokenizer_translate_alike_in_transformers(spm_model, tmp_
     jax.tree.map(np.testing.assert_array_equal, loaded, want)
     assert ours.encode_batch(texts) == tok.encode_batch(texts)
     assert ours.decode(tokens) == decoded
+
+    # ... and on to CTranslate2 (`--pretrained DIR --export_ct2`): the decoder starts from the
+    # model's bos (1, `<s>`), not from pad as OPUS-MT's, and decodes as ours.
+    ctranslate2 = pytest.importorskip("ctranslate2")
+    save_ct2(model.config, loaded, ours, tmp_path / "ct2")
+    translator = ctranslate2.Translator(str(tmp_path / "ct2"), device="cpu")
+    np.testing.assert_array_equal(ct2_translate(translator, ours, src, max_len=MAX_LEN), tokens)
 
 
 # ------------------------------------------------------------------ what Marian cannot hold

@@ -138,7 +138,7 @@ def make_translation_plots(
     out_dir = os.path.join(workdir, PLOTS_DIR)
     made = [plot_losses(read_metrics(workdir), os.path.join(out_dir, "loss.png"))]
     src_ids = tokenizer.encode_batch([source])[0] + [tokenizer.eos_id]
-    tgt_ids = [tokenizer.bos_id] + tokenizer.encode_targets([hypothesis])[0]
+    tgt_ids = [model.config.bos_id] + tokenizer.encode_targets([hypothesis])[0]
     src_labels = [tokenizer.id_to_piece(i) for i in src_ids]
     tgt_labels = [tokenizer.id_to_piece(i) for i in tgt_ids]
     maps = attention_maps(

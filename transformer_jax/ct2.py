@@ -259,8 +259,9 @@ def _by_id(vocab: Mapping[str, int]) -> dict[int, str]:
 
 
 def _set_tokens(ct2_config, config: TransformerConfig, tokenizer, source, target) -> None:
-    """The special pieces of ctranslate2's model config, checked against both vocabularies."""
-    for name in ("pad_id", "bos_id", "eos_id"):
+    """The special pieces of ctranslate2's model config, checked against both vocabularies.
+    The decoder's start is the config's bos_id (the model's, whatever a tokenizer says)."""
+    for name in ("pad_id", "eos_id"):
         theirs = getattr(tokenizer, name, None)
         if theirs is not None and int(theirs) != getattr(config, name):
             raise ValueError(

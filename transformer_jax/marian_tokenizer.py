@@ -84,8 +84,9 @@ class MarianTokenizer:
         them).
 
     Besides transformers' calls (`encode`, `decode`), it has the ones the training library
-    reads of a tokenizer (`encode_batch`, `encode_targets`, `bos_id`, `vocab_size`,
-    `id_to_piece`, `sha256`), so a Marian model fine-tunes on its own pieces.
+    reads of a tokenizer (`encode_batch`, `encode_targets`, `vocab_size`, `id_to_piece`,
+    `sha256`), so a Marian model fine-tunes on its own pieces. It has no `bos_id`: where
+    decoding starts is the model's (config.json's decoder_start_token_id; pad in OPUS-MT).
     """
 
     def __init__(
@@ -162,11 +163,6 @@ class MarianTokenizer:
     def vocab_size(self) -> int:
         """One more than the largest id of either vocabulary."""
         return max(self.source_vocab_size, max(self.target_vocab.values()) + 1)
-
-    @property
-    def bos_id(self) -> int:
-        """The id decoding starts from: Marian's decoder starts from pad."""
-        return self.pad_id
 
     def _pieces(self, text: str, spm: Any) -> list[str]:
         """One text (no special tokens in it) -> its SentencePiece pieces; a leading language

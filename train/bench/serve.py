@@ -36,9 +36,9 @@ import numpy as np
 
 from train.core.task import saved_config
 from train.data.batching import eval_batches
-from train.translate.evaluate import bleu
+from train.translate.evaluate import bleu, special_ids
 from train.translate.export import check_exportable, export_ct2, export_marian, load_exportable
-from train.translate.task import TASK, encode_source, load_split, special_ids, tfds_splits
+from train.translate.task import TASK, encode_source, load_split, tfds_splits
 from transformer_jax import decode
 from transformer_jax.model import Transformer
 

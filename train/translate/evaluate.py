@@ -24,6 +24,12 @@ def model_batch(batch: Mapping[str, np.ndarray]) -> dict[str, np.ndarray]:
     return {k: v for k, v in batch.items() if k in MODEL_INPUTS}
 
 
+def special_ids(model_config) -> dict[str, int]:
+    """The pad, bos (decoding's start) and eos ids batches are built with: the model's (a
+    Marian model pads with its last id and starts from pad)."""
+    return dict(pad_id=model_config.pad_id, bos_id=model_config.bos_id, eos_id=model_config.eos_id)
+
+
 def teacher_forced(dp: DataParallel, eval_step: Callable, params: Any, batches) -> dict[str, float]:
     """Summed loss / nll over `batches` (summed on device, fetched once) -> loss, nll, ppl."""
     total = None
@@ -44,16 +50,13 @@ def translate_pairs(
     params = dp.replicate(params)  # fsdp-split weights: gathered once, not in every step
     # Decoded shortest source first, so no batch runs as long as its longest sentence. Only
     # the sources are batched: the reference's length has no say in the output budget.
-    mc = config.model_config
     batches = eval_batches(
         [(src, []) for src, _ in pairs],
         batch_size=dp.round_rows(config.eval_batch_size),
         buckets=config.buckets,
         num_devices=dp.n_devices,
-        pad_id=mc.pad_id,
-        bos_id=mc.bos_id,
-        eos_id=mc.eos_id,
         sort_by_length=True,
+        **special_ids(config.model_config),
     )
     for batch in batches:
         src = batch["src"]

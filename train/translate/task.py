@@ -49,6 +49,7 @@ from train.translate.config import PRESETS, TranslateConfig, make_config
 from train.translate.evaluate import (
     bleu,
     chrf,
+    special_ids,
     teacher_forced,
     translate_pairs,
     write_translations,
@@ -202,12 +203,6 @@ def sampled_tokenizer(
         except ValueError as e:  # SentencePiece cannot meet the vocabulary size on this text
             raise DataError(f"vocab_size: {e}") from e
     return SentencePieceTokenizer(path)
-
-
-def special_ids(model_config) -> dict[str, int]:
-    """The pad, bos (decoding's start) and eos ids batches are built with: the model's (a
-    Marian model pads with its last id and starts from pad)."""
-    return dict(pad_id=model_config.pad_id, bos_id=model_config.bos_id, eos_id=model_config.eos_id)
 
 
 def encode_source(tokenizer, sentences: Sequence[str]) -> list[list[int]]:
@@ -381,16 +376,11 @@ class TranslationData:
         show the gain. A model trained from scratch starts random: nothing is measured."""
         if self.config.pretrained is None:
             return
+        score = self._scorer(
+            workdir=workdir, dp=dp, eval_step=eval_step, model=model, params=params, step=0
+        )
         for split in (self.validation, *self.tests):
-            record, path, _ = self._score(
-                split,
-                workdir=workdir,
-                dp=dp,
-                eval_step=eval_step,
-                model=model,
-                params=params,
-                step=0,
-            )
+            record, path, _ = score(split)
             writer.write_final(0, f"{PRETRAINED}/{split.name}", record)
             self.log(
                 f"{split.name} before fine-tuning: BLEU {record['bleu']:.2f}, chrF "
@@ -412,14 +402,8 @@ class TranslationData:
     ) -> dict[str, Any]:
         config, log = self.config, self.log
         step = int(jax.device_get(state.step))
-        score = functools.partial(
-            self._score,
-            workdir=workdir,
-            dp=dp,
-            eval_step=eval_step,
-            model=model,
-            params=params,
-            step=step,
+        score = self._scorer(
+            workdir=workdir, dp=dp, eval_step=eval_step, model=model, params=params, step=step
         )
         out = {f"val_{k}": v for k, v in validation.items() if k in ("loss", "nll", "ppl")}
         before = self._before(writer) if config.pretrained is not None else {}
@@ -492,6 +476,10 @@ class TranslationData:
             for r in read_metrics(writer.path)
             if r["split"].startswith(prefix) and r["step"] == 0
         }
+
+    def _scorer(self, **context) -> Callable[[Split], tuple[dict[str, Any], str, list[str]]]:
+        """`_score` of one split with the rest of its arguments (`context`) bound."""
+        return functools.partial(self._score, **context)
 
     def _score(self, test: Split, *, workdir: str, dp, eval_step, model, params, step: int):
         """-> (the metrics record of one test set, its translations' path, the hypotheses)."""

@@ -94,6 +94,7 @@ def attend(
     dropout_rate: float = 0.0,
     dropout_rng: Array | None = None,
     deterministic: bool = True,
+    heads_first: bool = False,
 ) -> tuple[Array, Array]:
     """Mix values by softmax(scores): the part every attention shares.
 
@@ -101,7 +102,7 @@ def attend(
 
     Args:
       scores: [B, H, T, S] logits.
-      value: [B, S, H, K].
+      value: [B, S, H, K], or [B, H, S, K] with `heads_first`.
       mask: broadcastable to [B, H, T, S], True = attend.
     Returns:
       out [B, T, H, K] in value's dtype, weights [B, H, T, S] float32.
@@ -113,7 +114,8 @@ def attend(
         dropout_rng=dropout_rng,
         deterministic=deterministic,
     )
-    out = jnp.einsum("bhts,bshk->bthk", weights.astype(value.dtype), value)
+    mix = "bhts,bhsk->bthk" if heads_first else "bhts,bshk->bthk"
+    out = jnp.einsum(mix, weights.astype(value.dtype), value)
     return out, weights
 
 
@@ -152,13 +154,14 @@ def dot_product_attention(
     deterministic: bool = True,
     implementation: Literal["auto", "xla", "cudnn"] = "auto",
     return_weights: bool = False,
+    heads_first: bool = False,
 ):
     """Scaled dot-product attention, softmax(q k^T * scale + bias) v.
 
     Args:
       query: [B, T, H, K].
-      key: [B, S, H, K].
-      value: [B, S, H, K].
+      key: [B, S, H, K], or [B, H, S, K] with `heads_first`.
+      value: as key.
       mask: bool broadcastable to [B, H, T, S], True = attend.
       bias: float broadcastable to [B, H, T, S], added to the scaled scores (Transformer-XL
         passes its position term here).
@@ -170,6 +173,9 @@ def dot_product_attention(
         A fully masked row (a pad query) gets zero output from the XLA path and, from the
         fused one, a mix of every key; neither is read by a model.
       return_weights: also return the [B, H, T, S] float32 weights.
+      heads_first: key and value come as [B, H, S, K], the layout of a decoder's cache: both
+        products are then batched over (B, H) without moving them (a decoding step would
+        otherwise transpose the whole cache of every layer, the largest cost of a CPU step).
     Returns:
       out [B, T, H, K] (and weights if asked).
     """
@@ -178,6 +184,8 @@ def dot_product_attention(
     if scale is None:
         scale = query.shape[-1] ** -0.5
     if _use_fused(query, key, dropout_rate, deterministic, return_weights, implementation):
+        if heads_first:
+            key, value = key.transpose(0, 2, 1, 3), value.transpose(0, 2, 1, 3)
         b, t, h, _ = query.shape
         s = key.shape[1]
         if mask is not None:
@@ -192,7 +200,7 @@ def dot_product_attention(
             query, key, value, bias=bias, mask=mask, scale=scale, implementation="cudnn"
         )
     scores = jnp.einsum(
-        "bthk,bshk->bhts",
+        "bthk,bhsk->bhts" if heads_first else "bthk,bshk->bhts",
         query,
         key,
         preferred_element_type=jnp.promote_types(query.dtype, jnp.float32),
@@ -207,5 +215,6 @@ def dot_product_attention(
         dropout_rate=dropout_rate,
         dropout_rng=dropout_rng,
         deterministic=deterministic,
+        heads_first=heads_first,
     )
     return (out, weights) if return_weights else out

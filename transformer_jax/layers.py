@@ -112,9 +112,15 @@ class MultiHeadAttention(nn.Module):
         """[B, T, D] -> [B, T, H, K]."""
         return x.reshape(*x.shape[:-1], self.config.n_heads, self.config.head_dim)
 
-    def project_kv(self, inputs_kv: Array) -> tuple[Array, Array]:
-        """[B, S, D] -> key [B, S, H, K], value [B, S, H, K]."""
-        return self._split_heads(self.key(inputs_kv)), self._split_heads(self.value(inputs_kv))
+    def project_kv(self, inputs_kv: Array, *, heads_first: bool = False) -> tuple[Array, Array]:
+        """[B, S, D] -> key, value [B, S, H, K] (or [B, H, S, K] with `heads_first`)."""
+        key, value = (
+            self._split_heads(self.key(inputs_kv)),
+            self._split_heads(self.value(inputs_kv)),
+        )
+        if heads_first:
+            return key.swapaxes(1, 2), value.swapaxes(1, 2)
+        return key, value
 
     def attend_to(
         self,
@@ -125,10 +131,12 @@ class MultiHeadAttention(nn.Module):
         mask: Array | None,
         deterministic: bool,
         return_weights: bool = False,
+        heads_first: bool = False,
     ):
-        """inputs_q [B, T, D], key/value [B, S, H, K], mask -> [B, T, H, K] -> [B, T, D]
-        (and the weights [B, H, T, S] float32 if `return_weights`: `attention_maps` asks; it
-        takes the XLA path, so only then is the fused kernel ruled out)."""
+        """inputs_q [B, T, D], key/value [B, S, H, K] (or [B, H, S, K] with `heads_first`),
+        mask -> [B, T, H, K] -> [B, T, D] (and the weights [B, H, T, S] float32 if
+        `return_weights`: `attention_maps` asks; it takes the XLA path, so only then is the
+        fused kernel ruled out)."""
         cfg = self.config
         query = self._split_heads(self.query(inputs_q))
         rate = cfg.attention_dropout
@@ -143,6 +151,7 @@ class MultiHeadAttention(nn.Module):
             deterministic=deterministic,
             return_weights=return_weights,
             implementation=cfg.attention_impl,
+            heads_first=heads_first,
         )
         out, weights = out if return_weights else (out, None)
         out = self.out(out.reshape(*out.shape[:-2], cfg.d_model))
@@ -255,9 +264,10 @@ class DecoderLayer(nn.Module):
     """Masked self-attention, cross-attention to the encoder output, FFN; each in a `Residual`.
 
     `__call__` runs a whole target sequence; `init_cache` + `step` run one position at a time
-    with a cache holding this layer's self-attention keys/values [B, C, H, K] (written at
-    `index`) and the cross-attention keys/values [B, S, H, K] (computed once from the encoder
-    output, so a step does not project it again).
+    with a cache holding this layer's self-attention keys/values [B, H, C, K] (written at
+    `index`) and the cross-attention keys/values [B, H, S, K] (computed once from the encoder
+    output, so a step does not project it again). Heads come before positions in the cache so
+    that a step's attention reads it in place (`dot_product_attention(heads_first=True)`).
     """
 
     config: TransformerConfig
@@ -279,9 +289,11 @@ class DecoderLayer(nn.Module):
         src_mask: Array,
         deterministic: bool,
         return_weights: bool = False,
+        heads_first: bool = False,
     ):
-        """y [B, T, D], cross key/value [B, S, H, K], src_mask [B, 1, 1, S] -> [B, T, D]
-        (and the cross-attention weights [B, H, T, S] if `return_weights`)."""
+        """y [B, T, D], cross key/value [B, S, H, K] (or [B, H, S, K] with `heads_first`),
+        src_mask [B, 1, 1, S] -> [B, T, D] (and the cross-attention weights [B, H, T, S] if
+        `return_weights`)."""
         y, weights = self.cross_attn_residual.with_weights(
             y,
             lambda h: self.cross_attn.attend_to(
@@ -291,6 +303,7 @@ class DecoderLayer(nn.Module):
                 mask=src_mask,
                 deterministic=deterministic,
                 return_weights=return_weights,
+                heads_first=heads_first,
             ),
             deterministic=deterministic,
             return_weights=return_weights,
@@ -334,11 +347,11 @@ class DecoderLayer(nn.Module):
         return y, {"decoder_self": self_weights, "cross": cross_weights}
 
     def init_cache(self, encoded: Array, *, max_len: int) -> DecoderLayerCache:
-        """encoded [B, S, D] -> {self_key, self_value: [B, C, H, K] zeros,
-        cross_key, cross_value: [B, S, H, K]}."""
+        """encoded [B, S, D] -> {self_key, self_value: [B, H, C, K] zeros,
+        cross_key, cross_value: [B, H, S, K]}."""
         cfg = self.config
-        cross_key, cross_value = self.cross_attn.project_kv(encoded)
-        shape = (encoded.shape[0], max_len, cfg.n_heads, cfg.head_dim)
+        cross_key, cross_value = self.cross_attn.project_kv(encoded, heads_first=True)
+        shape = (encoded.shape[0], cfg.n_heads, max_len, cfg.head_dim)
         return {
             "self_key": jnp.zeros(shape, cross_key.dtype),
             "self_value": jnp.zeros(shape, cross_value.dtype),
@@ -367,18 +380,29 @@ class DecoderLayer(nn.Module):
           [B, 1, D] and the cache with this position's key/value written at `index`.
         """
         h = self.self_attn_residual.pre(y)
-        key, value = self.self_attn.project_kv(h)  # [B, 1, H, K]
+        key, value = self.self_attn.project_kv(h, heads_first=True)  # [B, H, 1, K]
         cache = dict(cache)
-        cache["self_key"] = lax.dynamic_update_slice(cache["self_key"], key, (0, index, 0, 0))
-        cache["self_value"] = lax.dynamic_update_slice(cache["self_value"], value, (0, index, 0, 0))
+        at = (0, 0, index, 0)
+        cache["self_key"] = lax.dynamic_update_slice(cache["self_key"], key, at)
+        cache["self_value"] = lax.dynamic_update_slice(cache["self_value"], value, at)
         y = self.self_attn_residual.post(
             y,
             self.self_attn.attend_to(
-                h, cache["self_key"], cache["self_value"], mask=self_mask, deterministic=True
+                h,
+                cache["self_key"],
+                cache["self_value"],
+                mask=self_mask,
+                deterministic=True,
+                heads_first=True,
             ),
             deterministic=True,
         )
         y = self._cross_attention_and_ffn(
-            y, cache["cross_key"], cache["cross_value"], src_mask=src_mask, deterministic=True
+            y,
+            cache["cross_key"],
+            cache["cross_value"],
+            src_mask=src_mask,
+            deterministic=True,
+            heads_first=True,
         )
         return y, cache

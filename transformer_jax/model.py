@@ -274,7 +274,7 @@ class Transformer(nn.Module):
 
         Holds src_valid [B, S] bool, tgt_valid [B, C] bool (which target positions written so
         far may be attended to: not pad, see `_target_keys`) and, per decoder layer,
-        self-attention keys/values [B, C, H, K] and cross-attention keys/values [B, S, H, K].
+        self-attention keys/values [B, H, C, K] and cross-attention keys/values [B, H, S, K].
         """
         self._check_length(max_len, "max_len")
         encoded = self.encode(src)

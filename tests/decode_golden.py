@@ -84,10 +84,16 @@ def cases() -> Iterator[tuple[str, str, int, dict]]:
                 yield f"{name}/seed{seed}/{search}", name, seed, kwargs
 
 
-def decode_case(name: str, seed: int, kwargs: dict) -> dict[str, np.ndarray]:
+def decode_case(
+    name: str, seed: int, kwargs: dict, stages: tuple[int, ...] | None = None
+) -> dict[str, np.ndarray]:
+    """The case's outputs; `stages` (the cache lengths of a staged search) only where the
+    searches take them (those recorded had no stages)."""
     model, params, src = model_and_source(name, seed)
-    if not kwargs:
-        return {"tokens": np.asarray(greedy_decode(model, params, src, max_len=MAX_LEN))}
+    if stages is not None:
+        kwargs = {**kwargs, "stages": stages}
+    if "beam_size" not in kwargs:
+        return {"tokens": np.asarray(greedy_decode(model, params, src, max_len=MAX_LEN, **kwargs))}
     tokens, scores = beam_search(model, params, src, max_len=MAX_LEN, **kwargs)
     return {"tokens": np.asarray(tokens), "scores": np.asarray(scores)}
 

@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import numpy as np
 import pytest
-from decode_golden import PATH, cases, decode_case
+from decode_golden import MAX_LEN, PATH, cases, decode_case
 
 CASES = list(cases())
 
@@ -20,9 +20,15 @@ def recorded():
         return dict(arrays)
 
 
+# The searches' default (one stage here: MAX_LEN is under 16), one cache stage of every
+# position, and a cache grown twice on the way (4 -> 8 -> MAX_LEN positions).
+STAGES = (None, (MAX_LEN,), (4, 8, MAX_LEN))
+
+
+@pytest.mark.parametrize("stages", STAGES, ids=["default", "one_stage", "grown"])
 @pytest.mark.parametrize("key, name, seed, kwargs", CASES, ids=[c[0] for c in CASES])
-def test_search_returns_the_recorded_tokens_and_scores(recorded, key, name, seed, kwargs):
-    now = decode_case(name, seed, kwargs)
+def test_search_returns_the_recorded_tokens_and_scores(recorded, key, name, seed, kwargs, stages):
+    now = decode_case(name, seed, kwargs, stages)
     np.testing.assert_array_equal(now["tokens"], recorded[f"{key}/tokens"])
     if "scores" in now:
         np.testing.assert_allclose(now["scores"], recorded[f"{key}/scores"], rtol=2e-5, atol=1e-5)

@@ -4,6 +4,7 @@ Models reach this file only through the translation-model protocol:
 
     init_decode_cache(src, *, max_len) -> cache      every leaf has leading axis B
     decode_step(tokens [B], cache, *, index) -> (logits [B, V], cache)
+    grow_decode_cache(cache, *, max_len) -> cache    optional: room for more positions
 
 Underneath, `search_greedy` and `search_beam` take a plain step function
 `step_fn(tokens [R], cache, index) -> (logits [R, V], cache)` and know nothing of models, so
@@ -17,13 +18,19 @@ Conventions shared by both searches:
   * pad_id and bos_id are never emitted: their logits are set to -inf before the softmax, so
     log-probabilities are renormalised over the tokens that may be emitted.
   * After EOS a row emits only pad_id; once every row has ended the `lax.while_loop` stops.
-  * Everything traces under `jit` with fixed shapes (nothing grows, nothing recompiles).
+  * Everything traces under `jit` with fixed shapes (nothing recompiles). A model whose cache
+    grows with the output (the Transformer's self-attention keys/values) and that answers
+    `grow_decode_cache` is decoded in stages (`cache_stages`): a cache of 16 positions while
+    the outputs are at most 16 long, then 32, 64, ... up to O, each stage its own
+    `lax.while_loop` over fixed shapes. A step's attention and a beam's reorder then cost
+    about the positions written so far rather than O. Every stage is compiled, so a search
+    compiles about log2(O / 16) + 1 loop bodies.
 """
 
 from __future__ import annotations
 
 import functools
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from typing import Any
 
 import jax
@@ -34,6 +41,8 @@ Array = jax.Array
 Cache = Any
 # step_fn(tokens [R] int32, cache, index int32 scalar) -> (logits [R, V], cache)
 StepFn = Callable[[Array, Cache, Array], tuple[Array, Cache]]
+# grow(cache, positions) -> the cache with room for that many positions (the new ones empty)
+GrowFn = Callable[[Cache, int], Cache]
 
 
 def _allowed_log_probs(logits: Array, *, pad_id: int, bos_id: int) -> Array:
@@ -42,6 +51,31 @@ def _allowed_log_probs(logits: Array, *, pad_id: int, bos_id: int) -> Array:
     vocab = jnp.arange(logits.shape[-1])
     logits = jnp.where((vocab == pad_id) | (vocab == bos_id), -jnp.inf, logits)
     return jax.nn.log_softmax(logits, axis=-1)
+
+
+def cache_stages(max_len: int, first: int = 16) -> tuple[int, ...]:
+    """The cache lengths a staged search runs through: first, 2 * first, ... below max_len,
+    then max_len (just (max_len,) when max_len <= first)."""
+    if first < 1:
+        raise ValueError(f"the first cache stage must be at least 1 position, got {first}")
+    stages = []
+    while first < max_len:
+        stages.append(first)
+        first *= 2
+    return (*stages, max_len)
+
+
+def _staged_while_loop(cond, body, state, *, stages: Sequence[int], grow: GrowFn | None):
+    """`lax.while_loop(cond, body, state)`, run as one loop per stage: the loop of stage k also
+    stops at step stages[k], and before it the cache (the state's last element, sized for
+    stages[k - 1] positions) is grown to stages[k]. State element 0 is the step index."""
+    if len(stages) > 1 and grow is None:
+        raise ValueError(f"decoding in stages {tuple(stages)} needs a grow function")
+    for k, limit in enumerate(stages):
+        if k:
+            state = (*state[:-1], grow(state[-1], limit))
+        state = lax.while_loop(lambda st, limit=limit: cond(st) & (st[0] < limit), body, state)
+    return state
 
 
 def gnmt_length_penalty(length: Array, alpha: float) -> Array:
@@ -58,14 +92,20 @@ def search_greedy(
     bos_id: int,
     eos_id: int,
     pad_id: int,
+    stages: Sequence[int] | None = None,
+    grow: GrowFn | None = None,
 ) -> Array:
     """Greedy decoding with any step function.
 
     Args:
       step_fn: (tokens [B], cache, index) -> (logits [B, V], cache).
-      cache: the step function's initial state (for a model: `init_decode_cache(src, ...)`).
+      cache: the step function's initial state (for a model: `init_decode_cache(src, ...)`),
+        with room for stages[0] positions.
       batch_size: B.
       max_len: O, the number of output positions.
+      stages: the cache lengths to decode in (`cache_stages`; ending in O); None: (O,), one
+        loop over a cache of O positions.
+      grow: grows the cache between stages (a model's `grow_decode_cache`).
     Returns:
       [B, O] int32 tokens after BOS: the argmax at each step, pad_id after EOS.
     """
@@ -91,7 +131,7 @@ def search_greedy(
         jnp.zeros((batch_size,), bool),
         cache,
     )
-    return lax.while_loop(cond, body, init)[1]
+    return _staged_while_loop(cond, body, init, stages=stages or (max_len,), grow=grow)[1]
 
 
 def search_beam(
@@ -107,6 +147,8 @@ def search_beam(
     length_penalty_alpha: float = 0.6,
     best_only: bool = False,
     with_steps: bool = False,
+    stages: Sequence[int] | None = None,
+    grow: GrowFn | None = None,
 ) -> tuple[Array, Array] | tuple[Array, Array, Array]:
     """Beam search with any step function.
 
@@ -130,6 +172,7 @@ def search_beam(
         (see `_best_is_final`). Beam 0 (tokens and score) is then exactly what the full search
         returns; beams 1.. are the beam as it stood when the search stopped.
       with_steps: also return the number of decoding steps the search ran (int32 scalar).
+      stages, grow: decode in stages of cache length, as `search_greedy`.
     Returns:
       tokens [B, W, O] int32 (pad after EOS) and scores [B, W] float32, best first; a score is
       the total log-prob (EOS included) divided by ((5 + len) / 6) ** alpha, len counting EOS.
@@ -194,7 +237,9 @@ def search_beam(
         jnp.zeros((b_, w_), bool),
         cache,
     )
-    steps, tokens, _, log_prob, lengths, _, _ = lax.while_loop(cond, body, init)
+    steps, tokens, _, log_prob, lengths, _, _ = _staged_while_loop(
+        cond, body, init, stages=stages or (max_len,), grow=grow
+    )
     # The last top_k sorted by exactly these scores, so the slots are already best first.
     scores = log_prob / gnmt_length_penalty(lengths, length_penalty_alpha)
     return (tokens, scores, steps) if with_steps else (tokens, scores)
@@ -252,8 +297,31 @@ def _init_cache(model, params, src: Array, max_len: int) -> Cache:
     return model.apply({"params": params}, src, max_len=max_len, method="init_decode_cache")
 
 
-@functools.partial(jax.jit, static_argnames=("model", "max_len"))
-def greedy_decode(model, params, src: Array, *, max_len: int) -> Array:
+def _staging(model, params, src: Array, max_len: int, stages: Sequence[int] | None) -> dict:
+    """The search arguments cache, stages and grow for `model`: staged (`cache_stages`, or
+    the stages asked for) when the model answers `grow_decode_cache`, else one stage."""
+    if not hasattr(model, "grow_decode_cache"):
+        stages = (max_len,)
+    elif stages is None:
+        stages = cache_stages(max_len)
+    stages = tuple(int(n) for n in stages)
+    if not stages or stages[-1] != max_len or any(a >= b for a, b in zip(stages, stages[1:])):
+        raise ValueError(f"stages must rise to max_len {max_len}, got {stages}")
+
+    def grow(cache: Cache, positions: int) -> Cache:
+        return model.apply({"params": params}, cache, max_len=positions, method="grow_decode_cache")
+
+    return {
+        "cache": _init_cache(model, params, src, stages[0]),
+        "stages": stages,
+        "grow": grow if len(stages) > 1 else None,
+    }
+
+
+@functools.partial(jax.jit, static_argnames=("model", "max_len", "stages"))
+def greedy_decode(
+    model, params, src: Array, *, max_len: int, stages: tuple[int, ...] | None = None
+) -> Array:
     """Greedy decoding of any protocol model (jitted; `model` is a static argument).
 
     Args:
@@ -261,13 +329,15 @@ def greedy_decode(model, params, src: Array, *, max_len: int) -> Array:
       params: its 'params' collection.
       src: [B, S] int32 source, padded with pad_id.
       max_len: O, output positions.
+      stages: the cache lengths a model with `grow_decode_cache` is decoded in; None:
+        `cache_stages(max_len)`; (max_len,): one stage. The output does not depend on it.
     Returns:
       [B, O] int32 tokens after BOS, pad_id after EOS.
     """
     c = model.config
     return search_greedy(
         model_step_fn(model, params),
-        _init_cache(model, params, src, max_len),
+        **_staging(model, params, src, max_len, stages),
         batch_size=src.shape[0],
         max_len=max_len,
         bos_id=c.bos_id,
@@ -280,7 +350,9 @@ def greedy_decode(model, params, src: Array, *, max_len: int) -> Array:
 # the penalty, or runs that differ only in it, compile nothing more). It enters only float
 # arithmetic (gnmt_length_penalty, the stopping bound); the penalties of a traced alpha and a
 # constant one were equal bit for bit (alpha -0.5, 0, 0.5, 0.6, 1, 1.3, 2; lengths 0..399).
-@functools.partial(jax.jit, static_argnames=("model", "beam_size", "max_len", "best_only"))
+@functools.partial(
+    jax.jit, static_argnames=("model", "beam_size", "max_len", "best_only", "stages")
+)
 def beam_search(
     model,
     params,
@@ -290,6 +362,7 @@ def beam_search(
     max_len: int,
     length_penalty: float = 0.6,
     best_only: bool = False,
+    stages: tuple[int, ...] | None = None,
 ) -> tuple[Array, Array]:
     """Beam search over any protocol model (jitted; `model` is a static argument).
 
@@ -299,13 +372,14 @@ def beam_search(
       length_penalty: alpha of the GNMT penalty ((5 + len) / 6) ** alpha.
       best_only: stop once every sentence's best hypothesis is final (`search_beam`): beam 0
         is exactly the full search's, the other beams are not.
+      stages: as in `greedy_decode`.
     Returns:
       tokens [B, W, O] int32 (pad after EOS) and scores [B, W] float32, best first.
     """
     c = model.config
     return search_beam(
         model_step_fn(model, params),
-        _init_cache(model, params, src, max_len),
+        **_staging(model, params, src, max_len, stages),
         batch_size=src.shape[0],
         beam_size=beam_size,
         max_len=max_len,

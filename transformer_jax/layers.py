@@ -359,6 +359,16 @@ class DecoderLayer(nn.Module):
             "cross_value": cross_value,
         }
 
+    def grow_cache(self, cache: DecoderLayerCache, *, max_len: int) -> DecoderLayerCache:
+        """The cache with room for `max_len` >= C self-attention positions, the new ones
+        zeros as `init_cache` writes them (the cross-attention keys/values are kept)."""
+        widths = ((0, 0), (0, 0), (0, max_len - cache["self_key"].shape[2]), (0, 0))
+        return {
+            **cache,
+            "self_key": jnp.pad(cache["self_key"], widths),
+            "self_value": jnp.pad(cache["self_value"], widths),
+        }
+
     def step(
         self,
         y: Array,

@@ -106,6 +106,15 @@ class Decoder(nn.Module):
         """One cache per layer (see `DecoderLayer.init_cache`)."""
         return tuple(layer.init_cache(encoded, max_len=max_len) for layer in self.layers)
 
+    def grow_cache(
+        self, cache: tuple[dict[str, Array], ...], *, max_len: int
+    ) -> tuple[dict[str, Array], ...]:
+        """Each layer's cache with room for `max_len` positions (`DecoderLayer.grow_cache`)."""
+        return tuple(
+            layer.grow_cache(layer_cache, max_len=max_len)
+            for layer, layer_cache in zip(self.layers, cache)
+        )
+
     def step(
         self,
         y: Array,
@@ -282,6 +291,22 @@ class Transformer(nn.Module):
             "src_valid": src != self.config.pad_id,
             "tgt_valid": jnp.zeros((src.shape[0], max_len), bool),
             "layers": self.decoder.init_cache(encoded, max_len=max_len),
+        }
+
+    def grow_decode_cache(self, cache: DecodeCache, *, max_len: int) -> DecodeCache:
+        """The cache of `init_decode_cache(src, max_len=C)` -> the same state with room for
+        `max_len` >= C positions (the new ones empty): what `init_decode_cache(src,
+        max_len=max_len)` and the same steps would hold. The searches start with a short cache
+        and grow it (`transformer_jax.decode.cache_stages`), so that a step attends to, and a
+        beam reorders, about as many positions as are written, not the longest output's."""
+        self._check_length(max_len, "max_len")
+        grow = max_len - cache["tgt_valid"].shape[1]
+        if grow < 0:
+            raise ValueError(f"cannot shrink a decode cache to {max_len} positions")
+        return {
+            **cache,
+            "tgt_valid": jnp.pad(cache["tgt_valid"], ((0, 0), (0, grow))),
+            "layers": self.decoder.grow_cache(cache["layers"], max_len=max_len),
         }
 
     def decode_step(

@@ -5,6 +5,7 @@ Models reach this file only through the translation-model protocol:
     init_decode_cache(src, *, max_len) -> cache      every leaf has leading axis B
     decode_step(tokens [B], cache, *, index) -> (logits [B, V], cache)
     grow_decode_cache(cache, *, max_len) -> cache    optional: room for more positions
+    expand_decode_cache(cache, *, beams) -> cache    optional: B sentences -> B * W beam rows
 
 Underneath, `search_greedy` and `search_beam` take a plain step function
 `step_fn(tokens [R], cache, index) -> (logits [R, V], cache)` and know nothing of models, so
@@ -43,6 +44,8 @@ Cache = Any
 StepFn = Callable[[Array, Cache, Array], tuple[Array, Cache]]
 # grow(cache, positions) -> the cache with room for that many positions (the new ones empty)
 GrowFn = Callable[[Cache, int], Cache]
+# expand(cache, beams) -> the cache of B sentences as the state of B * beams beam rows
+ExpandFn = Callable[[Cache, int], Cache]
 
 
 def _allowed_log_probs(logits: Array, *, pad_id: int, bos_id: int) -> Array:
@@ -149,6 +152,7 @@ def search_beam(
     with_steps: bool = False,
     stages: Sequence[int] | None = None,
     grow: GrowFn | None = None,
+    expand: ExpandFn | None = None,
 ) -> tuple[Array, Array] | tuple[Array, Array, Array]:
     """Beam search with any step function.
 
@@ -173,13 +177,18 @@ def search_beam(
         returns; beams 1.. are the beam as it stood when the search stopped.
       with_steps: also return the number of decoding steps the search ran (int32 scalar).
       stages, grow: decode in stages of cache length, as `search_greedy`.
+      expand: makes the B-row cache the state of B * W rows (a model's
+        `expand_decode_cache`); None: every leaf repeated W times.
     Returns:
       tokens [B, W, O] int32 (pad after EOS) and scores [B, W] float32, best first; a score is
       the total log-prob (EOS included) divided by ((5 + len) / 6) ** alpha, len counting EOS.
       With `with_steps`, the step count as a third value.
     """
     b_, w_ = batch_size, beam_size
-    cache = jax.tree_util.tree_map(lambda x: jnp.repeat(x, w_, axis=0), cache)
+    if expand is None:
+        cache = jax.tree_util.tree_map(lambda x: jnp.repeat(x, w_, axis=0), cache)
+    else:
+        cache = expand(cache, w_)
     batch_offsets = (jnp.arange(b_) * w_)[:, None]  # [B, 1]: row of beam 0 of each example
 
     def cond(state):
@@ -218,8 +227,9 @@ def search_beam(
         rows = (batch_offsets + parent).reshape(b_ * w_)
         # A leaf the step function hands back untouched (the very same traced value: encoder
         # keys/values, the source mask) was repeated per beam and has only ever been permuted
-        # within its sentence, so all W copies are equal and reordering it is the identity.
-        # Skipping that gather is exact and saves moving [B*W, S, ...] every step.
+        # within its sentence, so all W copies are equal and reordering it is the identity
+        # (or `expand` left it at one row per sentence, which no reorder touches). Skipping
+        # that gather is exact and saves moving [B*W, S, ...] every step.
         cache = jax.tree_util.tree_map(
             lambda new, old: new if new is old else new[rows], cache, old_cache
         )
@@ -318,6 +328,17 @@ def _staging(model, params, src: Array, max_len: int, stages: Sequence[int] | No
     }
 
 
+def _expand(model, params) -> ExpandFn | None:
+    """The model's `expand_decode_cache` as a search's expand function, if it has one."""
+    if not hasattr(model, "expand_decode_cache"):
+        return None
+
+    def expand(cache: Cache, beams: int) -> Cache:
+        return model.apply({"params": params}, cache, beams=beams, method="expand_decode_cache")
+
+    return expand
+
+
 @functools.partial(jax.jit, static_argnames=("model", "max_len", "stages"))
 def greedy_decode(
     model, params, src: Array, *, max_len: int, stages: tuple[int, ...] | None = None
@@ -388,4 +409,5 @@ def beam_search(
         pad_id=c.pad_id,
         length_penalty_alpha=length_penalty,
         best_only=best_only,
+        expand=_expand(model, params),
     )

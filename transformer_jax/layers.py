@@ -381,13 +381,14 @@ class DecoderLayer(nn.Module):
         """One target position (no dropout).
 
         Args:
-          y: [B, 1, D] the layer input at position `index`.
+          y: [R, 1, D] the layer input at position `index`: R = B rows, or B * W for a
+            beam search whose cross-attention keys/values are at B rows.
           cache: from `init_cache` or the previous step.
           index: int32 scalar, the position being decoded.
-          self_mask: [B, 1, 1, C], True for cached positions to attend (<= index, not pad).
+          self_mask: [R, 1, 1, C], True for cached positions to attend (<= index, not pad).
           src_mask: [B, 1, 1, S].
         Returns:
-          [B, 1, D] and the cache with this position's key/value written at `index`.
+          [R, 1, D] and the cache with this position's key/value written at `index`.
         """
         h = self.self_attn_residual.pre(y)
         key, value = self.self_attn.project_kv(h, heads_first=True)  # [B, H, 1, K]
@@ -407,12 +408,16 @@ class DecoderLayer(nn.Module):
             ),
             deterministic=True,
         )
+        # A beam search's W rows per sentence share their sentence's cross-attention keys and
+        # values (`Transformer.expand_decode_cache` leaves them at B rows): the rows attend as
+        # W query positions of that sentence, [B * W, 1, D] -> [B, W, D] and back.
+        rows, sentences = y.shape[0], cache["cross_key"].shape[0]
         y = self._cross_attention_and_ffn(
-            y,
+            y.reshape(sentences, rows // sentences, y.shape[-1]),
             cache["cross_key"],
             cache["cross_value"],
             src_mask=src_mask,
             deterministic=True,
             heads_first=True,
         )
-        return y, cache
+        return y.reshape(rows, 1, y.shape[-1]), cache

@@ -293,6 +293,27 @@ class Transformer(nn.Module):
             "layers": self.decoder.init_cache(encoded, max_len=max_len),
         }
 
+    def expand_decode_cache(self, cache: DecodeCache, *, beams: int) -> DecodeCache:
+        """The cache of B sentences -> the cache of B * beams rows for a beam search (row
+        b * beams + w: beam w of sentence b). What each beam writes (tgt_valid, self-attention
+        keys/values) is repeated; the source side (src_valid, cross-attention keys/values) is
+        the same for every beam of a sentence and stays at B rows: `decode_step` then attends
+        from all the beams of a sentence at once, and a step reads each sentence's encoder
+        keys/values once rather than once per beam."""
+
+        def repeat(x: Array) -> Array:
+            return jnp.repeat(x, beams, axis=0)
+
+        layers = tuple(
+            {
+                **layer,
+                "self_key": repeat(layer["self_key"]),
+                "self_value": repeat(layer["self_value"]),
+            }
+            for layer in cache["layers"]
+        )
+        return {**cache, "tgt_valid": repeat(cache["tgt_valid"]), "layers": layers}
+
     def grow_decode_cache(self, cache: DecodeCache, *, max_len: int) -> DecodeCache:
         """The cache of `init_decode_cache(src, max_len=C)` -> the same state with room for
         `max_len` >= C positions (the new ones empty): what `init_decode_cache(src,
@@ -313,7 +334,9 @@ class Transformer(nn.Module):
         self, tokens: Array, cache: DecodeCache, *, index: Array
     ) -> tuple[Array, DecodeCache]:
         """tokens [B] int32 at target position `index` (int32 scalar, BOS at 0)
-        -> next-token logits [B, V] float32 and the updated cache. Cost O(C), not O(C^2)."""
+        -> next-token logits [B, V] float32 and the updated cache. Cost O(C), not O(C^2).
+
+        After `expand_decode_cache`, tokens are [B * W] rows and the logits [B * W, V]."""
         max_len = cache["tgt_valid"].shape[1]
         tgt_valid = lax.dynamic_update_slice(
             cache["tgt_valid"], self._target_keys(tokens[:, None]), (0, index)

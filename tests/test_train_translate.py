@@ -24,10 +24,11 @@ from train import translate
 from train.core.checkpoint import CheckpointError, Checkpoints
 from train.core.metrics import read_metrics
 from train.core.parallel import DataParallel
-from train.core.task import restore_for_inference
+from train.core.task import params_for_inference, restore_for_inference
 from train.data.datasets import load_multi30k
 from train.data.tokenizers import PAD_ID
 from transformer_jax import decode
+from transformer_jax.quantize import quantized
 
 SMALL_MODEL = dict(d_model=32, n_heads=2, d_ff=64, n_encoder_layers=1, n_decoder_layers=1)
 
@@ -246,6 +247,30 @@ def test_translate_text_uses_the_trained_checkpoint(straight):
         translate.translate_pairs(model, untrained, DataParallel("jit"), config, tokenizer, pairs)
         != out
     )
+
+
+@pytest.mark.slow
+def test_translate_text_decodes_with_the_int8_model_when_asked(straight):
+    _, workdir, _ = straight
+    sentences = ["Ein Mann fährt Fahrrad.", "Zwei Hunde."]
+    out = translate.translate_text(str(workdir), sentences, quantize="int8")
+    config, model, params, dp = params_for_inference(translate.TASK, str(workdir))
+    qmodel, qparams = quantized(model, params)
+    assert qmodel.config.quantize == "int8"
+    tokenizer = translate.load_tokenizer(config, str(workdir))
+    pairs = [(ids, []) for ids in translate.encode_source(tokenizer, sentences)]
+    assert out == translate.translate_pairs(qmodel, qparams, dp, config, tokenizer, pairs)
+    with pytest.raises(ValueError, match="quantize"):
+        translate.translate_text(str(workdir), sentences, quantize="int4")
+
+
+def test_quantize_goes_with_decoding_only(capsys):
+    from train.translate.cli import check_modes, make_parser
+
+    parser = make_parser()
+    with pytest.raises(SystemExit):
+        check_modes(parser, parser.parse_args(["--preset", "tiny", "--quantize", "int8"]))
+    assert "--quantize goes with --translate" in capsys.readouterr().err
 
 
 def test_translate_text_without_a_run_is_a_clear_error(tmp_path):

@@ -52,6 +52,7 @@ from transformer_jax.marian_tokenizer import MarianTokenizer
 from transformer_jax.model import Transformer
 from transformer_jax.optim import OptimizerConfig, make_optimizer, noam_schedule, params_ema
 from transformer_jax.positional import PositionalEncoding, sinusoidal_positions, sinusoids_at
+from transformer_jax.quantize import quantize_params, quantized
 from transformer_jax.seq2seq import (
     BahdanauSeq2Seq,
     GRUSeq2Seq,
@@ -77,6 +78,8 @@ __all__ = [
     "FeedForward",
     "GenerationDefaults",
     "greedy_decode",
+    "quantize_params",
+    "quantized",
     "GRUSeq2Seq",
     "hard_attention_surrogate",
     "HardAttentionSeq2Seq",

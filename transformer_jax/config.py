@@ -13,6 +13,9 @@ import numpy as np
 
 from transformer_jax.attention import IMPLEMENTATIONS
 
+# The quantize choices (transformer_jax.quantize computes them).
+QUANTIZATIONS = ("int8",)
+
 POSITIONAL = ("sinusoidal", "sinusoidal_concat", "learned")
 # config.activation -> the FFN's function. gelu is the exact (erf) form, as PyTorch's and
 # Marian's; "swish" and "silu" are one function, x * sigmoid(x), under its two names.
@@ -63,6 +66,8 @@ class TransformerConfig:
         the output projection multiplies in `dtype` with float32 results (its gradient too).
       attention_impl: "auto" (cuDNN's fused kernel on a GPU in half precision where it
         applies, else XLA), "xla" or "cudnn"; see `transformer_jax.attention`.
+      quantize: None, or "int8" for inference with int8 weights (`transformer_jax.quantize`:
+        the params come from `quantize_params`; such a model is not trained).
     """
 
     src_vocab_size: int = 37000
@@ -88,6 +93,7 @@ class TransformerConfig:
     eos_id: int = 2
     dtype: Any = jnp.float32
     attention_impl: str = "auto"
+    quantize: str | None = None
 
     def __post_init__(self):
         for name in (
@@ -125,6 +131,10 @@ class TransformerConfig:
         if self.attention_impl not in IMPLEMENTATIONS:
             raise ValueError(
                 f"attention_impl must be one of {IMPLEMENTATIONS}, got {self.attention_impl!r}"
+            )
+        if self.quantize not in (None, *QUANTIZATIONS):
+            raise ValueError(
+                f"quantize must be None or one of {QUANTIZATIONS}, got {self.quantize!r}"
             )
         if self.positional not in POSITIONAL:
             raise ValueError(f"positional must be one of {POSITIONAL}, got {self.positional!r}")

@@ -20,14 +20,18 @@ from jax import lax
 
 from transformer_jax.attention import dot_product_attention
 from transformer_jax.config import ACTIVATIONS, TransformerConfig
+from transformer_jax.quantize import Int8Dense
 
 Array = jax.Array
 DecoderLayerCache = dict[str, Array]
 
 
-def dense(features: int, *, dtype, **kwargs) -> nn.Dense:
+def dense(features: int, *, dtype, quantize: str | None = None, **kwargs) -> nn.Module:
     """A Dense layer computing in `dtype`, with float32 parameters, the paper code's
-    Xavier-uniform kernel and a zero bias."""
+    Xavier-uniform kernel and a zero bias; with quantize="int8", its int8 form for inference
+    (`transformer_jax.quantize.Int8Dense`, same parameter names plus the kernel's scale)."""
+    if quantize == "int8":
+        return Int8Dense(features, **kwargs)
     return nn.Dense(
         features,
         dtype=dtype,
@@ -103,10 +107,11 @@ class MultiHeadAttention(nn.Module):
 
     def setup(self):
         d, dtype = self.config.d_model, self.config.dtype
-        self.query = dense(d, dtype=dtype)
-        self.key = dense(d, dtype=dtype)
-        self.value = dense(d, dtype=dtype)
-        self.out = dense(d, dtype=dtype)
+        q = self.config.quantize
+        self.query = dense(d, dtype=dtype, quantize=q)
+        self.key = dense(d, dtype=dtype, quantize=q)
+        self.value = dense(d, dtype=dtype, quantize=q)
+        self.out = dense(d, dtype=dtype, quantize=q)
 
     def _split_heads(self, x: Array) -> Array:
         """[B, T, D] -> [B, T, H, K]."""
@@ -188,8 +193,11 @@ class FeedForward(nn.Module):
     def __call__(self, x: Array) -> Array:
         """[B, T, D] -> [B, T, D]."""
         cfg = self.config
-        h = ACTIVATIONS[cfg.activation](dense(cfg.d_ff, dtype=cfg.dtype, name="inner")(x))
-        return dense(cfg.d_model, dtype=cfg.dtype, name="outer")(h)
+        q = cfg.quantize
+        h = ACTIVATIONS[cfg.activation](
+            dense(cfg.d_ff, dtype=cfg.dtype, quantize=q, name="inner")(x)
+        )
+        return dense(cfg.d_model, dtype=cfg.dtype, quantize=q, name="outer")(h)
 
 
 class Residual(nn.Module):

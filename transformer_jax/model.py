@@ -28,6 +28,7 @@ from transformer_jax.attention import combine_masks, make_causal_mask, make_padd
 from transformer_jax.config import TransformerConfig
 from transformer_jax.layers import DecoderLayer, EncoderLayer, dense, layer_norm, output_logits
 from transformer_jax.positional import PositionalEncoding
+from transformer_jax.quantize import Int8Embed
 
 Array = jax.Array
 DecodeCache = dict[str, Any]
@@ -156,6 +157,8 @@ class Transformer(nn.Module):
         d = cfg.d_model
 
         def embed(vocab_size):
+            if cfg.quantize == "int8":
+                return Int8Embed(vocab_size, d)
             # Normal(0, D**-0.5) as tensor2tensor: after the sqrt(D) scaling the embeddings
             # enter at unit scale. Kept in float32 because the tied output projection uses it.
             return nn.Embed(
@@ -173,7 +176,7 @@ class Transformer(nn.Module):
         self.encoder = Encoder(cfg)
         self.decoder = Decoder(cfg)
         if not cfg.tie_output:
-            self.output = dense(cfg.tgt_vocab_size, dtype=jnp.float32)
+            self.output = dense(cfg.tgt_vocab_size, dtype=jnp.float32, quantize=cfg.quantize)
         elif cfg.output_bias:
             self.output_bias = self.param(
                 "output_bias", nn.initializers.zeros, (cfg.tgt_vocab_size,), jnp.float32
@@ -204,7 +207,10 @@ class Transformer(nn.Module):
         cfg = self.config
         if not cfg.tie_output:
             return self.output(y.astype(jnp.float32))
-        logits = output_logits(y, self.tgt_embed.embedding, cfg.dtype)
+        if cfg.quantize:
+            logits = self.tgt_embed.attend(y)
+        else:
+            logits = output_logits(y, self.tgt_embed.embedding, cfg.dtype)
         return logits + self.output_bias if cfg.output_bias else logits
 
     def _target_keys(self, tgt: Array) -> Array:

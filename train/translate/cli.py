@@ -16,6 +16,7 @@ from train.translate.export import export_ct2, export_marian, load_exportable
 from train.translate.infer import translate_text
 from train.translate.pretrained import Pretrained, evaluate_pretrained
 from train.translate.task import TASK
+from transformer_jax import quantize as int8
 from transformer_jax.ct2 import QUANTIZATIONS, ctranslate2_module
 
 DESCRIPTION = """Train and evaluate a translation model: Multi30k German -> English, or your files.
@@ -30,6 +31,7 @@ DESCRIPTION = """Train and evaluate a translation model: Multi30k German -> Engl
         --src_lang de --tgt_lang en                    # a prepared TFDS dataset
     python -m train.translate --workdir W              # resume W with its saved config
     python -m train.translate --workdir W --translate "Ein Mann fährt Fahrrad."
+    python -m train.translate --workdir W --translate_file de.txt --quantize int8   # int8
     python -m train.translate --pretrained opus-mt-de-en --translate "Ein Mann fährt Fahrrad."
     python -m train.translate --pretrained opus-mt-de-en --eval     # BLEU on Multi30k test
     python -m train.translate --pretrained opus-mt-de-en --workdir W    # fine-tune on Multi30k
@@ -70,6 +72,13 @@ def make_parser() -> argparse.ArgumentParser:
         action="store_true",
         help="with --pretrained: sacreBLEU on the --test_split of Multi30k",
     )
+    parser.add_argument(
+        "--quantize",
+        choices=int8.QUANTIZATIONS,
+        default=None,
+        help="with --translate, --translate_file or --eval: decode with int8 weights "
+        "(transformer_jax.quantize)",
+    )
     group = parser.add_argument_group("export (a trained --workdir, or --pretrained)")
     group.add_argument(
         "--export_marian",
@@ -109,6 +118,8 @@ def check_modes(parser: argparse.ArgumentParser, args: argparse.Namespace) -> No
         parser.error("--export_marian / --export_ct2 export and exit: run --translate on its own")
     if args.ct2_quantization and not args.export_ct2:
         parser.error("--ct2_quantization goes with --export_ct2")
+    if args.quantize and not (inference or args.eval):
+        parser.error("--quantize goes with --translate, --translate_file or --eval")
 
 
 def config_from_args(argv: Sequence[str] | None) -> tuple[TranslateConfig, str, argparse.Namespace]:
@@ -179,6 +190,7 @@ def _run(parser: argparse.ArgumentParser, args: argparse.Namespace) -> int:
             sentences=_given(args, "eval_sentences"),
             # None: the checkpoint's own generation default
             beam_size=getattr(args, "beam_size", None),
+            quantize=args.quantize,
         )
         if jax.process_index() != 0:  # every process decoded its rows; one reports
             return cli.EXIT_OK
@@ -199,11 +211,11 @@ def _run(parser: argparse.ArgumentParser, args: argparse.Namespace) -> int:
             with open(args.translate_file, encoding="utf-8") as f:
                 sentences += f.read().splitlines()
         if pretrained:
-            lines = Pretrained(pretrained, beam_size=getattr(args, "beam_size", None)).translate(
-                sentences
-            )
+            lines = Pretrained(
+                pretrained, beam_size=getattr(args, "beam_size", None), quantize=args.quantize
+            ).translate(sentences)
         else:
-            lines = translate_text(args.workdir, sentences)
+            lines = translate_text(args.workdir, sentences, quantize=args.quantize)
         # With several processes each holds every line (decoding gathers them); one writes,
         # or two would race on the same output file.
         if jax.process_index() != 0:

@@ -18,6 +18,7 @@ from train.core.parallel import DataParallel
 from train.translate.config import SPLITS
 from train.translate.evaluate import bleu, translate_pairs
 from transformer_jax.marian import load_marian, marian_generation_defaults
+from transformer_jax.quantize import quantized
 
 
 @dataclasses.dataclass(frozen=True)
@@ -46,8 +47,11 @@ class Pretrained:
         greedy: bool = False,
         length_penalty: float = 0.6,
         batch_size: int = 64,
+        quantize: str | None = None,
     ):
         self.model, self.params, self.tokenizer = load_marian(folder)
+        if quantize:  # the int8 form decodes in its place (transformer_jax.quantize)
+            self.model, self.params = quantized(self.model, self.params, quantize)
         if self.tokenizer is None:
             raise FileNotFoundError(
                 f"{folder} has no tokenizer (source.spm, target.spm, "

@@ -193,3 +193,37 @@ def test_cudnn_with_fully_masked_rows_stays_finite_and_agrees_on_the_others():
         chex.assert_trees_all_close(
             np.asarray(fused, np.float32), np.asarray(xla, np.float32), atol=5e-2, rtol=5e-2
         )
+
+
+def test_beam_attention_equals_attention_over_the_cache_each_hypothesis_would_hold():
+    """Index bookkeeping: scoring every slot's keys and selecting the ancestral slot's is
+    plain attention over a cache gathered position by position from those slots."""
+    from transformer_jax.attention import beam_attention, dot_product_attention
+
+    rng = np.random.default_rng(0)
+    b, w, h, c, k = 2, 3, 2, 5, 4
+    query = jnp.asarray(rng.normal(size=(b, w, h, k)), jnp.float32)
+    key = jnp.asarray(rng.normal(size=(b, h, w, c, k)), jnp.float32)
+    value = jnp.asarray(rng.normal(size=(b, h, w, c, k)), jnp.float32)
+    ancestry = jnp.asarray(rng.integers(0, w, size=(b, w, c)), jnp.int32)
+    mask = jnp.asarray(rng.random((b, 1, w, c)) < 0.7).at[..., 0].set(True)
+    # The caches position-major, [B, H, C * W, K], as the beam search keeps them.
+    got = beam_attention(
+        query,
+        key.swapaxes(2, 3).reshape(b, h, c * w, k),
+        value.swapaxes(2, 3).reshape(b, h, c * w, k),
+        ancestry,
+        mask=mask,
+    )
+    key, value = key.swapaxes(1, 2), value.swapaxes(1, 2)  # [B, W (slot), H, C, K]
+    # Beam j's own cache: position p read from slot ancestry[., j, p] ([W, C, H, K] each).
+    gathered = jax.vmap(lambda kk, a: kk[a, :, jnp.arange(c)])
+    own_key = gathered(key, ancestry)  # [B, W, C, H, K]
+    own_value = gathered(value, ancestry)
+    want = dot_product_attention(
+        query.reshape(b * w, 1, h, k),
+        own_key.reshape(b * w, c, h, k),
+        own_value.reshape(b * w, c, h, k),
+        mask=mask.transpose(0, 2, 1, 3).reshape(b * w, 1, 1, c),
+    ).reshape(b, w, h, k)
+    np.testing.assert_allclose(got, want, rtol=1e-5, atol=1e-6)

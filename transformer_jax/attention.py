@@ -218,3 +218,50 @@ def dot_product_attention(
         heads_first=heads_first,
     )
     return (out, weights) if return_weights else out
+
+
+def beam_attention(
+    query: Array,
+    key: Array,
+    value: Array,
+    ancestry: Array,
+    *,
+    mask: Array | None = None,
+    scale: float | None = None,
+) -> Array:
+    """One decoding step's self-attention for the W beams of each sentence, over caches that
+    are never reordered (beam search's index bookkeeping).
+
+    Slot w of a sentence wrote its key and value at every step into its own cache, whatever
+    hypothesis it held then; `ancestry` says which slot wrote each position of the hypothesis
+    it holds now. Each query is scored against every slot's keys, the ancestral slot's score
+    is selected per position, and the values are mixed the same way: the caches are read
+    once per step and never moved (a reorder reads and writes all of them every step).
+
+    Args:
+      query: [B, W, H, K], one position per beam.
+      key, value: [B, H, C * W, K], position-major: row c * W + v is slot v's entry for
+        position c (a step writes its W rows at once, and both products are plain batched
+        matrix products over (B, H)).
+      ancestry: [B, W, C] int, the slot whose entry is position c of beam w's hypothesis.
+      mask: bool broadcastable to [B, H, W, C], True = attend.
+      scale: defaults to K ** -0.5.
+    Returns:
+      [B, W, H, K] in value's dtype: what `dot_product_attention` gives each beam over a
+      cache reordered to its hypothesis (equal up to float rounding: the same products,
+      summed with exact zeros for the other slots).
+    """
+    b, w, c = ancestry.shape
+    if scale is None:
+        scale = query.shape[-1] ** -0.5
+    acc = jnp.promote_types(query.dtype, jnp.float32)
+    query = query.swapaxes(1, 2)  # [B, H, W, K]
+    every = jnp.einsum("bhwk,bhnk->bhwn", query, key, preferred_element_type=acc)
+    every = every.reshape(*every.shape[:3], c, w)  # [B, H, W, C, W (slot)]
+    pick = ancestry[:, None, :, :, None]  # [B, 1, W, C, 1]
+    scores = jnp.take_along_axis(every, pick, axis=4)[..., 0] * scale  # [B, H, W, C]
+    weights = attention_weights(scores, mask=mask)
+    # The weights spread over (position, slot): nonzero only at the ancestral slot.
+    spread = jnp.where(pick == jnp.arange(w), weights[..., None], 0.0)  # [B, H, W, C, W]
+    spread = spread.reshape(*spread.shape[:3], c * w).astype(value.dtype)
+    return jnp.einsum("bhwn,bhnk->bwhk", spread, value)

@@ -6,6 +6,7 @@ Models reach this file only through the translation-model protocol:
     decode_step(tokens [B], cache, *, index) -> (logits [B, V], cache)
     grow_decode_cache(cache, *, max_len) -> cache    optional: room for more positions
     expand_decode_cache(cache, *, beams) -> cache    optional: B sentences -> B * W beam rows
+    reorder_decode_cache(cache, parent [B, W]) -> cache   with expand: a beam step's reorder
 
 Underneath, `search_greedy` and `search_beam` take a plain step function
 `step_fn(tokens [R], cache, index) -> (logits [R, V], cache)` and know nothing of models, so
@@ -46,6 +47,8 @@ StepFn = Callable[[Array, Cache, Array], tuple[Array, Cache]]
 GrowFn = Callable[[Cache, int], Cache]
 # expand(cache, beams) -> the cache of B sentences as the state of B * beams beam rows
 ExpandFn = Callable[[Cache, int], Cache]
+# reorder(cache, parent [B, W]) -> the cache after slot w took the hypothesis of parent[b, w]
+ReorderFn = Callable[[Cache, Array], Cache]
 
 
 def _allowed_log_probs(logits: Array, *, pad_id: int, bos_id: int) -> Array:
@@ -153,6 +156,7 @@ def search_beam(
     stages: Sequence[int] | None = None,
     grow: GrowFn | None = None,
     expand: ExpandFn | None = None,
+    reorder: ReorderFn | None = None,
 ) -> tuple[Array, Array] | tuple[Array, Array, Array]:
     """Beam search with any step function.
 
@@ -179,6 +183,8 @@ def search_beam(
       stages, grow: decode in stages of cache length, as `search_greedy`.
       expand: makes the B-row cache the state of B * W rows (a model's
         `expand_decode_cache`); None: every leaf repeated W times.
+      reorder: moves the state after each step's selection (a model's
+        `reorder_decode_cache`); None: every leaf the step changed is gathered by parent.
     Returns:
       tokens [B, W, O] int32 (pad after EOS) and scores [B, W] float32, best first; a score is
       the total log-prob (EOS included) divided by ((5 + len) / 6) ** alpha, len counting EOS.
@@ -230,9 +236,12 @@ def search_beam(
         # within its sentence, so all W copies are equal and reordering it is the identity
         # (or `expand` left it at one row per sentence, which no reorder touches). Skipping
         # that gather is exact and saves moving [B*W, S, ...] every step.
-        cache = jax.tree_util.tree_map(
-            lambda new, old: new if new is old else new[rows], cache, old_cache
-        )
+        if reorder is not None:
+            cache = reorder(cache, parent)
+        else:
+            cache = jax.tree_util.tree_map(
+                lambda new, old: new if new is old else new[rows], cache, old_cache
+            )
         return i + 1, tokens, token, log_prob, lengths, finished, cache
 
     # Every slot starts from the same BOS; only slot 0 may expand at step 0, else the first
@@ -328,15 +337,19 @@ def _staging(model, params, src: Array, max_len: int, stages: Sequence[int] | No
     }
 
 
-def _expand(model, params) -> ExpandFn | None:
-    """The model's `expand_decode_cache` as a search's expand function, if it has one."""
+def _beam_hooks(model, params) -> dict:
+    """The model's `expand_decode_cache` and `reorder_decode_cache` as a search's expand and
+    reorder functions, if it has them (else the search repeats and gathers every leaf)."""
     if not hasattr(model, "expand_decode_cache"):
-        return None
+        return {}
 
     def expand(cache: Cache, beams: int) -> Cache:
         return model.apply({"params": params}, cache, beams=beams, method="expand_decode_cache")
 
-    return expand
+    def reorder(cache: Cache, parent: Array) -> Cache:
+        return model.apply({"params": params}, cache, parent, method="reorder_decode_cache")
+
+    return {"expand": expand, "reorder": reorder}
 
 
 @functools.partial(jax.jit, static_argnames=("model", "max_len", "stages"))
@@ -409,5 +422,5 @@ def beam_search(
         pad_id=c.pad_id,
         length_penalty_alpha=length_penalty,
         best_only=best_only,
-        expand=_expand(model, params),
+        **_beam_hooks(model, params),
     )

@@ -18,7 +18,7 @@ import jax
 import jax.numpy as jnp
 from jax import lax
 
-from transformer_jax.attention import dot_product_attention
+from transformer_jax.attention import beam_attention, dot_product_attention
 from transformer_jax.config import ACTIVATIONS, TransformerConfig
 from transformer_jax.quantize import Int8Dense
 
@@ -161,6 +161,18 @@ class MultiHeadAttention(nn.Module):
         out, weights = out if return_weights else (out, None)
         out = self.out(out.reshape(*out.shape[:-2], cfg.d_model))
         return (out, weights) if return_weights else out
+
+    def attend_to_beams(
+        self, inputs_q: Array, key: Array, value: Array, ancestry: Array, *, mask: Array
+    ) -> Array:
+        """A beam search's step: inputs_q [B * W, 1, D], per-slot caches key/value
+        [B, H, W, C, K], ancestry [B, W, C], mask [B * W, 1, 1, C] -> [B * W, 1, D]
+        (`transformer_jax.attention.beam_attention`)."""
+        cfg = self.config
+        b, w, c = ancestry.shape
+        query = self._split_heads(self.query(inputs_q)).reshape(b, w, cfg.n_heads, -1)
+        out = beam_attention(query, key, value, ancestry, mask=mask.reshape(b, w, c)[:, None])
+        return self.out(out.reshape(b * w, 1, cfg.d_model))
 
     def __call__(
         self,
@@ -367,10 +379,13 @@ class DecoderLayer(nn.Module):
             "cross_value": cross_value,
         }
 
-    def grow_cache(self, cache: DecoderLayerCache, *, max_len: int) -> DecoderLayerCache:
+    def grow_cache(
+        self, cache: DecoderLayerCache, *, max_len: int, slots: int = 1
+    ) -> DecoderLayerCache:
         """The cache with room for `max_len` >= C self-attention positions, the new ones
-        zeros as `init_cache` writes them (the cross-attention keys/values are kept)."""
-        widths = ((0, 0), (0, 0), (0, max_len - cache["self_key"].shape[2]), (0, 0))
+        zeros as `init_cache` writes them (the cross-attention keys/values are kept). `slots`:
+        W for a beam search's position-major [B, H, C * W, K] caches (`beam_attention`)."""
+        widths = ((0, 0), (0, 0), (0, max_len * slots - cache["self_key"].shape[2]), (0, 0))
         return {
             **cache,
             "self_key": jnp.pad(cache["self_key"], widths),
@@ -385,6 +400,7 @@ class DecoderLayer(nn.Module):
         index: Array,
         self_mask: Array,
         src_mask: Array,
+        ancestry: Array | None = None,
     ) -> tuple[Array, DecoderLayerCache]:
         """One target position (no dropout).
 
@@ -395,27 +411,36 @@ class DecoderLayer(nn.Module):
           index: int32 scalar, the position being decoded.
           self_mask: [R, 1, 1, C], True for cached positions to attend (<= index, not pad).
           src_mask: [B, 1, 1, S].
+          ancestry: a beam search's [B, W, C] slot bookkeeping (`beam_attention`): the
+            self-attention caches are then per slot, never reordered; None: per row.
         Returns:
           [R, 1, D] and the cache with this position's key/value written at `index`.
         """
         h = self.self_attn_residual.pre(y)
-        key, value = self.self_attn.project_kv(h, heads_first=True)  # [B, H, 1, K]
+        key, value = self.self_attn.project_kv(h, heads_first=True)  # [R, H, 1, K]
         cache = dict(cache)
         at = (0, 0, index, 0)
+        if ancestry is not None:  # per-slot caches [B, H, C * W, K], position-major
+            b, w, _ = ancestry.shape
+            key, value = (x.reshape(b, w, *x.shape[1:]).swapaxes(1, 2) for x in (key, value))
+            key, value = (x.reshape(b, x.shape[1], w, x.shape[-1]) for x in (key, value))
+            at = (0, 0, index * w, 0)
         cache["self_key"] = lax.dynamic_update_slice(cache["self_key"], key, at)
         cache["self_value"] = lax.dynamic_update_slice(cache["self_value"], value, at)
-        y = self.self_attn_residual.post(
-            y,
-            self.self_attn.attend_to(
+        if ancestry is None:
+            attended = self.self_attn.attend_to(
                 h,
                 cache["self_key"],
                 cache["self_value"],
                 mask=self_mask,
                 deterministic=True,
                 heads_first=True,
-            ),
-            deterministic=True,
-        )
+            )
+        else:
+            attended = self.self_attn.attend_to_beams(
+                h, cache["self_key"], cache["self_value"], ancestry, mask=self_mask
+            )
+        y = self.self_attn_residual.post(y, attended, deterministic=True)
         # A beam search's W rows per sentence share their sentence's cross-attention keys and
         # values (`Transformer.expand_decode_cache` leaves them at B rows): the rows attend as
         # W query positions of that sentence, [B * W, 1, D] -> [B, W, D] and back.

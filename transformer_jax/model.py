@@ -108,11 +108,11 @@ class Decoder(nn.Module):
         return tuple(layer.init_cache(encoded, max_len=max_len) for layer in self.layers)
 
     def grow_cache(
-        self, cache: tuple[dict[str, Array], ...], *, max_len: int
+        self, cache: tuple[dict[str, Array], ...], *, max_len: int, slots: int = 1
     ) -> tuple[dict[str, Array], ...]:
         """Each layer's cache with room for `max_len` positions (`DecoderLayer.grow_cache`)."""
         return tuple(
-            layer.grow_cache(layer_cache, max_len=max_len)
+            layer.grow_cache(layer_cache, max_len=max_len, slots=slots)
             for layer, layer_cache in zip(self.layers, cache)
         )
 
@@ -124,12 +124,19 @@ class Decoder(nn.Module):
         index: Array,
         self_mask: Array,
         src_mask: Array,
+        ancestry: Array | None = None,
     ) -> tuple[Array, tuple[dict[str, Array], ...]]:
-        """y [B, 1, D] at position `index` -> [B, 1, D] and the updated per-layer caches."""
+        """y [R, 1, D] at position `index` -> [R, 1, D] and the updated per-layer caches
+        (`ancestry`: a beam search's slot bookkeeping, see `DecoderLayer.step`)."""
         new_cache = []
         for layer, layer_cache in zip(self.layers, cache):
             y, layer_cache = layer.step(
-                y, layer_cache, index=index, self_mask=self_mask, src_mask=src_mask
+                y,
+                layer_cache,
+                index=index,
+                self_mask=self_mask,
+                src_mask=src_mask,
+                ancestry=ancestry,
             )
             new_cache.append(layer_cache)
         return self._finish(y), tuple(new_cache)
@@ -301,24 +308,44 @@ class Transformer(nn.Module):
 
     def expand_decode_cache(self, cache: DecodeCache, *, beams: int) -> DecodeCache:
         """The cache of B sentences -> the cache of B * beams rows for a beam search (row
-        b * beams + w: beam w of sentence b). What each beam writes (tgt_valid, self-attention
-        keys/values) is repeated; the source side (src_valid, cross-attention keys/values) is
-        the same for every beam of a sentence and stays at B rows: `decode_step` then attends
-        from all the beams of a sentence at once, and a step reads each sentence's encoder
-        keys/values once rather than once per beam."""
+        b * beams + w: beam slot w of sentence b).
 
-        def repeat(x: Array) -> Array:
-            return jnp.repeat(x, beams, axis=0)
+        The source side (src_valid, cross-attention keys/values) is the same for every beam
+        of a sentence and stays at B rows: `decode_step` attends from all the beams of a
+        sentence at once, reading its encoder keys/values once rather than once per beam.
+        The self-attention keys/values become per slot, [B, H, C * beams, K], and are never
+        reordered: 'ancestry' [B * beams, C] int32 records which slot of the
+        sentence wrote each position of the hypothesis a slot holds
+        (`transformer_jax.attention.beam_attention`), and `reorder_decode_cache` moves only
+        it and tgt_valid.
+        """
+
+        def per_slot(x: Array) -> Array:  # [B, H, C, K] -> [B, H, C * W, K], position-major
+            return jnp.repeat(x, beams, axis=2)
 
         layers = tuple(
             {
                 **layer,
-                "self_key": repeat(layer["self_key"]),
-                "self_value": repeat(layer["self_value"]),
+                "self_key": per_slot(layer["self_key"]),
+                "self_value": per_slot(layer["self_value"]),
             }
             for layer in cache["layers"]
         )
-        return {**cache, "tgt_valid": repeat(cache["tgt_valid"]), "layers": layers}
+        tgt_valid = jnp.repeat(cache["tgt_valid"], beams, axis=0)
+        ancestry = jnp.zeros(tgt_valid.shape, jnp.int32)
+        return {**cache, "tgt_valid": tgt_valid, "ancestry": ancestry, "layers": layers}
+
+    def reorder_decode_cache(self, cache: DecodeCache, parent: Array) -> DecodeCache:
+        """After a beam search's step: slot w of sentence b now holds the hypothesis of slot
+        parent[b, w] ([B, W] int). Only the per-hypothesis bookkeeping moves (ancestry and
+        tgt_valid, [B * W, C]); the keys and values stay in the slots that wrote them."""
+        b, w = parent.shape
+
+        def take(x: Array) -> Array:
+            rows = x.reshape(b, w, -1)
+            return jnp.take_along_axis(rows, parent[..., None], axis=1).reshape(x.shape)
+
+        return {**cache, "tgt_valid": take(cache["tgt_valid"]), "ancestry": take(cache["ancestry"])}
 
     def grow_decode_cache(self, cache: DecodeCache, *, max_len: int) -> DecodeCache:
         """The cache of `init_decode_cache(src, max_len=C)` -> the same state with room for
@@ -330,11 +357,20 @@ class Transformer(nn.Module):
         grow = max_len - cache["tgt_valid"].shape[1]
         if grow < 0:
             raise ValueError(f"cannot shrink a decode cache to {max_len} positions")
-        return {
+        grown = {
             **cache,
             "tgt_valid": jnp.pad(cache["tgt_valid"], ((0, 0), (0, grow))),
-            "layers": self.decoder.grow_cache(cache["layers"], max_len=max_len),
+            "layers": self.decoder.grow_cache(
+                cache["layers"],
+                max_len=max_len,
+                slots=cache["tgt_valid"].shape[0] // cache["src_valid"].shape[0]
+                if "ancestry" in cache
+                else 1,
+            ),
         }
+        if "ancestry" in cache:
+            grown["ancestry"] = jnp.pad(cache["ancestry"], ((0, 0), (0, grow)))
+        return grown
 
     def decode_step(
         self, tokens: Array, cache: DecodeCache, *, index: Array
@@ -352,12 +388,24 @@ class Transformer(nn.Module):
         y = self._embed(
             self.tgt_embed, tokens[:, None], jnp.reshape(index, (1,)), deterministic=True
         )
+        ancestry = cache.get("ancestry")
+        if ancestry is not None:
+            # This step's position is written by each slot into its own cache.
+            rows, sentences = tokens.shape[0], cache["src_valid"].shape[0]
+            slot = jnp.tile(jnp.arange(rows // sentences, dtype=jnp.int32), sentences)
+            ancestry = lax.dynamic_update_slice(ancestry, slot[:, None], (0, index))
         y, layers = self.decoder.step(
             y,
             cache["layers"],
             index=index,
             self_mask=self_mask,
             src_mask=cache["src_valid"][:, None, None, :],
+            ancestry=None
+            if ancestry is None
+            else ancestry.reshape(cache["src_valid"].shape[0], -1, max_len),
         )
         logits = self._logits(y[:, 0])
-        return logits, {"src_valid": cache["src_valid"], "tgt_valid": tgt_valid, "layers": layers}
+        new = {"src_valid": cache["src_valid"], "tgt_valid": tgt_valid, "layers": layers}
+        if ancestry is not None:
+            new["ancestry"] = ancestry
+        return logits, new

@@ -11,6 +11,7 @@ import dataclasses
 import json
 import math
 import statistics
+import sys
 import types
 
 import chex
@@ -22,7 +23,16 @@ import pytest
 
 from train.bench import train_steps
 from train.bench.config import BenchConfig
-from train.bench.decode import decode_bench
+from train.bench.decode import decode_section, time_engines
+from train.bench.engines import (
+    Engine,
+    Served,
+    Unavailable,
+    ctranslate2_engine,
+    ours,
+    transformers_engine,
+    until_eos,
+)
 from train.bench.flops import (
     jaxpr_matmul_flops,
     transformer_flops,
@@ -31,6 +41,18 @@ from train.bench.flops import (
 )
 from train.bench.options import BenchOptions, build_parser, config_from_options, parse_options
 from train.bench.profile import summarize_trace_events
+from train.bench.random_models import (
+    PiecesTokenizer,
+    calibrate_eos,
+    count_params,
+    opus_mt_config,
+    param_shapes,
+    random_params,
+    random_sources,
+    sharpen,
+    source_batch,
+)
+from train.bench.report import to_markdown
 from train.bench.run import run_and_report, run_benchmarks
 from train.bench.timing import (
     compiled_memory,
@@ -522,36 +544,244 @@ def test_a_failing_section_is_recorded_and_the_run_goes_on(tmp_path, monkeypatch
     assert "Earlier, merged" in (tmp_path / "bench.md").read_text()
 
 
-def test_decode_bench_counts_sentences_and_the_best_beams_tokens():
-    cfg = TransformerConfig.tiny(src_vocab_size=20, tgt_vocab_size=20)
-    model, state = _transformer_state(cfg)
-    rng = np.random.default_rng(0)
-    sources = [list(rng.integers(3, 20, n)) + [cfg.eos_id] for n in rng.integers(2, 14, 10)]
-    r = decode_bench(
-        model,
-        state.params,
-        sources,
-        beam_size=2,
-        batch_size=4,
-        margin=3,
-        repeats=2,
-        buckets=(8, 16),
+# ----------------------------------------------------------------------------- decoding
+def _tiny_marian(**overrides) -> TransformerConfig:
+    """A tiny model every engine takes (Marian's options: post-LN, sines then cosines, epsilon
+    1e-5, swish), of realistic sources' lengths."""
+    fields = dict(
+        src_vocab_size=50,
+        tgt_vocab_size=50,
+        d_model=32,
+        n_heads=4,
+        d_ff=64,
+        n_encoder_layers=2,
+        n_decoder_layers=2,
+        positional="sinusoidal_concat",
+        layer_norm_eps=1e-5,
+        activation="swish",
+        max_len=64,
     )
-    assert r["sentences"] == 10
-    assert r["shapes"] == [(4, 8), (4, 16)]
-    assert r["sentences_per_s"] == 10 / statistics.median(r["pass_times_s"])
-    # Independent count: the same beam search, called directly, sentence by sentence, at the
-    # length of the smallest bucket that fits its batch (4 consecutive sentences).
-    from transformer_jax.decode import beam_search
+    return TransformerConfig.tiny(**{**fields, **overrides})
 
-    expected = 0
-    for i, s in enumerate(sources):
-        length = 8 if max(len(x) for x in sources[i // 4 * 4 : i // 4 * 4 + 4]) <= 8 else 16
-        src = np.zeros((1, length), np.int32)
-        src[0, : len(s)] = s
-        tokens, _ = beam_search(model, state.params, src, beam_size=2, max_len=length + 3)
-        expected += int(np.sum(np.asarray(tokens)[0, 0] != cfg.pad_id))
-    assert r["output_tokens"] == expected
+
+def _decode_config(**changes) -> BenchConfig:
+    # One bucket and two batch sizes: our search compiles 4 programs (2 shapes x 2 searches).
+    # One thread each: on a busy 2-core machine two threads wait on each other.
+    return BenchConfig.quick().replace(
+        **{
+            "decode_sizes": (("tiny", _tiny_marian()),),
+            "decode_batches": (1, 3),
+            "decode_sentences": 6,
+            "decode_latency_sentences": 2,
+            "decode_rounds": 1,
+            "decode_buckets": (32,),
+            "decode_threads": 1,
+            **changes,
+        }
+    )
+
+
+@pytest.fixture(scope="module")
+def decode_results(tmp_path_factory):
+    pytest.importorskip("ctranslate2")
+    pytest.importorskip("transformers")
+    cache = tmp_path_factory.mktemp("bench-cache")
+    return decode_section(_decode_config(), cache_dir=str(cache), log=lambda m: None), cache
+
+
+@pytest.mark.slow
+def test_decode_section_runs_every_engine_on_every_batch_and_search(decode_results):
+    result, cache = decode_results
+    assert result["backend"] == "cpu" and result["engine_device"] == "cpu"
+    (size,) = result["sizes"]
+    assert size["unavailable"] == {}
+    engines = ["ours", "ctranslate2 float32", "ctranslate2 int8", "transformers"]
+    assert list(size["engines"]) == engines
+    # Exported into the run's cache folder: a CTranslate2 folder each, a Hugging Face one.
+    for folder in ("ct2-float32", "ct2-int8"):
+        assert (cache / "decode" / "tiny" / folder / "model.bin").is_file()
+    assert (cache / "decode" / "tiny" / "marian" / "model.safetensors").is_file()
+    assert size["params"] == count_params(param_shapes(_tiny_marian()))
+    keys = [(r["batch"], r["search"], r["engine"]) for r in size["rows"]]
+    assert keys == [(b, s, e) for b in (1, 3) for s in ("greedy", "beam") for e in engines]
+    for r in size["rows"]:
+        n = 2 if r["batch"] == 1 else 6
+        assert r["sentences"] == n and len(r["pass_times_s"]) == 1
+        assert r["pass_s_median"] == statistics.median(r["pass_times_s"])
+        assert r["tokens_per_s"] == pytest.approx(r["output_tokens"] / r["pass_s_median"])
+        assert r["ms_per_sentence"] == pytest.approx(1e3 * r["pass_s_median"] / n)
+        assert r["lengths"]["mean"] == pytest.approx(r["output_tokens"] / n)
+        # Batch 1: a shape per sentence's bucket; batch 3: two batches of 3 (sorted).
+        assert r["shapes"] == ([(1, 32)] if r["batch"] == 1 else [(3, 32)])
+        assert set(r["first_calls_extra_s_by_shape"]) == {f"{r['batch']}x32"}
+    for r in size["rows"]:
+        if r["engine"] == "ours":
+            assert r["x_ours"] == 1.0 and r["same_as_ours"] == 1.0
+    json.dumps(result)  # bench.json takes it as it is
+
+
+@pytest.mark.slow
+def test_decode_section_greedy_agrees_with_ctranslate2_and_outputs_vary(decode_results):
+    """The sharpened random model decides: CTranslate2 float32 finds our greedy tokens for
+    every sentence (as it does on trained models), and the outputs end at varied lengths."""
+    (size,) = decode_results[0]["sizes"]
+    ct2 = [
+        r for r in size["rows"] if r["engine"] == "ctranslate2 float32" and r["search"] == "greedy"
+    ]
+    assert [r["same_as_ours"] for r in ct2] == [1.0, 1.0]
+    lengths = size["greedy_lengths"]
+    assert lengths["min"] < lengths["max"] and lengths["at_limit"] < 0.5
+    assert size["eos_calibration"]["eos_bias"] >= 0
+
+
+@pytest.mark.slow
+def test_decode_section_markdown_lists_every_row_and_the_notes(decode_results):
+    result = dict(decode_results[0])
+    size = dict(result["sizes"][0], unavailable={"transformers": "cannot export to Marian"})
+    result["sizes"] = [size]
+    md = to_markdown({"meta": _meta_for_markdown(), "train": [], "errors": [], "decode": result})
+    assert "| model | batch | search | engine | output tokens/s |" in md
+    for engine in ("ours", "ctranslate2 float32", "ctranslate2 int8", "transformers"):
+        assert md.count(f"| tiny | 1 | greedy | {engine} |") == 1
+        assert md.count(f"| tiny | 3 | beam | {engine} |") == 1
+    assert "tiny: transformers unavailable: cannot export to Marian" in md
+    assert f"{size['params']:,} parameters" in md
+
+
+def _meta_for_markdown() -> dict:
+    return {
+        "device_kind": "cpu",
+        "platform": "cpu",
+        "jax": jax.__version__,
+        "dtype": "float32",
+        "date": "today",
+        "command": "python -m train.bench --only decode",
+    }
+
+
+def test_old_decode_results_still_render():
+    old = {
+        "model": "Transformer 6+6 x 512, V 8000",
+        "weights": "random init",
+        "split": "test_2016_flickr",
+        "sentences_per_s": 12.5,
+        "output_tokens_per_s": 300.0,
+    }
+    md = to_markdown({"meta": _meta_for_markdown(), "train": [], "errors": [], "decode": old})
+    assert "12.5 sentences/s" in md
+
+
+def test_time_engines_counts_tokens_to_eos_and_compares_with_the_first_engine():
+    """Fake engines (no model): the figures come from their outputs and the pass times."""
+    eos, pad = 2, 0
+    batches = [
+        {"src": np.array([[5, 2, 0, 0], [6, 7, 2, 0]], np.int32), "index": np.array([1, 0])},
+        {"src": np.array([[8, 2]], np.int32), "index": np.array([2])},
+    ]
+    calls = []
+
+    def fake(shift):
+        def decode(src, *, greedy, max_len):
+            calls.append((src.shape, greedy, max_len))
+            out = np.full((len(src), max_len), pad, np.int32)
+            for row, s in enumerate(src):
+                n = int(s[0]) - 4 + shift  # sentence-dependent length
+                out[row, :n] = 9
+                if n < max_len:  # else: no room for EOS, the output is cut at the limit
+                    out[row, n] = eos
+            return out
+
+        return Engine(decode)
+
+    rows = time_engines(
+        {"ours": fake(0), "other": fake(1)},
+        batches,
+        n=3,
+        greedy=True,
+        margin=3,
+        rounds=2,
+        eos=eos,
+        pad=pad,
+        labels={"batch": 2, "search": "greedy"},
+    )
+    # Every engine decodes every batch in 1 + 2 rounds, output positions L + margin.
+    assert calls.count(((2, 4), True, 7)) == 6 and calls.count(((1, 2), True, 5)) == 6
+    ours, other = rows
+    # Sentences 0, 1, 2 read 6, 5, 8: ours emits 2, 1, 4 tokens then EOS; the other one
+    # token more, which for sentence 2 fills its 5 positions: no EOS.
+    assert ours["output_tokens"] == 3 + 2 + 5 and other["output_tokens"] == 4 + 3 + 5
+    assert ours["lengths"] == {"mean": 10 / 3, "min": 2, "max": 5, "at_limit": 0.0}
+    assert other["lengths"]["at_limit"] == 1 / 3
+    assert ours["same_as_ours"] == 1.0 and other["same_as_ours"] == 0.0
+    assert other["x_ours"] == pytest.approx(other["tokens_per_s"] / ours["tokens_per_s"])
+    assert ours["batch"] == 2 and ours["shapes"] == [(1, 2), (2, 4)]
+    assert set(ours["first_calls_extra_s_by_shape"]) == {"2x4", "1x2"}
+    assert len(ours["pass_times_s"]) == 2
+
+
+def test_until_eos_keeps_the_eos_and_drops_pad():
+    assert until_eos(np.array([5, 6, 2, 0, 0]), eos=2, pad=0) == [5, 6, 2]
+    assert until_eos(np.array([5, 6, 7]), eos=2, pad=0) == [5, 6, 7]
+
+
+def test_random_models_keep_shapes_and_make_ids_the_exporters_take():
+    cfg = _tiny_marian()
+    params = random_params(cfg, seed=0)
+    chex.assert_trees_all_equal_shapes(params, param_shapes(cfg))
+    sharp = sharpen(cfg, params)
+    chex.assert_trees_all_equal_shapes(sharp, params)
+    # The last LayerNorm (post-LN: the last decoder layer's) scales the logits.
+    norm = sharp["decoder"]["layers_1"]["ffn_residual"]["norm"]["scale"]
+    assert float(norm[0]) > 1.0
+    sources = random_sources(cfg, n=20, lengths=(8, 12), seed=0)
+    assert sources == random_sources(cfg, n=20, lengths=(8, 12), seed=0)
+    assert {len(s) for s in sources} <= set(range(8, 13)) and len({len(s) for s in sources}) > 1
+    tokenizer = PiecesTokenizer(cfg)
+    specials = {cfg.pad_id, cfg.bos_id, tokenizer.unk_id}
+    assert all(s[-1] == cfg.eos_id and not specials & set(s[:-1]) for s in sources)
+    assert [tokenizer.id_to_piece(i) for i in range(5)] == ["<pad>", "<s>", "</s>", "<unk>", "▁w4"]
+    # OPUS-MT's ids: EOS 0, <unk> 1, pad (= bos) last; 73,944,309 parameters.
+    opus = opus_mt_config()
+    opus_tokenizer = PiecesTokenizer(opus)
+    assert [opus_tokenizer.id_to_piece(i) for i in (0, 1, 58100)] == ["</s>", "<unk>", "<pad>"]
+    assert count_params(param_shapes(opus)) == 73_944_309
+
+
+def test_calibrated_eos_bias_brings_outputs_near_the_target_length():
+    cfg = _tiny_marian()
+    params = sharpen(cfg, random_params(cfg, seed=0))
+    src = source_batch(random_sources(cfg, n=8, lengths=(8, 30), seed=0), cfg.pad_id, 32)
+    _, info = calibrate_eos(cfg, params, src, max_len=40, target=12.0)
+    assert info["target"] == 12.0 and info["eos_bias"] > 0
+    assert abs(info["mean_length"] - 12.0) < 6.0
+
+
+def test_engines_that_cannot_run_say_why(monkeypatch, tmp_path):
+    pre_ln = _tiny_marian(norm_first=True)
+    served = Served(pre_ln, {}, PiecesTokenizer(pre_ln), folder=str(tmp_path))
+    with pytest.raises(Unavailable, match="norm_first=True"):
+        transformers_engine(served)
+    monkeypatch.setitem(sys.modules, "ctranslate2", None)  # not installed
+    with pytest.raises(Unavailable, match="ctranslate2 is not installed"):
+        ctranslate2_engine(served, quantization="float32")
+    assert not any(tmp_path.iterdir())  # nothing written
+
+
+@pytest.mark.slow
+def test_an_unavailable_engine_is_reported_and_the_others_run(tmp_path):
+    def missing(served):
+        raise Unavailable("not installed here")
+
+    config = _decode_config(decode_batches=(2,), decode_sentences=2)
+    result = decode_section(
+        config,
+        cache_dir=str(tmp_path),
+        engines=(("ours", ours), ("future int8", missing)),
+        log=lambda m: None,
+    )
+    (size,) = result["sizes"]
+    assert size["unavailable"] == {"future int8": "not installed here"}
+    assert {r["engine"] for r in size["rows"]} == {"ours"}
 
 
 # ----------------------------------------------------------------------------- CLI
@@ -583,6 +813,28 @@ def test_cli_sizes_and_batch_overrides():
         config_from_options(parse_options(["--batch", "gpt=8"]))
     with pytest.raises(ValueError, match="dtype"):
         BenchConfig.quick("float16")
+
+
+def test_decode_options_pick_sizes_rounds_and_threads():
+    options = ["--quick", "true", "--decode_sizes", "opus", "--decode_rounds", "4"]
+    config = config_from_options(parse_options([*options, "--decode_threads", "1"]))
+    assert [name for name, _ in config.decode_sizes] == ["opus-mt"]
+    assert config.decode_rounds == 4 and config.decode_threads == 1
+    impl = config_from_options(parse_options(["--attention_impl", "xla"]))
+    assert {c.attention_impl for _, c in impl.decode_sizes} == {"xla"}
+    for preset in (BenchConfig.full(), BenchConfig.quick()):
+        sizes = dict(preset.decode_sizes)
+        assert list(sizes) == ["cpu", "opus-mt"]
+        # The cpu preset's translation model (pre-LN) and an OPUS-MT-sized Marian one.
+        assert sizes["cpu"] == BenchConfig.full().torch_transformer.replace(
+            dropout=sizes["cpu"].dropout, attention_dropout=sizes["cpu"].attention_dropout
+        )
+        assert sizes["cpu"].norm_first and not sizes["opus-mt"].norm_first
+        assert preset.decode_batches == (1, 32) and preset.decode_threads == 2
+    with pytest.raises(ValueError, match="decode_sizes: unknown"):
+        config_from_options(parse_options(["--decode_sizes", "gpt"]))
+    with pytest.raises(ValueError, match="decode_source_lengths"):
+        BenchConfig.quick().replace(decode_source_lengths=(1, 5))
 
 
 def test_main_quick_matmul_only_writes_both_files(tmp_path, capsys):

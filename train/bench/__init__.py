@@ -1,4 +1,4 @@
-"""Speed benchmarks: training throughput and MFU, beam-4 decoding, Transformer-XL evaluation.
+"""Speed benchmarks: training throughput and MFU, decoding against serving engines, XL evaluation.
 
     python -m train.bench                        # full sizes, for one GPU
     python -m train.bench --quick true           # CPU sizes: a couple of minutes on 2 cores
@@ -15,10 +15,11 @@ Sections (`--only` picks some; `matmul` runs first, the training sections divide
   train_xl_enwik8    Transformer-XL enwik8_base: 12 x 512, segment 512, memory 512, batch 22.
   train_xl_wt103     Transformer-XL wt103_base: 16 x 410, segment/memory 150, adaptive softmax
                      over 267,735 words, batch 60.
-  decode             beam-4 search over Multi30k test_2016_flickr (1,000 sentences) with a
-                     random-init Transformer base on the joint 8k SentencePiece vocabulary:
-                     sentences per second. An untrained model rarely emits EOS, so every
-                     sentence runs to its length limit (source bucket + 16): a worst case.
+  decode             our greedy and beam-4 search against CTranslate2 (float32, int8) and
+                     transformers' MarianMTModel on the same random weights (sharpened to
+                     decide like a trained model), at the cpu preset's size and an OPUS-MT
+                     size (74M parameters): output tokens/s and ms/sentence at batch 1 and 32,
+                     load and compile times, agreement with ours; rounds interleaved.
   xl_eval            per-token evaluation time of Transformer-XL with memory (segments of 128,
                      memory = the attention length) against a vanilla Transformer that
                      recomputes a sliding window of the whole attention length for every token
@@ -43,8 +44,10 @@ Results go to OUT/bench.json (every raw figure, the device, versions, date, comm
 OUT/bench.md (tables), and are printed.
 
 One concern per module: config (BenchConfig, its presets, the sections), options (the flags),
-timing, profile (trace parsing), train_steps, decode, xl_eval, cpu_vs_torch (with torch_reference
-and xl_torch_reference, its PyTorch models), data, report (json, markdown, merging) and run
+timing, profile (trace parsing), train_steps, decode (with engines, the decoders it compares, and
+random_models, the weights they decode with), xl_eval, cpu_vs_torch (with torch_reference and
+xl_torch_reference, its PyTorch models), data, serve (a trained run in the same engines), report
+(json, markdown, merging) and run
 (`run_benchmarks`). `__main__` only parses flags and calls `run.run_and_report`; each section is an
 importable function that the tests run at tiny sizes.
 """

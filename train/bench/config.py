@@ -7,6 +7,7 @@ import dataclasses
 
 import jax.numpy as jnp
 
+from train.bench.random_models import opus_mt_config
 from train.lm import config as lm_config
 from train.translate import registry
 from transformer_jax.config import TransformerConfig
@@ -40,11 +41,19 @@ class BenchConfig:
         [batch, len] sources and targets.
       xl: (name, config, batch) per Transformer-XL training benchmark; segment and memory
         lengths are the config's tgt_len and mem_len.
-      decode_model: the Transformer that decodes (its vocabulary is set to the tokenizer's).
-      decode_vocab_size: the joint SentencePiece vocabulary size.
-      decode_sentences: the first N sentences of test_2016_flickr (0 = all).
-      decode_batch, beam_size, decode_margin, decode_repeats: beam search batch rows, beams,
-        extra output positions beyond the source bucket, timed passes over the sentences.
+      decode_sizes: (name, config) of each model the decode section compares the engines on
+        (random weights, float32).
+      decode_batches: batch sizes (rows per call) of the decode section; batch 1 decodes
+        `decode_latency_sentences` sentences one by one (latency), a larger batch
+        `decode_sentences` sentences, sorted by length (throughput).
+      decode_sentences, decode_latency_sentences: see decode_batches.
+      decode_source_lengths: (min, max) source length of the random sentences, EOS counted.
+      decode_buckets: the lengths sources are padded to (our search compiles one program per
+        bucket, batch and search); output positions are the bucket + decode_margin.
+      beam_size, decode_length_penalty: the beam search (alpha: GNMT's in ours, length **
+        alpha in the engines).
+      decode_rounds: timed rounds (each engine's pass in turn) after one untimed round.
+      decode_threads: CPU threads of CTranslate2 and torch.
       xl_eval: the Transformer-XL of the evaluation comparison.
       attn_lengths: attention lengths A compared (XL memory M = A; vanilla window = A).
       xl_eval_tgt_len, xl_eval_batch: XL's evaluation segment length and batch.
@@ -69,13 +78,17 @@ class BenchConfig:
     transformer_batch: int
     transformer_len: int
     xl: tuple[tuple[str, TransformerXLConfig, int], ...]
-    decode_model: TransformerConfig
-    decode_vocab_size: int
+    decode_sizes: tuple[tuple[str, TransformerConfig], ...]
+    decode_batches: tuple[int, ...]
     decode_sentences: int
-    decode_batch: int
+    decode_latency_sentences: int
+    decode_source_lengths: tuple[int, int]
+    decode_buckets: tuple[int, ...]
     beam_size: int
+    decode_length_penalty: float
     decode_margin: int
-    decode_repeats: int
+    decode_rounds: int
+    decode_threads: int
     xl_eval: TransformerXLConfig
     attn_lengths: tuple[int, ...]
     xl_eval_tgt_len: int
@@ -103,9 +116,11 @@ class BenchConfig:
             "matmul_repeats",
             "transformer_batch",
             "transformer_len",
-            "decode_batch",
+            "decode_sentences",
+            "decode_latency_sentences",
             "beam_size",
-            "decode_repeats",
+            "decode_rounds",
+            "decode_threads",
             "xl_eval_tgt_len",
             "xl_eval_batch",
             "vanilla_batch",
@@ -117,11 +132,21 @@ class BenchConfig:
         ):
             if getattr(self, name) < 1:
                 raise ValueError(f"{name}: must be >= 1, got {getattr(self, name)}")
-        for name in ("warmup", "decode_sentences", "decode_margin", "torch_warmup"):
+        for name in ("warmup", "decode_margin", "decode_length_penalty", "torch_warmup"):
             if getattr(self, name) < 0:
                 raise ValueError(f"{name}: must be >= 0, got {getattr(self, name)}")
         if not self.attn_lengths or min(self.attn_lengths) < 1:
             raise ValueError(f"attn_lengths: must be positive lengths, got {self.attn_lengths}")
+        if not self.decode_batches or min(self.decode_batches) < 1:
+            raise ValueError(f"decode_batches: must be batch sizes >= 1, got {self.decode_batches}")
+        low, high = self.decode_source_lengths
+        if not 2 <= low <= high:
+            raise ValueError(
+                f"decode_source_lengths: expected (min, max) with 2 <= min <= max (a word and "
+                f"EOS), got {self.decode_source_lengths}"
+            )
+        if any(len(c) != 2 for c in self.decode_sizes):
+            raise ValueError("decode_sizes: expected (name, TransformerConfig) pairs")
         if any(len(s) != 2 or min(s) < 1 for s in self.torch_shapes):
             raise ValueError(
                 f"torch_shapes: expected (sentences, length) pairs >= 1, got {self.torch_shapes}"
@@ -153,13 +178,8 @@ class BenchConfig:
                 )
                 for name in ("enwik8_base", "wt103_base")
             ),
-            decode_model=TransformerConfig.base(src_vocab_size=8000, tgt_vocab_size=8000, dtype=dt),
-            decode_vocab_size=8000,
-            decode_sentences=0,
-            decode_batch=128,
-            beam_size=4,
-            decode_margin=16,
-            decode_repeats=3,
+            **_decode(sentences=128, latency_sentences=16, rounds=5),
+            decode_buckets=(12, 16, 20, 24, 32),
             xl_eval=TransformerXLConfig.enwik8_base(dtype=dt, dropout=0.0),
             attn_lengths=(800, 1800, 2800, 3800),
             xl_eval_tgt_len=128,
@@ -210,22 +230,10 @@ class BenchConfig:
                     4,
                 ),
             ),
-            decode_model=TransformerConfig.base(
-                src_vocab_size=8000,
-                tgt_vocab_size=8000,
-                d_model=128,
-                n_heads=4,
-                d_ff=512,
-                n_encoder_layers=2,
-                n_decoder_layers=2,
-                dtype=dt,
-            ),
-            decode_vocab_size=8000,
-            decode_sentences=64,
-            decode_batch=32,
-            beam_size=4,
-            decode_margin=16,
-            decode_repeats=1,
+            # The section's cost is the OPUS-MT size: 74M parameters to convert, compile (our
+            # search: one program per bucket, batch and search, so two buckets) and decode.
+            **_decode(sentences=32, latency_sentences=4, rounds=2),
+            decode_buckets=(16, 32),
             xl_eval=TransformerXLConfig.enwik8_base(dropout=0.0, **small_xl),
             attn_lengths=(64, 128, 256),
             xl_eval_tgt_len=16,
@@ -234,6 +242,26 @@ class BenchConfig:
             eval_repeats=3,
             **_cpu_vs_torch(steps=5, warmup=2),
         )
+
+
+def _decode(*, sentences: int, latency_sentences: int, rounds: int) -> dict:
+    """The decode section's models and searches, the same in both presets (the engines are
+    compared at the sizes people serve): the `cpu` translation preset's Transformer (pre-LN:
+    transformers' Marian cannot hold it, CTranslate2 can) and an OPUS-MT-sized Marian model."""
+    cpu = registry.build_model_config("transformer", "cpu", vocab_size=4000)
+    return dict(
+        decode_sizes=(("cpu", cpu), ("opus-mt", opus_mt_config())),
+        decode_batches=(1, 32),
+        decode_sentences=sentences,
+        decode_latency_sentences=latency_sentences,
+        # Source lengths of everyday sentences, EOS counted.
+        decode_source_lengths=(8, 30),
+        beam_size=4,
+        decode_length_penalty=0.6,
+        decode_margin=16,
+        decode_rounds=rounds,
+        decode_threads=2,
+    )
 
 
 def _cpu_vs_torch(*, steps: int, warmup: int) -> dict:

@@ -33,8 +33,14 @@ class BenchOptions:
       batch: NAME=B items, the batch of one training bench: transformer, enwik8 or wt103.
       attn_lengths: attention lengths of the XL evaluation comparison (empty: the preset's).
       xl_eval_tgt_len: XL evaluation segment length (None: the preset's).
-      decode_sentences: decode the first N test sentences (0 = all; None: the preset's).
-      cache_dir: where the Multi30k tokenizer is cached.
+      decode_sizes: the models of the decode section, by name ('cpu', 'opus-mt'; a prefix
+        will do; empty: the preset's, both).
+      decode_sentences: random sentences the decode section decodes in batches of 32 (None:
+        the preset's).
+      decode_rounds: timed rounds of the decode section (None: the preset's).
+      decode_threads: CPU threads of CTranslate2 and torch in the decode section (None: the
+        preset's, 2).
+      cache_dir: where the data section's corpus and the decode section's exports go.
       profile: profile 3 more steps of each training bench and summarize where time went.
       profile_dir: keep the traces there (None: summarized, then deleted).
       attention_impl: attention_impl of every model ('': the configs' 'auto').
@@ -55,7 +61,10 @@ class BenchOptions:
     batch: tuple[str, ...] = ()
     attn_lengths: tuple[int, ...] = ()
     xl_eval_tgt_len: int | None = None
+    decode_sizes: tuple[str, ...] = ()
     decode_sentences: int | None = None
+    decode_rounds: int | None = None
+    decode_threads: int | None = None
     cache_dir: str = os.path.join("runs", "bench-cache")
     profile: bool = True
     profile_dir: str | None = None
@@ -119,6 +128,19 @@ def config_from_options(options: BenchOptions) -> BenchConfig:
         changes["xl_eval_tgt_len"] = options.xl_eval_tgt_len
     if options.decode_sentences is not None:
         changes["decode_sentences"] = options.decode_sentences
+    if options.decode_rounds is not None:
+        changes["decode_rounds"] = options.decode_rounds
+    if options.decode_threads is not None:
+        changes["decode_threads"] = options.decode_threads
+    sizes = config.decode_sizes
+    if options.decode_sizes:
+        wanted = [p.lower() for p in options.decode_sizes]
+        unknown = [p for p in wanted if not any(n.startswith(p) for n, _ in sizes)]
+        if unknown:
+            raise ValueError(
+                f"decode_sizes: unknown {unknown}; choose from {[n for n, _ in sizes]}"
+            )
+        sizes = tuple((n, c) for n, c in sizes if any(n.startswith(p) for p in wanted))
     changes["torch_compile"] = options.torch_compile
     if options.data_pairs is not None:
         changes["data_pairs"] = options.data_pairs
@@ -145,8 +167,9 @@ def config_from_options(options: BenchOptions) -> BenchConfig:
         xl = [(n, c.replace(attention_impl=impl), b) for n, c, b in xl]
         changes.update(
             transformer=config.transformer.replace(attention_impl=impl),
-            decode_model=config.decode_model.replace(attention_impl=impl),
+            decode_sizes=tuple((n, c.replace(attention_impl=impl)) for n, c in sizes),
             xl_eval=config.xl_eval.replace(attention_impl=impl),
         )
+    changes.setdefault("decode_sizes", sizes)
     changes["xl"] = tuple(xl)
     return config.replace(**changes)

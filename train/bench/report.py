@@ -103,18 +103,7 @@ def to_markdown(results: Mapping[str, Any]) -> str:
         lines.append("")
         for r in train:
             lines += _profile_lines(r["name"], r.get("profile"), r["step_s_median"])
-    decode = results.get("decode")
-    if decode:
-        lines += [
-            "| beam search | sentences | beam | batch | sentences/s | output tokens/s | "
-            "first pass incl. compile (s) |",
-            "|---|---|---|---|---|---|---|",
-            f"| {decode['model']}, {decode['weights']}, {decode['split']} | "
-            f"{decode['sentences']} | {decode['beam_size']} | {decode['batch']} | "
-            f"{decode['sentences_per_s']:.1f} | {decode['output_tokens_per_s']:,.0f} | "
-            f"{decode['first_pass_s']:.1f} |",
-            "",
-        ]
+    lines += _decode_lines(results.get("decode"))
     xl_eval = results.get("xl_eval")
     if xl_eval:
         lines += [
@@ -134,6 +123,64 @@ def to_markdown(results: Mapping[str, Any]) -> str:
     for err in results.get("errors") or []:
         lines.append(f"- {err['section']} failed: {err['error']}")
     return "\n".join(lines) + "\n"
+
+
+def _decode_lines(decode: Mapping[str, Any] | None) -> list[str]:
+    """The decode section: one row per model x batch x search x engine, a note per model."""
+    if not decode:
+        return []
+    if "sizes" not in decode:  # a bench.json from before the engines were compared
+        return [
+            f"Beam search of {decode['model']} ({decode['weights']}), {decode['split']}: "
+            f"{decode['sentences_per_s']:.1f} sentences/s, "
+            f"{decode['output_tokens_per_s']:,.0f} output tokens/s.",
+            "",
+        ]
+    low, high = decode["source_lengths"]
+    versions = ", ".join(f"{k} {v}" for k, v in decode["versions"].items())
+    lines = [
+        f"Decoding, our search against the serving engines on the same random weights "
+        f"(sharpened so that outputs are decisive and of varied lengths): random sources of "
+        f"{low}-{high} tokens (EOS counted), padded to the buckets {decode['buckets']}, "
+        f"outputs of up to bucket + {decode['margin']} tokens; greedy and beam "
+        f"{decode['beam_size']} (length penalty {decode['length_penalty']}: GNMT's in ours, "
+        f"length ** alpha in the engines). CTranslate2 and transformers on "
+        f"{decode['engine_device']} with {decode['threads']} threads, ours on JAX's "
+        f"{decode['backend']}; medians of {decode['rounds']} interleaved rounds. "
+        f"{decode['cpu']}; {versions}. tokens/s counts every output token up to and with "
+        "EOS; x ours is the ratio of tokens/s; first calls: the first call of each source "
+        "shape less a steady one (ours: compiling).",
+        "",
+        "| model | batch | search | engine | output tokens/s | ms/sentence | x ours | "
+        "same tokens as ours | first calls (s) | load (s) |",
+        "|---|---:|---|---|---:|---:|---:|---:|---:|---:|",
+    ]
+    notes = []
+    for size in decode["sizes"]:
+        engines = size["engines"]
+        for r in size["rows"]:
+            lines.append(
+                f"| {size['name']} | {r['batch']} | {r['search']} | {r['engine']} | "
+                f"{r['tokens_per_s']:,.0f} | {r['ms_per_sentence']:,.1f} | "
+                f"{r['x_ours']:.2f} | {_pct(r['same_as_ours'])} | "
+                f"{r['first_calls_extra_s']:.1f} | {engines[r['engine']]['load_s']:.1f} |"
+            )
+        exports = ", ".join(
+            f"{name} {e['export_s']:.1f} s" for name, e in engines.items() if e["export_s"]
+        )
+        lengths = size.get("greedy_lengths") or {}
+        eos = size["eos_calibration"]
+        notes.append(
+            f"{size['name']}: {size['model']}, {size['params']:,} parameters; EOS logit "
+            f"+{eos['eos_bias']:.1f}: our greedy outputs {lengths.get('mean', 0):.1f} tokens "
+            f"on average ({lengths.get('min')} to {lengths.get('max')}, "
+            f"{_pct(lengths.get('at_limit'))} at the limit); exports: {exports or 'none'}."
+        )
+        notes += [
+            f"{size['name']}: {name} unavailable: {why}"
+            for name, why in size["unavailable"].items()
+        ]
+    return lines + [""] + [f"- {note}" for note in notes] + [""]
 
 
 def _profile_lines(

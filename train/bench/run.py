@@ -159,7 +159,7 @@ def run_benchmarks(
         save()
     if "decode" in sections:
         results["decode"] = attempt(
-            "decode", lambda: decode.multi30k_decode_bench(config, cache_dir=cache_dir)
+            "decode", lambda: decode.decode_section(config, cache_dir=cache_dir, log=log)
         )
         save()
     if "xl_eval" in sections:

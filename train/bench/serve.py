@@ -17,7 +17,9 @@ ours exactly. The engines' beam searches differ from ours: both others divide th
 log-probs by length ** alpha (alpha = the run's length_penalty) where ours divides by GNMT's
 ((5 + length) / 6) ** alpha, and they keep finished hypotheses apart; so beam BLEU may differ.
 Every engine runs on `--threads` CPU threads (JAX on all the machine's cores: XLA:CPU has no
-thread-count flag; on the 2-core machine that is the same 2).
+thread-count flag; on the 2-core machine that is the same 2). The engines are
+`train.bench.engines`' (`python -m train.bench --only decode` compares them on random models);
+one whose package is missing is reported as such.
 """
 
 from __future__ import annotations
@@ -25,8 +27,6 @@ from __future__ import annotations
 import argparse
 import json
 import os
-import platform
-import subprocess
 import tempfile
 import time
 from collections.abc import Callable, Sequence
@@ -34,55 +34,30 @@ from typing import Any
 
 import numpy as np
 
+from train.bench.engines import (
+    ENGINES,
+    Served,
+    Unavailable,
+    cpu_model,
+    in_order,
+    same_share,
+    source_batches,
+    until_eos,
+    versions,
+)
 from train.core.task import saved_config
-from train.data.batching import eval_batches
 from train.translate.evaluate import bleu, special_ids
-from train.translate.export import check_exportable, export_ct2, export_marian, load_exportable
+from train.translate.export import load_exportable
 from train.translate.task import TASK, encode_source, load_split, tfds_splits
-from transformer_jax import decode
-from transformer_jax.model import Transformer
-
-
-def _batches(config, sources: list[list[int]]) -> list[dict[str, np.ndarray]]:
-    """The evaluation's length-sorted batches of the sources (one device), without the rows
-    that only fill a batch (the engines take ragged batches)."""
-    batches = eval_batches(
-        [(s, []) for s in sources],
-        batch_size=config.eval_batch_size,
-        buckets=config.buckets,
-        num_devices=1,
-        sort_by_length=True,
-        **special_ids(config.model_config),
-    )
-    return [{k: v[b["index"] >= 0] for k, v in b.items()} for b in batches]
-
-
-def _in_order(batches, outputs: Sequence[np.ndarray], n: int) -> list[np.ndarray]:
-    """Each batch's output rows back in the sources' order."""
-    out: list[np.ndarray] = [None] * n  # type: ignore[list-item]
-    for batch, ids in zip(batches, outputs):
-        for row, i in enumerate(batch["index"]):
-            out[i] = np.asarray(ids[row])
-    return out
-
-
-def _until_eos(ids: np.ndarray, eos: int, pad: int) -> list[int]:
-    """The tokens of one output up to and with its EOS (pad dropped)."""
-    out = []
-    for t in ids.tolist():
-        if t == pad:
-            continue
-        out.append(t)
-        if t == eos:
-            break
-    return out
 
 
 def _measure(
     name: str,
-    run: Callable[[dict[str, np.ndarray]], np.ndarray],
+    run: Callable,
     batches,
     *,
+    greedy: bool,
+    margin: int,
     n: int,
     tokenizer,
     references: Sequence[str],
@@ -90,14 +65,19 @@ def _measure(
     pad: int,
 ) -> dict[str, Any]:
     """Two passes of `run` over the batches (the first compiles or warms up; the second is
-    timed) -> BLEU, output tokens per second and the outputs."""
+    timed), each batch's output length its bucket + margin -> BLEU, output tokens per second
+    and the outputs."""
+
+    def one_pass():
+        return [run(b["src"], greedy=greedy, max_len=b["src"].shape[1] + margin) for b in batches]
+
     start = time.perf_counter()
-    [run(b) for b in batches]
+    one_pass()
     first = time.perf_counter() - start
     start = time.perf_counter()
-    outputs = [run(b) for b in batches]
+    outputs = one_pass()
     seconds = time.perf_counter() - start
-    ids = [_until_eos(row, eos, pad) for row in _in_order(batches, outputs, n)]
+    ids = [until_eos(row, eos, pad) for row in in_order(batches, outputs, n)]
     hypotheses = [tokenizer.decode(np.asarray(row, np.int64)) for row in ids]
     tokens = sum(map(len, ids))
     return {
@@ -116,13 +96,9 @@ def serve_bench(
     workdir: str, *, sentences: int = 0, threads: int = 2, export_dir: str | None = None
 ) -> dict[str, Any]:
     """The measurements of this module's docstring for the model of `workdir`."""
-    import ctranslate2
-
-    from transformer_jax.ct2 import ct2_translate
-
     config = saved_config(TASK, workdir)
     exported = load_exportable(workdir=workdir)  # the parameters the run decodes with
-    model, params, tokenizer = Transformer(exported.config), exported.params, exported.tokenizer
+    tokenizer = exported.tokenizer
     if config.data_source() == "tfds":
         test = tfds_splits(config, tokenizer)[1][0]
     elif config.test_src:
@@ -132,102 +108,49 @@ def serve_bench(
     sources, references = test.sources, test.references
     if sentences:
         sources, references = sources[:sentences], references[:sentences]
-    batches = _batches(config, encode_source(tokenizer, sources))
-    mc = config.model_config
-    margin, beam, alpha = config.decode_margin, config.beam_size, config.length_penalty
-    measure = dict(
-        n=len(sources), tokenizer=tokenizer, references=references, eos=mc.eos_id, pad=mc.pad_id
+    # The evaluation's length-sorted batches (one device).
+    batches = source_batches(
+        encode_source(tokenizer, sources),
+        batch_size=config.eval_batch_size,
+        buckets=config.buckets,
+        **special_ids(config.model_config),
     )
-
-    def ours(greedy: bool):
-        def run(batch):
-            src = batch["src"]
-            if greedy:
-                return np.asarray(
-                    decode.greedy_decode(model, params, src, max_len=src.shape[1] + margin)
-                )
-            tokens, _ = decode.beam_search(
-                model,
-                params,
-                src,
-                beam_size=beam,
-                max_len=src.shape[1] + margin,
-                length_penalty=alpha,
-                best_only=True,
-            )
-            return np.asarray(tokens[:, 0])
-
-        return run
-
-    root = export_dir or tempfile.mkdtemp(prefix="serve-bench-")
-    engines: list[tuple[str, Callable[[bool], Callable]]] = [("ours", ours)]
-    for quantization in ("float32", "int8"):
-        folder = os.path.join(root, f"ct2-{quantization}")
-        if not os.path.exists(folder):
-            export_ct2(exported, folder, quantization=quantization)
-        translator = ctranslate2.Translator(
-            folder, device="cpu", compute_type=quantization, inter_threads=1, intra_threads=threads
-        )
-
-        def ct2(greedy: bool, translator=translator):
-            def run(batch):
-                src = batch["src"]
-                return ct2_translate(
-                    translator,
-                    tokenizer,
-                    src,
-                    max_len=src.shape[1] + margin,
-                    beam_size=1 if greedy else beam,
-                    length_penalty=alpha,
-                    max_batch_size=len(src),
-                )
-
-            return run
-
-        engines.append((f"ctranslate2 {quantization}", ct2))
-
-    unexpressible = None
-    try:
-        check_exportable(config.model_config, marian=True)
-    except ValueError as e:
-        unexpressible = str(e)
-    if unexpressible is None:
-        import torch
-        import transformers
-
-        torch.set_num_threads(threads)
-        folder = os.path.join(root, "marian")
-        if not os.path.exists(folder):
-            export_marian(exported, folder)
-        hf = transformers.MarianMTModel.from_pretrained(folder).eval()
-
-        def transformers_engine(greedy: bool):
-            def run(batch):
-                src = torch.tensor(batch["src"], dtype=torch.long)
-                with torch.no_grad():
-                    out = hf.generate(
-                        input_ids=src,
-                        attention_mask=src != mc.pad_id,
-                        num_beams=1 if greedy else beam,
-                        do_sample=False,
-                        length_penalty=alpha,
-                        max_length=src.shape[1] + margin + 1,  # counts the start token
-                    )
-                return out.numpy()[:, 1:]
-
-            return run
-
-        engines.append(("transformers", transformers_engine))
-
+    mc = config.model_config
+    beam, alpha = config.beam_size, config.length_penalty
+    served = Served(
+        exported.config,
+        exported.params,
+        tokenizer,
+        folder=export_dir or tempfile.mkdtemp(prefix="serve-bench-"),
+        beam_size=beam,
+        length_penalty=alpha,
+        threads=threads,
+        device="cpu",
+        marian_tokenizer=tokenizer,
+        generation=exported.generation,
+        reuse_exports=True,
+    )
+    engines, unavailable = [], {}
+    for name, factory in ENGINES:
+        try:
+            engines.append((name, factory(served)))
+        except Unavailable as e:
+            unavailable[name] = str(e)
+    measure = dict(
+        margin=config.decode_margin,
+        n=len(sources),
+        tokenizer=tokenizer,
+        references=references,
+        eos=mc.eos_id,
+        pad=mc.pad_id,
+    )
     results: dict[str, Any] = {"greedy": [], "beam": []}
     for search, greedy in (("greedy", True), ("beam", False)):
-        for name, make in engines:
-            results[search].append(_measure(name, make(greedy), batches, **measure))
+        for name, engine in engines:
+            results[search].append(_measure(name, engine.decode, batches, greedy=greedy, **measure))
         reference = results[search][0]["ids"]
         for row in results[search]:
-            row["same_as_ours"] = sum(a == b for a, b in zip(row["ids"], reference)) / len(
-                reference
-            )
+            row["same_as_ours"] = same_share(row["ids"], reference)
     for rows in results.values():
         for row in rows:
             del row["ids"], row["hypotheses"]
@@ -240,32 +163,13 @@ def serve_bench(
         "threads": threads,
         "model": f"{config.model} ({config.preset}), {config.model_config.n_encoder_layers}+"
         f"{config.model_config.n_decoder_layers} x {config.model_config.d_model}",
-        "transformers": unexpressible or "exported",
-        "cpu": _cpu_model(),
+        "transformers": unavailable.get("transformers", "exported"),
+        "unavailable": unavailable,
+        "cpu": cpu_model(),
         "date": time.strftime("%Y-%m-%d"),
-        "versions": _versions(),
+        "versions": versions(),
         "results": results,
     }
-
-
-def _cpu_model() -> str:
-    try:
-        out = subprocess.run(["lscpu"], capture_output=True, text=True, check=True).stdout
-    except (OSError, subprocess.CalledProcessError):
-        return platform.processor()
-    return next((ln.split(":", 1)[1].strip() for ln in out.splitlines() if "Model name" in ln), "")
-
-
-def _versions() -> dict[str, str]:
-    import importlib.metadata as md
-
-    out = {}
-    for name in ("jax", "ctranslate2", "transformers", "torch"):
-        try:
-            out[name] = md.version(name)
-        except md.PackageNotFoundError:
-            pass
-    return out
 
 
 def report(result: dict[str, Any]) -> str:
@@ -285,8 +189,12 @@ def report(result: dict[str, Any]) -> str:
                 f"| {search} | {row['engine']} | {row['bleu']:.2f} | {row['tokens_per_s']:,.0f} "
                 f"| {row['tokens_per_s'] / base:.2f} | {100 * row['same_as_ours']:.1f}% |"
             )
-    if result["transformers"] != "exported":
-        lines += ["", f"transformers: not exported ({result['transformers']})"]
+    unavailable = result.get("unavailable") or (
+        {} if result["transformers"] == "exported" else {"transformers": result["transformers"]}
+    )
+    if unavailable:
+        lines.append("")
+    lines += [f"{name}: not exported ({why})" for name, why in unavailable.items()]
     return "\n".join(lines) + "\n"
 
 

@@ -595,7 +595,7 @@ def test_decode_section_runs_every_engine_on_every_batch_and_search(decode_resul
     assert result["backend"] == "cpu" and result["engine_device"] == "cpu"
     (size,) = result["sizes"]
     assert size["unavailable"] == {}
-    engines = ["ours", "ctranslate2 float32", "ctranslate2 int8", "transformers"]
+    engines = ["ours", "ours int8", "ctranslate2 float32", "ctranslate2 int8", "transformers"]
     assert list(size["engines"]) == engines
     # Exported into the run's cache folder: a CTranslate2 folder each, a Hugging Face one.
     for folder in ("ct2-float32", "ct2-int8"):
@@ -641,7 +641,7 @@ def test_decode_section_markdown_lists_every_row_and_the_notes(decode_results):
     result["sizes"] = [size]
     md = to_markdown({"meta": _meta_for_markdown(), "train": [], "errors": [], "decode": result})
     assert "| model | batch | search | engine | output tokens/s |" in md
-    for engine in ("ours", "ctranslate2 float32", "ctranslate2 int8", "transformers"):
+    for engine in ("ours", "ours int8", "ctranslate2 float32", "ctranslate2 int8", "transformers"):
         assert md.count(f"| tiny | 1 | greedy | {engine} |") == 1
         assert md.count(f"| tiny | 3 | beam | {engine} |") == 1
     assert "tiny: transformers unavailable: cannot export to Marian" in md

@@ -14,7 +14,8 @@ our target ids, one row per source: the tokens, EOS where the output ended, then
 may be shorter than max_len). `until_eos` cuts a row to what counts.
 
 - `ours`: `transformer_jax.decode.greedy_decode` and `beam_search` (GNMT length penalty,
-  best_only), jitted: each source shape compiles once.
+  best_only), jitted: each source shape compiles once. `ours int8`: the same searches over
+  the model's int8 form (`transformer_jax.quantize`).
 - `ctranslate2 float32` / `ctranslate2 int8`: a `save_ct2` export in CTranslate2, its weights
   quantized as named, `ct2_translate` (inter_threads 1, intra_threads `threads`).
 - `transformers`: a `save_marian` folder in `MarianMTModel.generate`, where Marian can express
@@ -26,7 +27,7 @@ length ** alpha (alpha = `length_penalty`), ours by GNMT's ((5 + length) / 6) **
 they keep finished hypotheses apart; so their beam outputs can differ from ours where greedy
 ones agree. ctranslate2 and transformers (with torch) are optional, imported by their
 factories: a missing package makes its engine `Unavailable`, as does a device it cannot use.
-Another engine (an int8 variant of ours, say) is one more (name, factory) entry in `ENGINES`.
+Another engine is one more (name, factory) entry in `ENGINES`.
 """
 
 from __future__ import annotations
@@ -49,6 +50,7 @@ from transformer_jax import decode
 from transformer_jax.config import TransformerConfig
 from transformer_jax.marian import GenerationDefaults
 from transformer_jax.model import Transformer
+from transformer_jax.quantize import quantized
 
 
 class Unavailable(Exception):
@@ -114,11 +116,14 @@ class Engine:
 Factory = Callable[[Served], Engine]
 
 
-def ours(served: Served) -> Engine:
-    """`transformer_jax.decode` on JAX's default device."""
+def ours(served: Served, *, quantize: str | None = None) -> Engine:
+    """`transformer_jax.decode` on JAX's default device; with quantize="int8", the model's
+    int8 form (`transformer_jax.quantize.quantized`: its quantization is the load time)."""
     start = time.perf_counter()
-    model = Transformer(served.config)
-    params = jax.block_until_ready(jax.device_put(served.params))
+    model, params = Transformer(served.config), served.params
+    if quantize:
+        model, params = quantized(model, params, quantize)
+    params = jax.block_until_ready(jax.device_put(params))
     load_s = time.perf_counter() - start
 
     def run(src: np.ndarray, *, greedy: bool, max_len: int) -> np.ndarray:
@@ -251,6 +256,7 @@ def transformers_engine(served: Served) -> Engine:
 
 ENGINES: tuple[tuple[str, Factory], ...] = (
     ("ours", ours),
+    ("ours int8", functools.partial(ours, quantize="int8")),
     ("ctranslate2 float32", functools.partial(ctranslate2_engine, quantization="float32")),
     ("ctranslate2 int8", functools.partial(ctranslate2_engine, quantization="int8")),
     ("transformers", transformers_engine),

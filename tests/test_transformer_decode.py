@@ -179,3 +179,26 @@ def test_best_only_beam_equals_the_full_searchs_best(alpha, beam_size):
     assert np.any(np.asarray(tokens[:, 0]) == EOS)
     np.testing.assert_array_equal(np.asarray(best[:, 0]), np.asarray(tokens[:, 0]))
     np.testing.assert_array_equal(np.asarray(best_scores[:, 0]), np.asarray(scores[:, 0]))
+
+
+def test_cache_stages_double_from_16_up_to_the_output_length():
+    from transformer_jax import cache_stages
+
+    assert cache_stages(80) == (16, 32, 64, 80)
+    assert cache_stages(64) == (16, 32, 64)
+    assert cache_stages(16) == (16,) and cache_stages(5) == (5,)
+    assert cache_stages(20, first=4) == (4, 8, 16, 20)
+
+
+def test_stages_must_rise_to_max_len_and_a_cache_never_shrinks():
+    model, params, src = _model()
+    for stages in ((8, 4, 10), (4, 8), ()):
+        with pytest.raises(ValueError, match="stages must rise to max_len"):
+            greedy_decode(model, params, src, max_len=10, stages=stages)
+    cache = model.apply({"params": params}, src, max_len=8, method="init_decode_cache")
+    with pytest.raises(ValueError, match="cannot shrink"):
+        model.apply({"params": params}, cache, max_len=4, method="grow_decode_cache")
+    # Grown, the cache is what a longer one would hold: the new positions empty.
+    grown = model.apply({"params": params}, cache, max_len=12, method="grow_decode_cache")
+    longer = model.apply({"params": params}, src, max_len=12, method="init_decode_cache")
+    chex.assert_trees_all_equal(grown, longer)

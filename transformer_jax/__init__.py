@@ -20,6 +20,7 @@ from transformer_jax.convs2s import ConvS2S, ConvS2SConfig
 from transformer_jax.ct2 import save_ct2
 from transformer_jax.decode import (
     beam_search,
+    cache_stages,
     greedy_decode,
     model_step_fn,
     search_beam,
@@ -78,6 +79,7 @@ __all__ = [
     "FeedForward",
     "GenerationDefaults",
     "greedy_decode",
+    "cache_stages",
     "quantize_params",
     "quantized",
     "GRUSeq2Seq",

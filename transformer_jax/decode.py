@@ -195,7 +195,6 @@ def search_beam(
         cache = jax.tree_util.tree_map(lambda x: jnp.repeat(x, w_, axis=0), cache)
     else:
         cache = expand(cache, w_)
-    batch_offsets = (jnp.arange(b_) * w_)[:, None]  # [B, 1]: row of beam 0 of each example
 
     def cond(state):
         i, _, _, log_prob, lengths, finished, _ = state
@@ -230,15 +229,15 @@ def search_beam(
         tokens = jnp.take_along_axis(tokens, parent[..., None], axis=1)
         tokens = lax.dynamic_update_slice(tokens, token[..., None], (0, 0, i))
         finished = parent_finished | dead | (token == eos_id)
-        rows = (batch_offsets + parent).reshape(b_ * w_)
-        # A leaf the step function hands back untouched (the very same traced value: encoder
-        # keys/values, the source mask) was repeated per beam and has only ever been permuted
-        # within its sentence, so all W copies are equal and reordering it is the identity
-        # (or `expand` left it at one row per sentence, which no reorder touches). Skipping
-        # that gather is exact and saves moving [B*W, S, ...] every step.
         if reorder is not None:
             cache = reorder(cache, parent)
         else:
+            # A leaf the step function hands back untouched (the very same traced value:
+            # encoder keys/values, the source mask) was repeated per beam and has only ever
+            # been permuted within its sentence, so all W copies are equal and reordering it
+            # is the identity (or `expand` left it at one row per sentence, which no reorder
+            # touches). Skipping that gather is exact and saves moving [B*W, S, ...] a step.
+            rows = (jnp.arange(b_)[:, None] * w_ + parent).reshape(b_ * w_)
             cache = jax.tree_util.tree_map(
                 lambda new, old: new if new is old else new[rows], cache, old_cache
             )

@@ -166,8 +166,8 @@ class MultiHeadAttention(nn.Module):
         self, inputs_q: Array, key: Array, value: Array, ancestry: Array, *, mask: Array
     ) -> Array:
         """A beam search's step: inputs_q [B * W, 1, D], per-slot caches key/value
-        [B, H, W, C, K], ancestry [B, W, C], mask [B * W, 1, 1, C] -> [B * W, 1, D]
-        (`transformer_jax.attention.beam_attention`)."""
+        [B, H, C * W, K] (position-major), ancestry [B, W, C], mask [B * W, 1, 1, C]
+        -> [B * W, 1, D] (`transformer_jax.attention.beam_attention`)."""
         cfg = self.config
         b, w, c = ancestry.shape
         query = self._split_heads(self.query(inputs_q)).reshape(b, w, cfg.n_heads, -1)
@@ -422,8 +422,10 @@ class DecoderLayer(nn.Module):
         at = (0, 0, index, 0)
         if ancestry is not None:  # per-slot caches [B, H, C * W, K], position-major
             b, w, _ = ancestry.shape
-            key, value = (x.reshape(b, w, *x.shape[1:]).swapaxes(1, 2) for x in (key, value))
-            key, value = (x.reshape(b, x.shape[1], w, x.shape[-1]) for x in (key, value))
+            # [B * W, H, 1, K] -> [B, H, W, K]: this position's W rows, one per slot.
+            key, value = (
+                x.reshape(b, w, x.shape[1], x.shape[-1]).swapaxes(1, 2) for x in (key, value)
+            )
             at = (0, 0, index * w, 0)
         cache["self_key"] = lax.dynamic_update_slice(cache["self_key"], key, at)
         cache["self_value"] = lax.dynamic_update_slice(cache["self_value"], value, at)

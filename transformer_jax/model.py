@@ -357,18 +357,15 @@ class Transformer(nn.Module):
         grow = max_len - cache["tgt_valid"].shape[1]
         if grow < 0:
             raise ValueError(f"cannot shrink a decode cache to {max_len} positions")
+        # A beam search's per-slot caches hold W entries a position (expand_decode_cache).
+        beams = "ancestry" in cache
+        slots = cache["tgt_valid"].shape[0] // cache["src_valid"].shape[0] if beams else 1
         grown = {
             **cache,
             "tgt_valid": jnp.pad(cache["tgt_valid"], ((0, 0), (0, grow))),
-            "layers": self.decoder.grow_cache(
-                cache["layers"],
-                max_len=max_len,
-                slots=cache["tgt_valid"].shape[0] // cache["src_valid"].shape[0]
-                if "ancestry" in cache
-                else 1,
-            ),
+            "layers": self.decoder.grow_cache(cache["layers"], max_len=max_len, slots=slots),
         }
-        if "ancestry" in cache:
+        if beams:
             grown["ancestry"] = jnp.pad(cache["ancestry"], ((0, 0), (0, grow)))
         return grown
 

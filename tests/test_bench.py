@@ -44,7 +44,6 @@ from train.bench.profile import summarize_trace_events
 from train.bench.random_models import (
     PiecesTokenizer,
     calibrate_eos,
-    count_params,
     opus_mt_config,
     param_shapes,
     random_params,
@@ -62,7 +61,7 @@ from train.bench.timing import (
     utilisation,
 )
 from train.bench.train_steps import transformer_train_setup, xl_train_setup
-from train.core.state import TrainState
+from train.core.state import TrainState, count_params
 from train.core.step import make_train_step
 from train.lm import make_loss_fn as lm_loss_fn
 from train.translate import make_loss_fn

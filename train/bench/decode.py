@@ -59,7 +59,6 @@ from train.bench.engines import (
 from train.bench.random_models import (
     PiecesTokenizer,
     calibrate_eos,
-    count_params,
     describe,
     random_params,
     random_sources,
@@ -67,6 +66,7 @@ from train.bench.random_models import (
     source_batch,
 )
 from train.bench.timing import time_interleaved
+from train.core.state import count_params
 from transformer_jax.config import TransformerConfig
 
 SEARCHES = (("greedy", True), ("beam", False))

@@ -258,10 +258,6 @@ def describe(config: TransformerConfig, name: str = "") -> str:
     return f"{name}: {text}" if name else text
 
 
-def count_params(params: Mapping) -> int:
-    return int(sum(np.size(x) for x in jax.tree.leaves(params)))
-
-
 def source_batch(sources: Sequence[Sequence[int]], pad_id: int, length: int) -> np.ndarray:
     """[len(sources), length] int32, each row a source then pad."""
     out = np.full((len(sources), length), pad_id, np.int32)

@@ -8,6 +8,10 @@ import os
 import tempfile
 
 os.environ.setdefault("JAX_PLATFORMS", "cpu")
+# With JAX_PLATFORMS=cuda,cpu (the GPU-only tests), each of the two pytest-xdist workers would
+# otherwise take 75% of the GPU's memory up front: the second one's autotuner then failed with
+# CUDA_ERROR_OUT_OF_MEMORY (one H100, 2026-11-26). Allocating on demand lets both share it.
+os.environ.setdefault("XLA_PYTHON_CLIENT_PREALLOCATE", "false")
 # XLA:CPU's code generation at LLVM's lowest optimisation level: compiling is most of the
 # suite's CPU time (hundreds of tiny programs, each run a few times), and this takes about a
 # third off it (test_xl_model + test_transformer_decode: 156 -> 105 CPU-seconds on the 2-core

@@ -250,6 +250,43 @@ def test_translate_text_uses_the_trained_checkpoint(straight):
 
 
 @pytest.mark.slow
+def test_the_translate_command_fills_the_compilation_cache_and_a_second_run_reads_it(
+    straight, tmp_path
+):
+    """A command compiles a program once per machine: the first run writes the persistent
+    cache, the second finds every program there (it rewrites no entry) and prints the same."""
+    _, workdir, _ = straight
+    cache = tmp_path / "xla"
+    env = dict(os.environ, JAX_PLATFORMS="cpu", XLA_FLAGS=subprocess_xla_flags(), PYTHONPATH=REPO)
+    env.pop("JAX_COMPILATION_CACHE_DIR")  # the suite's cache, which a command leaves alone
+    # The suite's JAX_PERSISTENT_CACHE_MIN_COMPILE_TIME_SECS=0 stays: every program is cached
+    # (which ones pass the commands' 0.2 s threshold would vary from run to run).
+    env.update(ATTENTION_JAX_COMPILATION_CACHE=str(cache))
+    command = [sys.executable, "-m", "train.translate", "--workdir", str(workdir)]
+    command += ["--translate", "Ein Mann fährt Fahrrad.", "Zwei Hunde spielen."]
+
+    def run(**changes):
+        done = subprocess.run(
+            command, env={**env, **changes}, capture_output=True, text=True, timeout=300
+        )
+        assert done.returncode == 0, done.stderr
+        return done.stdout
+
+    def entries():
+        return {p.name: p.stat().st_mtime_ns for p in cache.iterdir()}
+
+    first = run()
+    written = entries()
+    assert written
+    assert run() == first
+    assert entries() == written
+    # Turned off: nothing is written, and the translation is the same.
+    home = tmp_path / "home"
+    assert run(ATTENTION_JAX_COMPILATION_CACHE="off", HOME=str(home), XDG_CACHE_HOME="") == first
+    assert not home.exists()
+
+
+@pytest.mark.slow
 def test_translate_text_decodes_with_the_int8_model_when_asked(straight):
     _, workdir, _ = straight
     sentences = ["Ein Mann fährt Fahrrad.", "Zwei Hunde."]

@@ -16,6 +16,7 @@ from helpers import made_up_corpus, write_lines
 from train import translate
 from train.core import cli
 from train.core.metrics import read_metrics
+from train.core.task import saved_config
 from train.data.text_files import DataError, read_parallel, set_name
 from train.translate import cli as translate_cli
 from train.translate.task import multi30k_pairs
@@ -182,6 +183,36 @@ def test_changed_training_files_on_resume_are_refused(straight, files, tmp_path,
     assert code == cli.EXIT_USAGE, err
     assert "train_src, train_tgt" in err and "not the files this run started with" in err
     assert max(r["step"] for r in read_metrics(str(workdir))) == 6  # nothing trained
+
+
+@pytest.mark.slow
+def test_a_run_on_files_translates_with_its_own_tokenizer_when_the_files_are_gone(
+    straight, files, tmp_path
+):
+    """Translating and exporting read the run's SentencePiece model, not the training files
+    (finding it by their hash reads every byte of them, and fails once they are moved)."""
+    workdir, _ = straight
+    config = saved_config(translate.TASK, str(workdir))
+    found = translate.trained_tokenizer(config, str(workdir)).model_path
+    assert found == translate.load_tokenizer(config, str(workdir)).model_path
+    with open(files["valid"][0]) as f:
+        sentences = f.read().splitlines()[:4]
+    before = translate.translate_text(str(workdir), sentences)
+    moved = [(path, str(tmp_path / os.path.basename(path))) for path in files["train"]]
+    for path, away in moved:
+        os.replace(path, away)
+    try:
+        assert translate.translate_text(str(workdir), sentences) == before
+        # Several models of the kind in the folder (a shared tokenizer_dir): which one is the
+        # run's is known only from the data, as before.
+        shutil.copy(found, found.with_name("files_spm_bpe300_000000000000.model"))
+        with pytest.raises(DataError, match="train.xx: no such file"):
+            translate.trained_tokenizer(config, str(workdir))
+    finally:
+        for path, away in moved:
+            os.replace(away, path)
+        found.with_name("files_spm_bpe300_000000000000.model").unlink(missing_ok=True)
+    assert translate.trained_tokenizer(config, str(workdir)).model_path == found
 
 
 @pytest.mark.slow

@@ -33,6 +33,7 @@ from typing import Any, Literal
 import jax
 
 from train.core.checkpoint import CONFIG_FILE, load_run_config
+from train.core.compile_cache import enable_compilation_cache
 from train.core.config import RunConfig, UsageError, field_hints, replace
 from train.core.loop import TrainingDiverged
 from train.core.parallel import maybe_initialize_distributed
@@ -276,7 +277,8 @@ def start(args: argparse.Namespace) -> dict[str, Any] | None:
 
     Reads W/config.json (an unreadable one is a CheckpointError naming it), then starts JAX's
     distributed runtime, before anything touches a backend, when --distributed true,
-    $TRAIN_DISTRIBUTED or the resumed run's saved config asks for it."""
+    $TRAIN_DISTRIBUTED or the resumed run's saved config asks for it; then turns on the
+    persistent compilation cache (`train.core.compile_cache`)."""
     saved = load_run_config(args.workdir) if args.workdir else None
     wanted = getattr(args, "distributed", None)
     if wanted is None:
@@ -290,6 +292,9 @@ def start(args: argparse.Namespace) -> dict[str, Any] | None:
         )
     except ValueError as e:  # the per-process flags or their environment variables
         raise UsageError(str(e)) from None
+    # After the distributed start-up (JAX's cache asks it which process writes), before the
+    # first compilation.
+    enable_compilation_cache()
     return saved
 
 

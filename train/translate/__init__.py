@@ -26,6 +26,7 @@ from train.translate.task import (
     load_split,
     load_tokenizer,
     make_loss_fn,
+    trained_tokenizer,
 )
 
 
@@ -53,6 +54,7 @@ __all__ = [
     "eval_params",
     "load_split",
     "load_tokenizer",
+    "trained_tokenizer",
     "make_config",
     "make_loss_fn",
     "registry",

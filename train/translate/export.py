@@ -21,7 +21,7 @@ import jax
 import numpy as np
 
 from train.core.task import params_for_inference, saved_config
-from train.translate.task import TASK, load_tokenizer
+from train.translate.task import TASK, trained_tokenizer
 from transformer_jax.config import TransformerConfig
 from transformer_jax.marian import GenerationDefaults, load_marian, marian_generation_defaults
 from transformer_jax.marian_export import marian_fields, save_marian
@@ -72,7 +72,7 @@ def load_exportable(
         max_len=min(max(config.buckets) + config.decode_margin, mc.max_len),
     )
     return Exportable(
-        mc.replace(dtype="float32"), params, load_tokenizer(config, workdir), generation
+        mc.replace(dtype="float32"), params, trained_tokenizer(config, workdir), generation
     )
 
 

@@ -6,7 +6,7 @@ from collections.abc import Sequence
 
 from train.core.task import params_for_inference
 from train.translate.evaluate import translate_pairs
-from train.translate.task import TASK, encode_source, load_tokenizer
+from train.translate.task import TASK, encode_source, trained_tokenizer
 from transformer_jax.quantize import quantized
 
 
@@ -26,6 +26,6 @@ def translate_text(
     if quantize:
         # Replicated first: each process quantizes the whole weights (fsdp shards them).
         model, params = quantized(model, dp.replicate(params), quantize)
-    tokenizer = load_tokenizer(config, workdir)
+    tokenizer = trained_tokenizer(config, workdir)
     pairs = [(src, []) for src in encode_source(tokenizer, sentences)]
     return translate_pairs(model, params, dp, config, tokenizer, pairs, greedy=greedy)

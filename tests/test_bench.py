@@ -40,7 +40,7 @@ from train.bench.flops import (
     xla_flops,
 )
 from train.bench.options import BenchOptions, build_parser, config_from_options, parse_options
-from train.bench.profile import summarize_trace_events
+from train.bench.profile import hlo_op_kinds, profile_summary, summarize_trace_events
 from train.bench.random_models import (
     PiecesTokenizer,
     calibrate_eos,
@@ -409,6 +409,55 @@ def test_trace_summary_falls_back_to_streams_then_to_host_threads():
     assert summary["source"].startswith("host threads")
     assert [op["name"] for op in summary["top"]] == ["dot.4", "fusion.2"]
     assert summarize_trace_events(_meta_events(1, "/host:CPU", {}), steps=1) is None
+
+
+CPU_HLO = """HloModule jit_step, entry_computation_layout={(f32[8,4]{1,0})->f32[8,8]{1,0}}
+
+%fused_computation.3 (param_0: f32[8,4], param_1: f32[8,4]) -> f32[8,8] {
+  %param_0 = f32[8,4]{1,0} parameter(0)
+  %param_1 = f32[8,4]{1,0} parameter(1)
+  ROOT %dot.1 = f32[8,8]{1,0} dot(%param_0, %param_1), lhs_contracting_dims={1}
+}
+
+%fused_computation.4 (param_0.1: f32[8,8]) -> f32[8,8] {
+  %param_0.1 = f32[8,8]{1,0} parameter(0)
+  ROOT %tanh.1 = f32[8,8]{1,0} tanh(%param_0.1)
+}
+
+ENTRY %main.9 (x: f32[8,4]) -> f32[8,8] {
+  %x = f32[8,4]{1,0} parameter(0)
+  %ynn_fusion.3 = f32[8,8]{1,0} fusion(%x, %x), kind=kCustom, calls=%fused_computation.3
+  ROOT %tanh_fusion = f32[8,8]{1,0} fusion(%ynn_fusion.3), kind=kLoop, calls=%fused_computation.4
+}
+"""
+
+
+def test_trace_summary_reads_what_a_cpu_library_fusion_runs_from_the_hlo():
+    """XLA:CPU's YNNPACK fusions hold the matrix products; the trace names only the fusion."""
+    kinds = hlo_op_kinds(CPU_HLO)
+    assert kinds["ynn_fusion.3"] == "fusion dot"
+    assert kinds["tanh_fusion"] == "fusion tanh"
+    cpu = _meta_events(5, "/host:CPU", {2: "tf_XLAEigen/1"})
+    cpu += [_op(5, 2, "ynn_fusion.3", 6.0), _op(5, 2, "tanh_fusion", 2.0)]
+    assert summarize_trace_events(cpu, steps=1)["categories"] == {
+        "other (elementwise, reductions)": 1.0
+    }
+    summary = summarize_trace_events(cpu, steps=1, hlo_text=CPU_HLO)
+    assert summary["categories"] == {"matmul": 0.75, "other (elementwise, reductions)": 0.25}
+
+
+def test_a_profiled_cpu_program_counts_its_matrix_product_as_one(tmp_path):
+    """On the real compiler and profiler: the trace's op names are the HLO's, so the op that
+    runs the product (a YNNPACK fusion with jax 0.10, a dot elsewhere) is counted as matmul."""
+    a, b = jnp.ones((256, 128)), jnp.ones((128, 256))
+    compiled = jax.jit(lambda a, b: jnp.tanh(a @ b)).lower(a, b).compile()
+    jax.block_until_ready(compiled(a, b))
+    with jax.profiler.trace(str(tmp_path), create_perfetto_trace=True):
+        for _ in range(3):
+            jax.block_until_ready(compiled(a, b))
+    summary = profile_summary(str(tmp_path), steps=3, hlo_text=compiled.as_text())
+    assert summary is not None
+    assert summary["categories"].get("matmul", 0) > 0, summary
 
 
 # ----------------------------------------------------------------------------- the sections
@@ -956,7 +1005,7 @@ def test_cpu_vs_torch_section_reports_every_field_and_a_failed_compile(tmp_path,
         config,
         sections=("cpu_vs_torch",),
         out=str(tmp_path),
-        profile=False,
+        profile=True,
         raise_errors=True,
         log=lambda m: None,
     )
@@ -990,6 +1039,9 @@ def test_cpu_vs_torch_section_reports_every_field_and_a_failed_compile(tmp_path,
             assert abs(project["final_loss"] - eager["final_loss"]) < 0.1
         else:
             assert abs(project["final_loss"] - eager["final_loss"]) < 0.5
+        # Where the project's step went, its matrix products found by the program's HLO.
+        assert r["profile"]["busy_us_per_step"] > 0
+        assert r["profile"]["categories"].get("matmul", 0) > 0, r["profile"]
     assert cmp["rows"][0]["tokens_per_step"] == 2 * 8
     assert cmp["rows"][1]["tokens_per_step"] == 2 * 8 and cmp["rows"][1]["mem_len"] == 8
     md = (tmp_path / "bench.md").read_text()
@@ -997,3 +1049,4 @@ def test_cpu_vs_torch_section_reports_every_field_and_a_failed_compile(tmp_path,
     assert f"{threads} threads for both" in md and "torch.compile failed" in md
     rows = [line for line in md.splitlines() if line.startswith("| Transformer")]
     assert len(rows) == 2 and all(line.endswith("| n/a |") for line in rows)  # no compile
+    assert md.count("Profile of Transformer") == 2

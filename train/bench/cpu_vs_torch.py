@@ -33,8 +33,10 @@ import numpy as np
 
 from train import lm, translate
 from train.bench.config import BenchConfig
+from train.bench.profile import profile_summary
 from train.bench.timing import time_interleaved
-from train.core.parallel import DataParallel
+from train.bench.train_steps import PROFILED_STEPS
+from train.core.parallel import DataParallel, batch_signature
 from train.core.state import TrainState, count_params
 from transformer_jax.model import Transformer
 from transformer_jax.optim import make_optimizer
@@ -65,9 +67,14 @@ def xla_cpu_threads() -> int:
 
 
 def cpu_vs_torch_bench(
-    config: BenchConfig, *, log: Callable[[str], None] = print
+    config: BenchConfig,
+    *,
+    profile_dir: str | None = None,
+    log: Callable[[str], None] = print,
 ) -> dict[str, Any]:
-    """The comparison rows (see the module docstring), with the setting they were taken in."""
+    """The comparison rows (see the module docstring), with the setting they were taken in;
+    with profile_dir, each row also says where the project's step spent its time (PROFILED_STEPS
+    more steps traced there, ops categorised by the program's HLO)."""
     tr = import_torch_reference()
     import torch  # optional, a test-only dependency: imported where the comparison runs
 
@@ -75,11 +82,18 @@ def cpu_vs_torch_bench(
     torch.set_num_threads(threads)
     cpu = jax.devices("cpu")[0]
     rows = []
+
+    def compare(setup: Mapping[str, Any], slug: str) -> None:
+        row = _compare(setup, config)
+        if profile_dir is not None:
+            row["profile"] = setup["profile"](os.path.join(profile_dir, f"cpu_vs_torch_{slug}"))
+        rows.append(row)
+
     for b, t in config.torch_shapes:
         log(f"[bench] cpu_vs_torch: Transformer {b} x {t}")
-        rows.append(_compare(_transformer_arms(config, b, t, cpu, tr), config))
+        compare(_transformer_arms(config, b, t, cpu, tr), f"transformer_{b}x{t}")
     log("[bench] cpu_vs_torch: Transformer-XL")
-    rows.append(_compare(_xl_arms(config, cpu, tr), config))
+    compare(_xl_arms(config, cpu, tr), "xl")
     return {
         "torch": torch.__version__,
         "threads": threads,
@@ -140,7 +154,8 @@ def _compare(setup: Mapping[str, Any], config: BenchConfig) -> dict[str, Any]:
 
 
 def _project_arm(loss_fn, init_state: Callable[[], TrainState], batches, cpu):
-    """The project's jitted train step on the CPU device -> (arm, n_params, last loss)."""
+    """The project's jitted train step on the CPU device -> (arm, n_params, last loss,
+    profile), profile(trace_dir): where PROFILED_STEPS more steps spent their time."""
     dp = DataParallel("jit", devices=[cpu])
     state = dp.put_state(dp.init_state(init_state))
     placed = [dp.put_batch(b) for b in batches]
@@ -155,7 +170,15 @@ def _project_arm(loss_fn, init_state: Callable[[], TrainState], batches, cpu):
         m = box["metrics"]
         return float(m["loss_sum"] / m["n_tokens"])
 
-    return arm, count_params(state.params), last_loss
+    def profile(trace_dir: str) -> dict[str, Any] | None:
+        with jax.profiler.trace(trace_dir, create_perfetto_trace=True):
+            for i in range(PROFILED_STEPS):
+                arm(i)
+        # The executable the arm ran, for what each op of the trace runs (its HLO).
+        hlo = step.executables[batch_signature(placed[0])].as_text()
+        return profile_summary(trace_dir, steps=PROFILED_STEPS, hlo_text=hlo)
+
+    return arm, count_params(state.params), last_loss, profile
 
 
 def _torch_arms(step_eager, step_compiled, batches) -> tuple[dict, Callable]:
@@ -213,7 +236,7 @@ def _transformer_arms(config: BenchConfig, b: int, t: int, cpu, tr) -> dict[str,
         params = model.init({"params": jax.random.PRNGKey(0)}, dummy, dummy)["params"]
         return TrainState.create(params=params, tx=tx, rng=jax.random.PRNGKey(1))
 
-    project, n_project, project_loss = _project_arm(
+    project, n_project, project_loss, profile = _project_arm(
         translate.make_loss_fn(model, smoothing=run.label_smoothing, pad_id=cfg.pad_id),
         init_state,
         batches,
@@ -247,6 +270,7 @@ def _transformer_arms(config: BenchConfig, b: int, t: int, cpu, tr) -> dict[str,
         "n_params": _check_params(name, n_project, eager),
         "arms": {"project": project, **arms},
         "losses": lambda: {"project": project_loss(), **torch_losses()},
+        "profile": profile,
     }
 
 
@@ -277,7 +301,7 @@ def _xl_arms(config: BenchConfig, cpu, tr) -> dict[str, Any]:
             params=params, tx=tx, rng=jax.random.PRNGKey(1), extra=init_memory(cfg, b)
         )
 
-    project, n_project, project_loss = _project_arm(
+    project, n_project, project_loss, profile = _project_arm(
         lm.make_loss_fn(model), init_state, batches, cpu
     )
     torch.manual_seed(0)
@@ -312,6 +336,7 @@ def _xl_arms(config: BenchConfig, cpu, tr) -> dict[str, Any]:
         "n_params": _check_params(name, n_project, eager),
         "arms": {"project": project, **arms},
         "losses": lambda: {"project": project_loss(), **torch_losses()},
+        "profile": profile,
     }
 
 

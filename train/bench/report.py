@@ -241,7 +241,10 @@ def _cpu_vs_torch_lines(cmp: Mapping[str, Any] | None) -> list[str]:
     ]
     # Results of older runs may carry notes (such as an XL row skipped) in a bench.json.
     notes += cmp.get("notes", [])
-    return lines + [""] + [f"- {note}" for note in notes] + ([""] if notes else [])
+    lines += [""] + [f"- {note}" for note in notes] + ([""] if notes else [])
+    for r in cmp["rows"]:
+        lines += _profile_lines(r["name"], r.get("profile"), r["arms"]["project"]["median_s"])
+    return lines
 
 
 def _data_lines(data: Mapping[str, Any] | None) -> list[str]:

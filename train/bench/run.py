@@ -177,7 +177,10 @@ def run_benchmarks(
         save()
     if "cpu_vs_torch" in sections:
         results["cpu_vs_torch"] = attempt(
-            "cpu_vs_torch", lambda: cpu_vs_torch.cpu_vs_torch_bench(config, log=log)
+            "cpu_vs_torch",
+            lambda: cpu_vs_torch.cpu_vs_torch_bench(
+                config, profile_dir=profile_dir if profile else None, log=log
+            ),
         )
         save()
     if "data" in sections:

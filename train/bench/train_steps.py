@@ -168,7 +168,7 @@ def bench_train_step(
         trace_dir = os.path.join(profile_dir, _slug(bench.name))
         with jax.profiler.trace(trace_dir, create_perfetto_trace=True):
             time_calls(one_step, warmup=0, repeats=PROFILED_STEPS)
-        profile = profile_summary(trace_dir, steps=PROFILED_STEPS)
+        profile = profile_summary(trace_dir, steps=PROFILED_STEPS, hlo_text=compiled.as_text())
     loss = float(metrics["loss_sum"] / metrics["n_tokens"])
     median = statistics.median(times)
     flops = bench.flops

@@ -20,7 +20,7 @@ from helpers import file_hashes, train_losses
 
 from train.core.checkpoint import CheckpointError, Checkpoints
 from train.core.loop import LoopConfig, StopFlag, TrainingDiverged, stop_on_sigterm, train_loop
-from train.core.metrics import MetricsWriter
+from train.core.metrics import MetricsWriter, read_metrics
 from train.core.parallel import DataParallel
 from train.core.state import TrainState
 
@@ -117,7 +117,17 @@ def test_resume_reproduces_an_uninterrupted_run_exactly(tmp_path):
     chex.assert_trees_all_equal(
         jax.device_get(straight.state.params), jax.device_get(second.state.params)
     )
-    assert second.elapsed >= first.elapsed
+    # Training time carries over a resume: the resumed run's clock starts from the one its
+    # checkpoint saved (after step 3's line was written), not from zero. (Not against
+    # first.elapsed: that also counts the first run's final save, which its checkpoint cannot;
+    # a fast resumed run could then end below it.)
+    clock = {
+        r["step"]: r["elapsed"]
+        for r in read_metrics(str(tmp_path / "resumed"))
+        if r["split"] == "train"
+    }
+    assert clock[3] <= first.elapsed
+    assert clock[3] <= clock[4] <= second.elapsed
 
 
 def test_sigterm_saves_and_returns(tmp_path):

@@ -34,6 +34,12 @@ EOS_ID = 2
 UNK_ID = 3
 
 
+def model_file_name(name: str, vocab_size: int, key: str, *, model_type: str = "bpe") -> str:
+    """`<name>_<model_type><vocab_size>_<key>.model`: the file a trained SentencePiece model is
+    kept in, key naming the text and options it was trained on ('*': a glob of every one)."""
+    return f"{name}_{model_type}{vocab_size}_{key}.model"
+
+
 class SentencePieceTokenizer:
     """A SentencePiece model with the project's special ids (pad 0, bos 1, eos 2, unk 3)."""
 
@@ -84,7 +90,9 @@ class SentencePieceTokenizer:
         for s in sentences:
             digest.update(s.encode("utf-8") + b"\n")
         workdir = Path(workdir)
-        path = workdir / f"{name}_{model_type}{vocab_size}_{digest.hexdigest()[:12]}.model"
+        path = workdir / model_file_name(
+            name, vocab_size, digest.hexdigest()[:12], model_type=model_type
+        )
         if not path.exists():
             write_model(path, sentences, vocab_size=vocab_size, model_type=model_type)
         return cls(path)

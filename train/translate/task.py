@@ -44,7 +44,12 @@ from train.data.token_cache import (
     pairs_cache,
     sample_pairs,
 )
-from train.data.tokenizers import SentencePieceTokenizer, multi30k_tokenizer, write_model
+from train.data.tokenizers import (
+    SentencePieceTokenizer,
+    model_file_name,
+    multi30k_tokenizer,
+    write_model,
+)
 from train.translate import registry
 from train.translate.config import PRESETS, TranslateConfig, make_config
 from train.translate.evaluate import (
@@ -160,8 +165,8 @@ def trained_tokenizer(config: TranslateConfig, workdir: str):
     Falls back to `load_tokenizer` when the folder holds none of that kind, or several (a
     tokenizer_dir that runs on different data share)."""
     if config.pretrained is None:
-        kind = {"multi30k": "multi30k", "tfds": "tfds"}.get(config.data_source(), "files")
-        pattern = f"{kind}_spm_bpe{config.vocab_size}_*.model"
+        # The tokenizer's name is its data source's (load_tokenizer: multi30k, tfds, files).
+        pattern = model_file_name(f"{config.data_source()}_spm", config.vocab_size, "*")
         found = glob.glob(os.path.join(glob.escape(tokenizer_dir(config, workdir)), pattern))
         if len(found) == 1:
             return SentencePieceTokenizer(found[0])
@@ -212,7 +217,7 @@ def sampled_tokenizer(
     key = cache_key(
         **source.fingerprint, vocab_size=config.vocab_size, spm_sample=config.spm_sample
     )
-    path = os.path.join(directory, f"{name}_spm_bpe{config.vocab_size}_{key[:12]}.model")
+    path = os.path.join(directory, model_file_name(f"{name}_spm", config.vocab_size, key[:12]))
     if not os.path.exists(path):
         sentences, _ = sample_pairs(source.read([0]), sample=config.spm_sample)
         try:

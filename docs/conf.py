@@ -1,0 +1,64 @@
+"""Sphinx configuration of the documentation site.
+
+Build it with `sphinx-build -W -b html docs docs/_build/html` (after `pip install -e ".[docs]"`).
+The tutorials are MyST Markdown notebooks (`tutorials/*.md`) that myst-nb executes during the
+build, so every figure on the site is drawn by the code above it. Each has a paired `.ipynb`
+beside it, without outputs, for Colab (`python docs/sync_notebooks.py` rewrites them).
+"""
+
+import os
+import sys
+from pathlib import Path
+
+DOCS = Path(__file__).resolve().parent
+ROOT = DOCS.parent
+sys.path.insert(0, str(ROOT))  # the packages, when the docs are built from a checkout
+sys.path.insert(0, str(DOCS / "_ext"))
+# The notebooks run in subprocess kernels, which inherit the environment, not sys.path.
+os.environ["PYTHONPATH"] = os.pathsep.join(
+    [str(ROOT), *filter(None, [os.environ.get("PYTHONPATH")])]
+)
+
+project = "attention-jax"
+author = "the attention-jax authors"
+copyright = "2026, the attention-jax authors"
+
+# The repository the "Open in Colab" links and the notebooks' install cells point at: one place.
+REPOSITORY = "https://github.com/attention-jax/attention-jax"
+
+extensions = [
+    "myst_nb",
+    "sphinx.ext.autodoc",
+    "sphinx.ext.napoleon",
+    "sphinx.ext.mathjax",
+    "sphinx.ext.viewcode",
+    "colab",
+]
+
+exclude_patterns = ["_build", "**.ipynb", "**.ipynb_checkpoints", "README.md", "sync_notebooks.py"]
+
+# Our docstrings write code in single backticks (Markdown habit): show it as code, not italics.
+default_role = "code"
+autodoc_member_order = "bysource"
+autodoc_typehints = "none"  # the shapes in the docstrings say more than the annotations
+autodoc_default_options = {"members": True, "show-inheritance": False}
+napoleon_google_docstring = True
+napoleon_numpy_docstring = False
+
+myst_enable_extensions = ["dollarmath", "amsmath", "colon_fence", "deflist"]
+myst_heading_anchors = 3
+
+# Notebooks: run at build time; a cell that raises fails the build. jupyter-cache keeps
+# rebuilds short (a notebook reruns only when its code changed).
+nb_execution_mode = os.environ.get("ATTENTION_JAX_DOCS_EXECUTE", "cache")
+nb_execution_cache_path = str(DOCS / "_build" / ".jupyter_cache")
+nb_execution_timeout = 600
+nb_execution_raise_on_error = True
+nb_execution_show_tb = True
+nb_merge_streams = True
+
+html_theme = "furo"
+html_title = "attention-jax"
+html_static_path = ["_static"]
+colab_repository = REPOSITORY
+colab_branch = "main"

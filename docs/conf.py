@@ -19,6 +19,19 @@ os.environ["PYTHONPATH"] = os.pathsep.join(
     [str(ROOT), *filter(None, [os.environ.get("PYTHONPATH")])]
 )
 
+# The notebooks compile many small programs and run each a few times: XLA:CPU's code generation
+# at its lowest optimisation level takes about a third off that (as in tests/conftest.py); the
+# programs and their results are the same.
+os.environ["XLA_FLAGS"] = " ".join(
+    [os.environ.get("XLA_FLAGS", ""), "--xla_backend_optimization_level=0"]
+).strip()
+
+# The shape glossary page includes the alphabet from its one source, transformer_jax/shapes.py.
+_generated = DOCS / "_generated"
+_generated.mkdir(exist_ok=True)
+_glossary = (ROOT / "transformer_jax" / "shapes.py").read_text().split('"""')[1]
+(_generated / "shapes.txt").write_text(_glossary.split("\n\n", 1)[1].strip("\n") + "\n")
+
 project = "attention-jax"
 author = "the attention-jax authors"
 copyright = "2026, the attention-jax authors"
@@ -35,7 +48,7 @@ extensions = [
     "colab",
 ]
 
-exclude_patterns = ["_build", "**.ipynb", "**.ipynb_checkpoints", "README.md", "sync_notebooks.py"]
+exclude_patterns = ["_build", "_generated", "**.ipynb", "**.ipynb_checkpoints", "README.md", "sync_notebooks.py"]
 
 # Our docstrings write code in single backticks (Markdown habit): show it as code, not italics.
 default_role = "code"

@@ -48,7 +48,14 @@ extensions = [
     "colab",
 ]
 
-exclude_patterns = ["_build", "_generated", "**.ipynb", "**.ipynb_checkpoints", "README.md", "sync_notebooks.py"]
+exclude_patterns = [
+    "_build",
+    "_generated",
+    "**.ipynb",
+    "**.ipynb_checkpoints",
+    "README.md",
+    "sync_notebooks.py",
+]
 
 # Our docstrings write code in single backticks (Markdown habit): show it as code, not italics.
 default_role = "code"

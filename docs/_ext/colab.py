@@ -12,7 +12,8 @@ BADGE = "https://colab.research.google.com/assets/colab-badge.svg"
 
 def _add_link(app, doctree):
     docname = app.env.docname
-    if not docname.startswith("tutorials/") or docname.endswith("index"):
+    # Only a notebook has a Colab twin (sync_notebooks.py writes one for each).
+    if not (app.srcdir / f"{docname}.ipynb").exists():
         return
     repo = app.config.colab_repository.removeprefix("https://github.com/").rstrip("/")
     url = (

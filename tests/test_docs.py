@@ -1,0 +1,76 @@
+"""The documentation site's sources: the tutorials, their Colab notebooks, the table of contents.
+
+The site itself (every tutorial executed, warnings as errors) is built by `.ci/run` with the
+README's command; these tests check, in a second, what a build does not: that each Colab
+notebook is its source's, and that each notebook installs the library from the repository the
+site links to.
+"""
+
+import importlib.util
+import re
+from pathlib import Path
+
+import pytest
+
+jupytext = pytest.importorskip("jupytext")  # the 'docs' extra (part of 'test')
+
+DOCS = Path(__file__).resolve().parents[1] / "docs"
+TUTORIALS = DOCS / "tutorials"
+
+
+def _sync_notebooks():
+    spec = importlib.util.spec_from_file_location("sync_notebooks", DOCS / "sync_notebooks.py")
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
+
+
+def _notebook_sources():
+    return [p for p in sorted(TUTORIALS.glob("*.md")) if p.read_text().startswith("---\njupytext:")]
+
+
+def _repository():
+    match = re.search(r'^REPOSITORY = "([^"]+)"$', (DOCS / "conf.py").read_text(), re.M)
+    assert match, "docs/conf.py sets REPOSITORY"
+    return match.group(1)
+
+
+def test_each_colab_notebook_is_written_from_its_source():
+    assert _notebook_sources(), "no tutorial notebooks found"
+    assert _sync_notebooks().main(["--check"]) == 0
+    for source in _notebook_sources():
+        notebook = jupytext.read(source.with_suffix(".ipynb"))
+        cells = [c for c in notebook.cells if c.cell_type == "code"]
+        assert all(not c.get("outputs") for c in cells), f"{source.stem}.ipynb carries outputs"
+        expected = [c.source for c in jupytext.read(source).cells if c.cell_type == "code"]
+        assert [c.source for c in cells] == expected
+
+
+def test_a_stale_or_missing_colab_notebook_is_named_and_rewritten(tmp_path, capsys):
+    sync = _sync_notebooks()
+    source = _notebook_sources()[0]
+    (tmp_path / source.name).write_text(source.read_text())
+    (tmp_path / "plain.md").write_text("# A page without code\n")  # not a notebook: no twin
+    assert sync.main(["--check", "--tutorials", str(tmp_path)]) == 1
+    assert f"{source.stem}.ipynb" in capsys.readouterr().err
+    assert sync.main(["--tutorials", str(tmp_path)]) == 0
+    assert sync.main(["--check", "--tutorials", str(tmp_path)]) == 0
+    assert not (tmp_path / "plain.ipynb").exists()
+    # An edit to the source makes its notebook stale again.
+    (tmp_path / source.name).write_text(source.read_text() + "\n```{code-cell} ipython3\n1\n```\n")
+    assert sync.main(["--check", "--tutorials", str(tmp_path)]) == 1
+
+
+def test_each_notebook_first_installs_the_library_from_the_sites_repository():
+    repository = _repository()
+    for source in _notebook_sources():
+        first = next(c for c in jupytext.read(source).cells if c.cell_type == "code")
+        assert 'find_spec("transformer_jax") is None' in first.source, source.name
+        assert f"@ git+{repository}" in first.source, source.name
+
+
+def test_the_table_of_contents_lists_every_tutorial_and_only_existing_ones():
+    toc = (TUTORIALS / "index.md").read_text().split("```{toctree}")[1].split("```")[0]
+    listed = {line.strip() for line in toc.splitlines()[1:] if line.strip() and ":" not in line}
+    pages = {p.stem for p in TUTORIALS.glob("*.md")} - {"index"}
+    assert listed == pages

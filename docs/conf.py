@@ -76,6 +76,8 @@ nb_execution_timeout = 600
 nb_execution_raise_on_error = True
 nb_execution_show_tb = True
 nb_merge_streams = True
+# Markdown that a cell displays (the results tables) is parsed as MyST, so tables render.
+nb_render_markdown_format = "myst"
 
 html_theme = "furo"
 html_title = "attention-jax"

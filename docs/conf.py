@@ -81,6 +81,5 @@ nb_render_markdown_format = "myst"
 
 html_theme = "furo"
 html_title = "attention-jax"
-html_static_path = ["_static"]
 colab_repository = REPOSITORY
 colab_branch = "main"

@@ -57,6 +57,7 @@ autodoc_typehints = "none"  # the shapes in the docstrings say more than the ann
 autodoc_default_options = {"members": True, "show-inheritance": False}
 napoleon_google_docstring = True
 napoleon_numpy_docstring = False
+napoleon_use_ivar = True  # Attributes as fields: no second entry beside autodoc's members
 
 myst_enable_extensions = ["dollarmath", "amsmath", "colon_fence", "deflist"]
 myst_heading_anchors = 3

@@ -1,4 +1,4 @@
-"""Registry of the pre-Transformer baselines, so training code builds them by name.
+"""Registry of the pre-Transformer baselines, so training code builds them by name::
 
     model = make_baseline("bahdanau", src_vocab_size=8000, tgt_vocab_size=6000)
     model = make_baseline("convs2s", src_vocab_size=64, tgt_vocab_size=64, preset="tiny",

@@ -1,6 +1,6 @@
 """Greedy and beam-search decoding, written once for every translation model.
 
-Models reach this file only through the translation-model protocol:
+Models reach this file only through the translation-model protocol::
 
     init_decode_cache(src, *, max_len) -> cache      every leaf has leading axis B
     decode_step(tokens [B], cache, *, index) -> (logits [B, V], cache)

@@ -156,6 +156,8 @@ def hard_attention_surrogate(
 ) -> tuple[Array, dict[str, Array]]:
     """The term a training loss adds for hard attention's REINFORCE, summed over real tokens.
 
+    Used as::
+
         logits, aux = model.apply({'params': p}, src, tgt_in, deterministic=False,
                                   rngs={'sample': k1, 'dropout': k2},
                                   method='logits_and_attention')

@@ -17,24 +17,24 @@ for OPUS-MT), `layer_norm_eps=1e-5`, `scale_embeddings` (sqrt(D), OPUS-MT's
 source/target embeddings, and `bos_id = pad_id`: decoding starts from pad. Attention scales
 q by K ** -0.5 like ours, and its projections carry biases, as ours always do.
 
-Name mapping (PyTorch Linear weights are [out, in]; Flax kernels are [in, out]: transposed):
+Name mapping (PyTorch Linear weights are [out, in]; Flax kernels are [in, out]: transposed)::
 
-| Hugging Face                                         | params                                  |
-|------------------------------------------------------|-----------------------------------------|
-| model.shared.weight [V, D] (or the embed_tokens)     | tgt_embed/embedding                     |
-| model.encoder.embed_tokens.weight (separate)         | src_embed/embedding                     |
-| model.decoder.embed_tokens.weight (separate)         | tgt_embed/embedding                     |
-| model.{encoder,decoder}.layers.{i}.self_attn.        | {encoder,decoder}/layers_{i}/self_attn/ |
-|   {q,k,v,out}_proj.{weight,bias}                     |   {query,key,value,out}/{kernel,bias}   |
-| model.decoder.layers.{i}.encoder_attn.*              | decoder/layers_{i}/cross_attn/*         |
-| ...layers.{i}.fc1, fc2                               | .../layers_{i}/ffn/inner, outer         |
-| ...layers.{i}.self_attn_layer_norm.{weight,bias}     | .../layers_{i}/self_attn_residual/norm/ |
-|                                                      |   {scale,bias}                          |
-| model.decoder.layers.{i}.encoder_attn_layer_norm     | decoder/layers_{i}/cross_attn_residual/ |
-|                                                      |   norm                                  |
-| ...layers.{i}.final_layer_norm                       | .../layers_{i}/ffn_residual/norm        |
-| final_logits_bias [1, V]                             | output_bias [V] (tied), output/bias     |
-| lm_head.weight (tie_word_embeddings false)           | output/kernel                           |
+  | Hugging Face                                         | params                                  |
+  |------------------------------------------------------|-----------------------------------------|
+  | model.shared.weight [V, D] (or the embed_tokens)     | tgt_embed/embedding                     |
+  | model.encoder.embed_tokens.weight (separate)         | src_embed/embedding                     |
+  | model.decoder.embed_tokens.weight (separate)         | tgt_embed/embedding                     |
+  | model.{encoder,decoder}.layers.{i}.self_attn.        | {encoder,decoder}/layers_{i}/self_attn/ |
+  |   {q,k,v,out}_proj.{weight,bias}                     |   {query,key,value,out}/{kernel,bias}   |
+  | model.decoder.layers.{i}.encoder_attn.*              | decoder/layers_{i}/cross_attn/*         |
+  | ...layers.{i}.fc1, fc2                               | .../layers_{i}/ffn/inner, outer         |
+  | ...layers.{i}.self_attn_layer_norm.{weight,bias}     | .../layers_{i}/self_attn_residual/norm/ |
+  |                                                      |   {scale,bias}                          |
+  | model.decoder.layers.{i}.encoder_attn_layer_norm     | decoder/layers_{i}/cross_attn_residual/ |
+  |                                                      |   norm                                  |
+  | ...layers.{i}.final_layer_norm                       | .../layers_{i}/ffn_residual/norm        |
+  | final_logits_bias [1, V]                             | output_bias [V] (tied), output/bias     |
+  | lm_head.weight (tie_word_embeddings false)           | output/kernel                           |
 
 Ignored, as transformers ignores them: `lm_head.weight` and the other embedding names when
 tied, and `embed_positions.weight` (older exports save the sinusoid; it is checked against

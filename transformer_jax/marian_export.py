@@ -17,12 +17,14 @@ ours: from bos, never emitting pad or bos (`bad_words_ids`), with no forced EOS.
 
 What `load_marian` gives back: the same config and bit-identical params, except for two
 configs Marian writes in its own terms, which compute the same logits:
+
   - tie_output=True, output_bias=False: `final_logits_bias` is zeros, and comes back as
     output_bias=True with a zero bias.
   - share_embeddings=True, tie_output=False: transformers 5 ties no embedding once
     tie_word_embeddings is false, so the folder holds the shared table under each of its
     names (as `save_pretrained` writes it) and comes back as share_embeddings=False with two
     equal tables.
+
 The compute dtype is load_marian's argument, and `attention_impl` comes back as "auto".
 
 Nothing here needs `transformers`; writing needs `safetensors` (the 'pretrained' extra).

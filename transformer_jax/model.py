@@ -35,7 +35,7 @@ DecodeCache = dict[str, Any]
 
 
 class Encoder(nn.Module):
-    """A stack of `EncoderLayer`s (plus a final LayerNorm when pre-LN)."""
+    """A stack of encoder layers (`EncoderLayer`, plus a final LayerNorm when pre-LN)."""
 
     config: TransformerConfig
 
@@ -61,7 +61,8 @@ class Encoder(nn.Module):
 
 
 class Decoder(nn.Module):
-    """A stack of `DecoderLayer`s (plus a final LayerNorm when pre-LN), whole or step by step."""
+    """A stack of decoder layers (`DecoderLayer`, plus a final LayerNorm when pre-LN), whole or
+    step by step."""
 
     config: TransformerConfig
 
@@ -145,7 +146,8 @@ class Decoder(nn.Module):
 class Transformer(nn.Module):
     """Encoder-decoder Transformer.
 
-    Usage:
+    Usage::
+
       model = Transformer(TransformerConfig.tiny(src_vocab_size=V, tgt_vocab_size=V))
       params = model.init(rng, src, tgt)["params"]
       logits = model.apply({"params": params}, src, tgt)                   # [B, T, V]

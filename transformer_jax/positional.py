@@ -20,9 +20,11 @@ Layout = Literal["interleaved", "concat"]
 def sinusoids_at(positions: Array, d_model: int, *, layout: Layout = "interleaved") -> Array:
     """Sinusoidal encodings of arbitrary (possibly traced) integer positions.
 
-    With i = 0 .. D/2 - 1 and angle(pos, i) = pos / 10000 ** (2i / D) (section 3.5):
+    With i = 0 .. D/2 - 1 and angle(pos, i) = pos / 10000 ** (2i / D) (section 3.5)::
+
       "interleaved" (the paper): PE[pos, 2i] = sin(angle), PE[pos, 2i + 1] = cos(angle);
       "concat" (tensor2tensor's layout): PE[pos, i] = sin(angle), PE[pos, D/2 + i] = cos(angle).
+
     Both use the paper's frequencies, so one layout is a column permutation of the other
     (tensor2tensor itself spaces the frequencies as 10000 ** (i / (D/2 - 1)), slightly apart).
 

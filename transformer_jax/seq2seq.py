@@ -470,7 +470,8 @@ class LuongDecoderStep(_DecoderStep):
     """Luong: h_t = RNN(h_{t-1}, [y_{t-1}; h~_{t-1}]) (input feeding), attend with h_t,
     h~_t = tanh(W_c [c_t; h_t]), logits = W_s h~_t.
 
-    `attention` picks how c_t is formed from the scores:
+    `attention` picks how c_t is formed from the scores::
+
       'global'   softmax over every source position.
       'local_p'  eq. 9-10 of the paper: the softmax is restricted to the window |s - p_t| <= D
                  around a predicted centre p_t and multiplied by exp(-(s - p_t)^2 / (2 sigma^2)),

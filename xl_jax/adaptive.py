@@ -1,8 +1,8 @@
 """Adaptive input embedding and projected adaptive log-softmax (Baevski & Auli; Grave et al.).
 
 Shapes (transformer_jax/shapes.py): B batch, T length, D model width, V vocabulary; cluster c holds
-the ids [bounds[c], bounds[c + 1]) with bounds = (0, *cutoffs, V), and has width E_c = d_embed //
-div_val**c.
+the ids `[bounds[c], bounds[c + 1])` with `bounds = (0, *cutoffs, V)`, and has width
+`E_c = d_embed // div_val**c`.
 
 With `div_val == 1` there is a single table [V, d_embed] (clusters then only split the softmax);
 otherwise one table [V_c, E_c] per cluster. A projection [E_c, D] maps cluster c's width to D:

@@ -3,9 +3,11 @@
 Shapes (transformer_jax/shapes.py): B batch, T query (segment) length, M memory length, S = M + T
 key length, H heads, K head width, D model width.
 
-Paper to code (Dai et al. 2019, section 3.3; reference `RelPartialLearnableMultiHeadAttn`):
+Paper to code (Dai et al. 2019, section 3.3; reference `RelPartialLearnableMultiHeadAttn`)::
+
   score(i, j) = (a) q_i . k_j  +  (b) q_i . W_kR R_{i-j}  +  (c) u . k_j  +  (d) v . W_kR R_{i-j}
               = (q_i + u) . k_j  +  rel_shift[(q_i + v) . r]_{ij}
+
 with u = `r_w_bias`, v = `r_r_bias`, W_kR = `r_net`, R = sinusoid embeddings of the distances
 S-1 ... 0. (a)+(c) is an ordinary dot product of (q + u) with k, so it goes through the
 project's attention core together with (b)+(d) as an additive bias; there is no second softmax.

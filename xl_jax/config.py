@@ -50,13 +50,15 @@ class TransformerXLConfig:
       layer_norm_eps: LayerNorm epsilon (PyTorch's default 1e-5).
       remat: what the backward pass keeps of each layer (the layers run in a scan, one at a
         time); numerics are identical in every mode, only memory and recomputation differ.
-        'attention' (default): keep the projections' outputs, recompute the attention core,
+
+        - 'attention' (default): keep the projections' outputs, recompute the attention core,
           so no [B, H, T, S] score, weight or dropatt tensor is kept per layer; costs the
           three attention products ((q+u)k, (q+v)R, weights x v) and their elementwise work
           once more per step (measured memory and time: benchmarks/README.md).
-        'full': keep only each layer's input and recompute the whole layer (least memory).
-        'none': keep everything, the layers unrolled (fastest where memory allows; 3 to 4
+        - 'full': keep only each layer's input and recompute the whole layer (least memory).
+        - 'none': keep everything, the layers unrolled (fastest where memory allows; 3 to 4
           score-sized tensors per layer).
+
       softmax_tails: how the adaptive softmax computes the NLL of tail-cluster targets (full
         log-probabilities, without targets, are always dense). 'grouped' (default): each tail
         only for the tokens whose targets fall in it (see `xl_jax.adaptive`); 'dense': every
@@ -169,7 +171,7 @@ class TransformerXLConfig:
 
     @property
     def cluster_bounds(self) -> tuple[int, ...]:
-        """(0, *cutoffs, vocab_size): cluster i holds ids [bounds[i], bounds[i + 1])."""
+        """`(0, *cutoffs, vocab_size)`: cluster i holds ids `[bounds[i], bounds[i + 1])`."""
         return (0, *self.cutoffs, self.vocab_size)
 
     def cluster_width(self, i: int) -> int:

@@ -93,9 +93,11 @@ def attention_mask(valid: Array, *, q_len: int, mem_len: int, same_length: bool)
 
     Query i sits at position M + i of the S = M + T keys; its distance to key j is
     d = M + i - j. A key is visible when
+
       * d >= 0 (causal, offset by the memory length),
       * j >= M - valid (the memory slot holds a real position), and
       * with `same_length`, d < M.
+
     The last rule is the reference's `same_length` mask written in distances: there, with
     `mlen` real memory positions and its configured `mem_len`, query i sees keys
     (i - shift, i + mlen] with shift = mem_len - mlen when mlen + T > mem_len, else T.

@@ -3,17 +3,21 @@
 Shapes (transformer_jax/shapes.py): B batch, T segment length, M memory length, S = M + T key
 length, H heads, K head width, D model width, V vocabulary, L layers.
 
+Usage::
+
     out, memory = TransformerXL(config).apply({'params': params}, tokens, memory,
                                               targets=None, deterministic=True)
 
 Faithful to the official PyTorch `MemTransformerLM` with attn_type 0 (which is time-major;
 here everything is batch-major):
+
   * word embedding (adaptive when `cutoffs`), scaled by sqrt(D), dropout;
   * R = sinusoids of the distances S-1 ... 0 (clamped at `clamp_len` if > 0), dropout;
   * L layers of relative attention + position-wise feed-forward, post-LN or pre-LN (no final
     LayerNorm in either, as the reference), each layer attending over concat(memory, input);
     the layers run in a scan, rematerialised per `config.remat` (see `_run_layers`);
   * dropout on the last hidden state, then the (projected adaptive) log-softmax.
+
 The new memory keeps, for each layer, the last M positions of its input.
 """
 

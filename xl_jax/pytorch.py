@@ -7,25 +7,25 @@ Values may be NumPy arrays or CPU torch tensors. A `transformer.` prefix (the Hu
 port's `TransfoXLLMHeadModel`) is stripped. Torch `Linear` weights are [out, in]; Flax kernels
 are [in, out], so every kernel is transposed, then split into heads.
 
-Name mapping (l = layer, c = table/cluster; D d_model, H heads, K d_head, E_c table width):
+Name mapping (l = layer, c = table/cluster; D d_model, H heads, K d_head, E_c table width)::
 
-| PyTorch (official)                          | xl_jax params                        | transform   |
-|---------------------------------------------|--------------------------------------|-------------|
-| word_emb.emb_layers.{c}.weight [V_c, E_c]   | word_emb/emb_{c}                     | -           |
-| word_emb.emb_projs.{c} [D, E_c]             | word_emb/proj_{c} [E_c, D]           | .T          |
-| r_w_bias, r_r_bias [H, K] (u, v)            | r_w_bias, r_r_bias                   | -           |
-| layers.{l}.dec_attn.r_w_bias (untie_r)      | layer_{l}/attn/r_w_bias (also r_r_)  | -           |
-| layers.{l}.dec_attn.qkv_net.weight [3HK, D] | layer_{l}/attn/qkv/kernel [D,3,H,K]  | .T, reshape |
-| layers.{l}.dec_attn.r_net.weight [HK, D]    | layer_{l}/attn/r_net/kernel [D,H,K]  | .T, reshape |
-| layers.{l}.dec_attn.o_net.weight [D, HK]    | layer_{l}/attn/o_net/kernel [H,K,D]  | .T, reshape |
-| layers.{l}.dec_attn.layer_norm.weight/bias  | layer_{l}/attn/layer_norm/scale/bias | -           |
-| layers.{l}.pos_ff.CoreNet.0.weight/bias     | layer_{l}/ff/dense_in/kernel/bias    | kernel .T   |
-| layers.{l}.pos_ff.CoreNet.3.weight/bias     | layer_{l}/ff/dense_out/kernel/bias   | kernel .T   |
-| layers.{l}.pos_ff.layer_norm.weight/bias    | layer_{l}/ff/layer_norm/scale/bias   | -           |
-| crit.out_layers.{c}.weight (not tied)       | crit/out_{c}                         | -           |
-| crit.out_layers.{c}.bias                    | crit/bias_{c}                        | -           |
-| crit.out_projs.{c} [D, E_c] (not tied)      | crit/proj_{c} [E_c, D]               | .T          |
-| crit.cluster_weight, crit.cluster_bias      | crit/cluster_weight, cluster_bias    | -           |
+  | PyTorch (official)                          | xl_jax params                        | transform
+  |---------------------------------------------|--------------------------------------|-------------
+  | word_emb.emb_layers.{c}.weight [V_c, E_c]   | word_emb/emb_{c}                     | -
+  | word_emb.emb_projs.{c} [D, E_c]             | word_emb/proj_{c} [E_c, D]           | .T
+  | r_w_bias, r_r_bias [H, K] (u, v)            | r_w_bias, r_r_bias                   | -
+  | layers.{l}.dec_attn.r_w_bias (untie_r)      | layer_{l}/attn/r_w_bias (also r_r_)  | -
+  | layers.{l}.dec_attn.qkv_net.weight [3HK, D] | layer_{l}/attn/qkv/kernel [D,3,H,K]  | .T, reshape
+  | layers.{l}.dec_attn.r_net.weight [HK, D]    | layer_{l}/attn/r_net/kernel [D,H,K]  | .T, reshape
+  | layers.{l}.dec_attn.o_net.weight [D, HK]    | layer_{l}/attn/o_net/kernel [H,K,D]  | .T, reshape
+  | layers.{l}.dec_attn.layer_norm.weight/bias  | layer_{l}/attn/layer_norm/scale/bias | -
+  | layers.{l}.pos_ff.CoreNet.0.weight/bias     | layer_{l}/ff/dense_in/kernel/bias    | kernel .T
+  | layers.{l}.pos_ff.CoreNet.3.weight/bias     | layer_{l}/ff/dense_out/kernel/bias   | kernel .T
+  | layers.{l}.pos_ff.layer_norm.weight/bias    | layer_{l}/ff/layer_norm/scale/bias   | -
+  | crit.out_layers.{c}.weight (not tied)       | crit/out_{c}                         | -
+  | crit.out_layers.{c}.bias                    | crit/bias_{c}                        | -
+  | crit.out_projs.{c} [D, E_c] (not tied)      | crit/proj_{c} [E_c, D]               | .T
+  | crit.cluster_weight, crit.cluster_bias      | crit/cluster_weight, cluster_bias    | -
 
 Ignored: `pos_emb.inv_freq` (recomputed), and the tied duplicates the state dict repeats
 (`crit.out_layers.{c}.weight` with `tie_weights`, `crit.out_projs.{c}` where `tie_projs[c]`).

@@ -1,5 +1,7 @@
 """What a work directory holds between runs: orbax checkpoints and the run config.
 
+Its files::
+
   W/config.json        the run config, so `--workdir W` alone resumes the same run
   W/checkpoints/<step> orbax checkpoints: item 'state' (the TrainState pytree, global layout)
                        and item 'meta' (JSON: elapsed training seconds, ...), plus the

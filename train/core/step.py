@@ -1,6 +1,6 @@
 """The pure train and eval steps, shared by every model.
 
-A model plugs in through one loss function,
+A model plugs in through one loss function::
 
     loss_fn(params, batch, *, rng, extra, deterministic) -> (loss_sum, sums, new_extra)
 

@@ -329,7 +329,7 @@ def _accumulate(total: PyTree, params: PyTree) -> PyTree:
 def train_and_evaluate(task: Task, config: RunConfig, workdir: str) -> dict[str, Any]:
     """Trains (or resumes) `config` in `workdir`, then evaluates; returns the final metrics:
     step, stop reason, params (count), train_seconds (summed over resumed runs), and what the
-    task's evaluation adds (val_/test_ figures, ...)."""
+    task's evaluation adds (`val_*` / `test_*` figures, ...)."""
     start = time.monotonic()
     # 1. Start: the distributed runtime (a no-op when the command started it), one work
     # directory for every process, and from here on SIGTERM / SIGINT only set a flag (after

@@ -114,7 +114,7 @@ class TfdsDataset:
 
     def check_text_features(self, names: Sequence[str], *, field: str, what: str) -> None:
         """Each of `names` must be a text feature of the examples (DataError naming `field`
-        and listing the dataset's `what`s otherwise)."""
+        and listing the dataset's `what` values otherwise)."""
         import tensorflow_datasets as tfds  # lazy: importing TFDS is not free
 
         features = self.builder.info.features

@@ -12,7 +12,7 @@ memory-mapped, each process only the tokens of its own rows (`PairArrays.pack`,
 A cache is a directory named by a sha256 of everything its ids depend on (the input files'
 bytes or the prepared TFDS copy's dataset_info.json, the tokenizer or vocabulary, the
 options), under the run's `cache_dir` (W/token_cache by default; never copied up to a remote
-W):
+W)::
 
     <cache_dir>/<kind>-<key>/
         <name>.bin            the ids of one stream, concatenated, raw (dtype in meta.json:

@@ -171,7 +171,8 @@ class TransformerXLConfig:
 
     @property
     def cluster_bounds(self) -> tuple[int, ...]:
-        """`(0, *cutoffs, vocab_size)`: cluster i holds ids `[bounds[i], bounds[i + 1])`."""
+        """The cluster boundaries `(0, *cutoffs, vocab_size)`; cluster i holds the ids
+        `[bounds[i], bounds[i + 1])`."""
         return (0, *self.cutoffs, self.vocab_size)
 
     def cluster_width(self, i: int) -> int:

@@ -65,7 +65,6 @@ autodoc_typehints = "none"  # the shapes in the docstrings say more than the ann
 autodoc_default_options = {"members": True, "show-inheritance": False}
 napoleon_google_docstring = True
 napoleon_numpy_docstring = False
-napoleon_use_ivar = True  # Attributes as fields: no second entry beside autodoc's members
 
 myst_enable_extensions = ["dollarmath", "amsmath", "colon_fence", "deflist"]
 myst_heading_anchors = 3
@@ -85,3 +84,16 @@ html_theme = "furo"
 html_title = "attention-jax"
 colab_repository = REPOSITORY
 colab_branch = "main"
+
+
+def _skip_class_aliases(app, what, name, obj, skip, options):
+    """Leave out a class attribute that holds another class: the configs' `dtype = jnp.float32`
+    default, which autodoc would list as a member "alias of float32" beside the field that the
+    class docstring's Attributes describe (Sphinx: "duplicate object description")."""
+    if what == "class" and isinstance(obj, type) and obj.__name__ != name:
+        return True
+    return None
+
+
+def setup(app):
+    app.connect("autodoc-skip-member", _skip_class_aliases)

@@ -16,6 +16,12 @@ import nbformat
 TUTORIALS = Path(__file__).resolve().parent / "tutorials"
 
 
+def notebook_sources(folder: Path = TUTORIALS) -> list[Path]:
+    """The tutorial notebooks' sources in `folder`: the `.md` files with jupytext front matter
+    (a plain page, such as the index or the commands of past_one_machine, has none)."""
+    return [p for p in sorted(folder.glob("*.md")) if p.read_text().startswith("---\njupytext:")]
+
+
 def notebook_text(source: Path) -> str:
     """The `.ipynb` text for one MyST source: its cells, no outputs, no execution counts."""
     nb = jupytext.read(source)
@@ -32,9 +38,7 @@ def main(argv=None) -> int:
     parser.add_argument("--tutorials", type=Path, default=TUTORIALS, help="the sources' folder")
     args = parser.parse_args(argv)
     stale = []
-    for source in sorted(args.tutorials.glob("*.md")):
-        if not source.read_text().startswith("---\njupytext:"):
-            continue  # a plain page (the index, the commands of past_one_machine)
+    for source in notebook_sources(args.tutorials):
         target = source.with_suffix(".ipynb")
         text = notebook_text(source)
         if target.exists() and target.read_text() == text:

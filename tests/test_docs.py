@@ -26,7 +26,7 @@ def _sync_notebooks():
 
 
 def _notebook_sources():
-    return [p for p in sorted(TUTORIALS.glob("*.md")) if p.read_text().startswith("---\njupytext:")]
+    return _sync_notebooks().notebook_sources(TUTORIALS)
 
 
 def _repository():

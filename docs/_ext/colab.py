@@ -7,8 +7,6 @@ branch (`colab_repository`, `colab_branch` in conf.py).
 
 from docutils import nodes
 
-BADGE = "https://colab.research.google.com/assets/colab-badge.svg"
-
 
 def _add_link(app, doctree):
     docname = app.env.docname

@@ -151,13 +151,24 @@ def test_beam_scores_are_normalised_log_probs_of_the_returned_sequences():
 def test_one_compiled_search_serves_every_length_penalty():
     # The penalty is an argument of the compiled search, not a constant of it: three alphas,
     # one compilation, and the alphas still rank differently (the scores are divided by it).
+    # (The search compiles a few programs, `decode._PROGRAMS`: the first alpha compiles them,
+    # the other two nothing.)
+    from transformer_jax import decode
+
+    def compiled():
+        return sum(program._cache_size() for program in decode._PROGRAMS)
+
     model, params, src = _model(5, share_embeddings=False, tie_output=False)
-    compiled_before = beam_search._cache_size()
-    scores = [
-        np.asarray(beam_search(model, params, src, beam_size=2, max_len=6, length_penalty=a)[1])
-        for a in (0.0, 0.6, 2.0)
-    ]
-    assert beam_search._cache_size() == compiled_before + 1
+    compiled_before = compiled()
+    scores = []
+    for a in (0.0, 0.6, 2.0):
+        scores.append(
+            np.asarray(beam_search(model, params, src, beam_size=2, max_len=6, length_penalty=a)[1])
+        )
+        if a == 0.0:
+            compiled_first = compiled()
+    assert compiled_first > compiled_before
+    assert compiled() == compiled_first
     assert not np.array_equal(scores[0], scores[2])
 
 
@@ -202,3 +213,104 @@ def test_stages_must_rise_to_max_len_and_a_cache_never_shrinks():
     grown = model.apply({"params": params}, cache, max_len=12, method="grow_decode_cache")
     longer = model.apply({"params": params}, src, max_len=12, method="init_decode_cache")
     chex.assert_trees_all_equal(grown, longer)
+
+
+def _ragged_model():
+    """A tiny random Transformer (sharp: embeddings at scale 8, EOS's row boosted) and 16
+    sources of which 13 end within 4 tokens, greedily and in every beam of 3, and 3 run to the
+    limit (chosen from 64 by their outputs), so a search that drops finished sentences shrinks
+    its batch."""
+    v = 48
+    cfg = TransformerConfig.tiny(
+        src_vocab_size=v, tgt_vocab_size=v, d_model=32, n_heads=4, d_ff=64, max_len=32
+    )
+    model = Transformer(cfg)
+    rng = np.random.default_rng(0)
+    pool = rng.integers(3, v, size=(64, 8)).astype(np.int32)
+    pool[:, -1] = EOS
+    params = model.init(jax.random.PRNGKey(0), jnp.asarray(pool), jnp.asarray(pool[:, :4]))
+    params = jax.tree_util.tree_map_with_path(
+        lambda path, x: x * 8.0 if "embedding" in jax.tree_util.keystr(path) else x,
+        params["params"],
+    )
+    table = params["tgt_embed"]["embedding"]
+    params["tgt_embed"]["embedding"] = table.at[EOS].multiply(3.0)
+    greedy = np.sum(np.asarray(greedy_decode(model, params, pool, max_len=30)) != PAD, axis=-1)
+    beams = beam_search(model, params, pool, beam_size=3, max_len=30)[0]
+    beams = np.sum(np.asarray(beams) != PAD, axis=-1)  # [64, 3]
+    short = np.flatnonzero((greedy <= 4) & (beams.max(axis=1) <= 4))
+    long = np.flatnonzero((greedy == 30) & (beams[:, 0] == 30))
+    assert len(short) >= 13 and len(long) >= 3, (greedy, beams)
+    order = rng.permutation(np.concatenate([short[:13], long[:3]]))
+    return model, params, jnp.asarray(pool[order])
+
+
+@pytest.mark.parametrize("search", ["greedy", "beam", "beam_best_only"])
+def test_dropping_finished_sentences_returns_what_the_whole_batch_search_returns(
+    search, monkeypatch
+):
+    from transformer_jax import decode
+
+    shrunk = []
+    keep_rows = decode._keep_rows
+
+    def counting_keep_rows(state, keep):
+        shrunk.append((state[1].shape[0], keep.shape[0]))
+        return keep_rows(state, keep)
+
+    monkeypatch.setattr(decode, "_keep_rows", counting_keep_rows)
+    model, params, src = _ragged_model()
+    # Cache stages of 4, 8 and 30 positions: the search looks at which sentences have ended
+    # at steps 4, 8 and 24 (and the default stages, which look at step 16).
+    for kwargs in (dict(max_len=30, stages=(4, 8, 30)), dict(max_len=30)):
+        if search == "greedy":
+            whole = greedy_decode(model, params, src, drop_finished=False, **kwargs)
+            dropping = greedy_decode(model, params, src, **kwargs)
+            chex.assert_trees_all_equal(dropping, whole)
+            continue
+        kwargs.update(beam_size=3, length_penalty=0.6, best_only=search == "beam_best_only")
+        whole = beam_search(model, params, src, drop_finished=False, **kwargs)
+        dropping = beam_search(model, params, src, **kwargs)
+        # The same tokens; the scores to float32 rounding (a smaller batch's products may
+        # round a last bit differently).
+        np.testing.assert_array_equal(np.asarray(dropping[0]), np.asarray(whole[0]))
+        np.testing.assert_allclose(dropping[1], whole[1], rtol=1e-5, atol=1e-6)
+        lengths = np.sum(np.asarray(whole[0][:, 0]) != PAD, axis=-1)
+        assert lengths.min() <= 4 and lengths.max() > 16, lengths
+    # The batch did shrink (to a power of two at most a quarter of it), so the equality above
+    # compared the dropping search with the whole one, not the whole search with itself.
+    assert shrunk and all(after <= before // 4 for before, after in shrunk), shrunk
+
+
+def test_the_batch_a_search_shrinks_to():
+    from transformer_jax.decode import _smaller_batch
+
+    assert [_smaller_batch(alive, 128) for alive in (0, 1, 2, 3, 17, 32, 33, 100)] == [
+        1,
+        1,
+        2,
+        4,
+        32,
+        32,
+        128,
+        128,
+    ]
+    assert _smaller_batch(1, 3) == 3 and _smaller_batch(1, 4) == 1
+
+
+def test_a_search_under_jit_or_on_several_devices_is_one_program():
+    from transformer_jax import decode
+
+    model, params, src = _ragged_model()
+    expected = greedy_decode(model, params, src, max_len=12)
+    jitted = jax.jit(lambda p, s: greedy_decode(model, p, s, max_len=12))
+    chex.assert_trees_all_equal(jitted(params, src), expected)
+    mesh = jax.sharding.Mesh(np.array(jax.devices()[:2]), ("data",))
+    split = jax.device_put(
+        src, jax.sharding.NamedSharding(mesh, jax.sharding.PartitionSpec("data"))
+    )
+    whole_before = decode._whole_search._cache_size()
+    tokens, _ = beam_search(model, params, split, beam_size=2, max_len=12)
+    assert decode._whole_search._cache_size() == whole_before + 1
+    beam, _ = beam_search(model, params, src, beam_size=2, max_len=12)
+    chex.assert_trees_all_equal(np.asarray(tokens), np.asarray(beam))

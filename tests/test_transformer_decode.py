@@ -271,8 +271,8 @@ def test_dropping_finished_sentences_returns_what_the_whole_batch_search_returns
         kwargs.update(beam_size=3, length_penalty=0.6, best_only=search == "beam_best_only")
         whole = beam_search(model, params, src, drop_finished=False, **kwargs)
         dropping = beam_search(model, params, src, **kwargs)
-        # The same tokens; the scores to float32 rounding (a smaller batch's products may
-        # round a last bit differently).
+        # The same tokens, every beam, best_only too; the scores to float32 rounding (a
+        # smaller batch's products may round a last bit differently).
         np.testing.assert_array_equal(np.asarray(dropping[0]), np.asarray(whole[0]))
         np.testing.assert_allclose(dropping[1], whole[1], rtol=1e-5, atol=1e-6)
         lengths = np.sum(np.asarray(whole[0][:, 0]) != PAD, axis=-1)

@@ -335,7 +335,10 @@ def _beam_parts(
 
     def done(state):
         # A sentence whose every slot has ended (finished or dead) is a fixed point of the
-        # step: each slot offers only itself, and top_k keeps the slots in their order.
+        # step: each slot offers only itself, and top_k keeps the slots in their order. (With
+        # best_only, a sentence whose best is final could leave too, its beam 0 being fixed,
+        # but its other beams would then differ from the whole batch's; on the CPU main job's
+        # evaluation that gained 7%.)
         return jnp.all(state[5], axis=1)
 
     def outputs(state):
@@ -548,13 +551,13 @@ def _drive(model, params, src, alpha: Array, *, search: _Search, stages) -> tupl
     """A search that drops finished sentences as it goes: the outputs of `_whole_search`.
 
     Every `_CHECK_EVERY` steps the host reads which sentences have ended (`_Parts.done`: no
-    later step changes their outputs). Once the others fit in half the batch or less, their
-    outputs are kept and the search goes on with the unfinished sentences in a batch of the
-    next power of two, filled up with finished ones. Every sentence goes through the same
-    steps as in the whole batch, so the outputs are the same tokens, and the same scores up to
-    float32 rounding (a smaller batch's products may round a last bit differently); the steps
-    cost what the sentences still being decoded cost, not what the batch's longest output
-    costs.
+    later step changes their outputs). Once the unfinished ones fit in a quarter of the batch
+    or less, the finished ones' outputs are kept and the search goes on with the unfinished
+    ones in a batch of the next power of two, filled up with finished ones. Every sentence
+    goes through the same steps as in the whole batch, so the outputs are the same tokens,
+    and the same scores up to float32 rounding (a smaller batch's products may round a last
+    bit differently); the steps cost what the sentences still being decoded cost, not what the
+    batch's longest output costs.
     """
     batch = src.shape[0]
     state = _start(model, params, src, alpha, search=search, cache_len=stages[0])

@@ -533,9 +533,10 @@ _PROGRAMS = (_whole_search, _start, _advance, _grow_state, _keep_rows)
 # Steps between two looks at which sentences have ended: with `cache_stages` (16, 32, 64, ...)
 # the looks fall at the stage ends. A look costs a round trip to the host, well under a step,
 # but each batch size it shrinks to compiles programs of its own. On the CPU main job's
-# evaluation (1,000 sentences, beam 4; model-207 Xeon, 2026-11-27), looking every 8 steps or
-# shrinking to a half rather than a quarter compiled 20-40% more programs (first pass with
-# nothing cached 40-42 s against 34 s) and ran no faster (10.6-11.8 s a pass against 10.2 s).
+# evaluation (1,000 sentences, beam 4; model-207 Xeon, 2026-11-27, one run per variant),
+# looking every 8 steps or shrinking to a half rather than a quarter compiled up to 40% more
+# programs (first pass with nothing cached 40-42 s against 34 s) and ran no faster (10.6-11.8 s
+# a pass against 10.2 s).
 _CHECK_EVERY = 16
 
 

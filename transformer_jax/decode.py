@@ -571,30 +571,29 @@ def _drive(model, params, src, alpha: Array, *, search: _Search, stages) -> tupl
         while step < cache_len:
             limit = jnp.int32(min(cache_len, step + _CHECK_EVERY))
             state, done, over, outputs = _advance(model, params, state, limit, alpha, search=search)
-            step = int(state[0])
-            if bool(over):
-                return _gathered(kept, outputs, sentence, np.ones(len(sentence), bool), batch)
-            done = np.asarray(done)
+            step, over, done = jax.device_get((state[0], over, done))
+            if over:
+                kept = _gathered(kept, outputs, sentence, np.ones(len(sentence), bool), batch)
+                return tuple(jnp.asarray(x) for x in kept)
             size = _smaller_batch(int(np.sum(~done)), len(sentence))
             if size < len(sentence):
-                kept = _gathered(kept, outputs, sentence, done, batch, on_host=True)
+                kept = _gathered(kept, outputs, sentence, done, batch)
                 order = np.concatenate([np.flatnonzero(~done), np.flatnonzero(done)])[:size]
                 state = _keep_rows(state, jnp.asarray(order, jnp.int32))
                 sentence = np.where(done, -1, sentence)[order]
     raise AssertionError("a search's last stage ends at max_len, where its loop stops")
 
 
-def _gathered(kept, outputs, sentence, ready, batch: int, *, on_host: bool = False):
-    """The search's outputs for the whole batch so far: `kept` (host arrays, or None) with
-    the rows of `outputs` whose sentence is `ready` written in. As host arrays with
-    `on_host`, else as JAX arrays (the search's result)."""
+def _gathered(kept, outputs, sentence, ready, batch: int) -> list[np.ndarray]:
+    """The search's outputs for the whole batch so far, as host arrays: `kept` (or None at
+    first) with the rows of `outputs` whose sentence is `ready` written in."""
     outputs = [np.asarray(x) for x in outputs]
     if kept is None:
         kept = [np.zeros((batch, *x.shape[1:]), x.dtype) for x in outputs]
     rows = np.flatnonzero(ready & (sentence >= 0))
     for into, x in zip(kept, outputs):
         into[sentence[rows]] = x[rows]
-    return kept if on_host else tuple(jnp.asarray(x) for x in kept)
+    return kept
 
 
 def _search(model, params, src, alpha, *, search: _Search, stages, drop_finished: bool):

@@ -215,11 +215,12 @@ def test_stages_must_rise_to_max_len_and_a_cache_never_shrinks():
     chex.assert_trees_all_equal(grown, longer)
 
 
-def _ragged_model():
+def _ragged_model(others_run_on: bool = False):
     """A tiny random Transformer (sharp: embeddings at scale 8, EOS's row boosted) and 16
     sources of which 13 end within 4 tokens, greedily and in every beam of 3, and 3 run to the
     limit (chosen from 64 by their outputs), so a search that drops finished sentences shrinks
-    its batch."""
+    its batch. With `others_run_on`, the 13 end within 4 tokens in beam 0 (and greedily) while
+    another of their beams runs to the limit."""
     v = 48
     cfg = TransformerConfig.tiny(
         src_vocab_size=v, tgt_vocab_size=v, d_model=32, n_heads=4, d_ff=64, max_len=32
@@ -238,7 +239,9 @@ def _ragged_model():
     greedy = np.sum(np.asarray(greedy_decode(model, params, pool, max_len=30)) != PAD, axis=-1)
     beams = beam_search(model, params, pool, beam_size=3, max_len=30)[0]
     beams = np.sum(np.asarray(beams) != PAD, axis=-1)  # [64, 3]
-    short = np.flatnonzero((greedy <= 4) & (beams.max(axis=1) <= 4))
+    others = beams[:, 1:].max(axis=1)
+    short = (greedy <= 4) & (beams[:, 0] <= 4) & (others == 30 if others_run_on else others <= 4)
+    short = np.flatnonzero(short)
     long = np.flatnonzero((greedy == 30) & (beams[:, 0] == 30))
     assert len(short) >= 13 and len(long) >= 3, (greedy, beams)
     order = rng.permutation(np.concatenate([short[:13], long[:3]]))
@@ -258,8 +261,8 @@ def test_dropping_finished_sentences_returns_what_the_whole_batch_search_returns
         shrunk.append((state[1].shape[0], keep.shape[0]))
         return keep_rows(state, keep)
 
+    model, params, src = _ragged_model()  # (its own greedy search over 64 sentences shrinks)
     monkeypatch.setattr(decode, "_keep_rows", counting_keep_rows)
-    model, params, src = _ragged_model()
     # Cache stages of 4, 8 and 30 positions: the search looks at which sentences have ended
     # at steps 4, 8 and 24 (and the default stages, which look at step 16).
     for kwargs in (dict(max_len=30, stages=(4, 8, 30)), dict(max_len=30)):
@@ -280,6 +283,43 @@ def test_dropping_finished_sentences_returns_what_the_whole_batch_search_returns
     # The batch did shrink (to a power of two at most a quarter of it), so the equality above
     # compared the dropping search with the whole one, not the whole search with itself.
     assert shrunk and all(after <= before // 4 for before, after in shrunk), shrunk
+
+
+def test_returning_only_the_best_beam_lets_a_sentence_leave_once_its_best_is_final(monkeypatch):
+    from transformer_jax import decode
+
+    shrunk = []
+    keep_rows = decode._keep_rows
+
+    def counting_keep_rows(state, keep):
+        shrunk.append((state[1].shape[0], keep.shape[0]))
+        return keep_rows(state, keep)
+
+    # 13 sentences whose beam 0 ends within 4 tokens while another beam runs to the limit.
+    model, params, src = _ragged_model(others_run_on=True)
+    monkeypatch.setattr(decode, "_keep_rows", counting_keep_rows)
+    for kwargs in (dict(max_len=30, stages=(4, 8, 30)), dict(max_len=30)):
+        kwargs.update(beam_size=3, length_penalty=0.6)
+        whole = beam_search(model, params, src, drop_finished=False, **kwargs)
+        # All beams returned: a sentence waits for its last beam, so none leaves.
+        beam_search(model, params, src, best_only=True, **kwargs)
+        assert not shrunk
+        best = beam_search(model, params, src, best_only=True, return_beams=1, **kwargs)
+        assert best[0].shape == (16, 1, 30) and best[1].shape == (16, 1)
+        np.testing.assert_array_equal(np.asarray(best[0][:, 0]), np.asarray(whole[0][:, 0]))
+        np.testing.assert_allclose(best[1][:, 0], whole[1][:, 0], rtol=1e-5, atol=1e-6)
+        # ... and the sentences did leave: the batch shrank to a quarter or less.
+        assert shrunk and all(after <= before // 4 for before, after in shrunk), shrunk
+        shrunk.clear()
+    # Without best_only, beam 0 is not final before the search has ended; return_beams only
+    # trims the outputs. Out of range, it is refused.
+    kwargs = dict(beam_size=3, max_len=12, length_penalty=0.6)
+    two = beam_search(model, params, src, return_beams=2, **kwargs)
+    every = beam_search(model, params, src, **kwargs)
+    chex.assert_trees_all_equal(two, (every[0][:, :2], every[1][:, :2]))
+    for bad in (0, 4):
+        with pytest.raises(ValueError, match="return_beams must be in"):
+            beam_search(model, params, src, return_beams=bad, **kwargs)
 
 
 def test_the_batch_a_search_shrinks_to():

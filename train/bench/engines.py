@@ -137,6 +137,7 @@ def ours(served: Served, *, quantize: str | None = None) -> Engine:
             max_len=max_len,
             length_penalty=served.length_penalty,
             best_only=True,
+            return_beams=1,
         )
         return np.asarray(tokens[:, 0])
 

@@ -66,8 +66,8 @@ def translate_pairs(
                 model, params, dp.put_global(src), max_len=max_len
             )  # [N, L]
         else:
-            # Only the best beam is kept, so the search may stop once every sentence's best
-            # is final: the same output as the full search, in fewer steps.
+            # Only the best beam is kept, so a sentence may leave the search once its best is
+            # final: the same output as the full search, in fewer steps.
             tokens, _ = decode.beam_search(
                 model,
                 params,
@@ -76,6 +76,7 @@ def translate_pairs(
                 max_len=max_len,
                 length_penalty=config.length_penalty,
                 best_only=True,
+                return_beams=1,
             )
             best = tokens[:, 0]  # [N, L], best beam first
         best = dp.fetch_rows(best)

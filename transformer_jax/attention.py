@@ -114,8 +114,13 @@ def attend(
         dropout_rng=dropout_rng,
         deterministic=deterministic,
     )
-    mix = "bhts,bhsk->bthk" if heads_first else "bhts,bshk->bthk"
-    out = jnp.einsum(mix, weights.astype(value.dtype), value)
+    if heads_first:
+        # Mixed into [B, H, T, K], then moved: written straight to [B, T, H, K], XLA:CPU
+        # made it a slower batched product (a decoding step's cross-attention with 4 beams as
+        # T: 2.1 ms against 0.9 ms a layer, 2-core Xeon model 207, 2026-11-27).
+        out = jnp.einsum("bhts,bhsk->bhtk", weights.astype(value.dtype), value).swapaxes(1, 2)
+    else:
+        out = jnp.einsum("bhts,bshk->bthk", weights.astype(value.dtype), value)
     return out, weights
 
 
@@ -255,13 +260,18 @@ def beam_attention(
     if scale is None:
         scale = query.shape[-1] ** -0.5
     acc = jnp.promote_types(query.dtype, jnp.float32)
+    h = key.shape[1]
     query = query.swapaxes(1, 2)  # [B, H, W, K]
-    every = jnp.einsum("bhwk,bhnk->bhwn", query, key, preferred_element_type=acc)
-    every = every.reshape(*every.shape[:3], c, w)  # [B, H, W, C, W (slot)]
-    pick = ancestry[:, None, :, :, None]  # [B, 1, W, C, 1]
-    scores = jnp.take_along_axis(every, pick, axis=4)[..., 0] * scale  # [B, H, W, C]
-    weights = attention_weights(scores, mask=mask)
+    # The cache's C * W entries are the rows of each (B, H) product and the W queries its
+    # columns. The other way round (W = 4 rows) XLA:CPU's batched products ran 2.8x slower:
+    # 5.4 against 1.96 ms at B 128, H 4, C 32, K 64 (2-core Xeon model 207, 2026-11-27).
+    every = jnp.einsum("bhnk,bhwk->bhnw", key, query, preferred_element_type=acc)
+    every = every.reshape(b, h, c, w, w)  # [B, H, C, W (slot), W (beam)]
+    pick = ancestry.swapaxes(1, 2)[:, None, :, None, :]  # [B, 1, C, 1, W]
+    scores = jnp.take_along_axis(every, pick, axis=3)[:, :, :, 0, :]  # [B, H, C, W]
+    weights = attention_weights(scores.swapaxes(2, 3) * scale, mask=mask)  # [B, H, W, C]
     # The weights spread over (position, slot): nonzero only at the ancestral slot.
-    spread = jnp.where(pick == jnp.arange(w), weights[..., None], 0.0)  # [B, H, W, C, W]
-    spread = spread.reshape(*spread.shape[:3], c * w).astype(value.dtype)
-    return jnp.einsum("bhwn,bhnk->bwhk", spread, value)
+    slot = ancestry[:, None, :, :, None] == jnp.arange(w)  # [B, 1, W, C, W]
+    spread = jnp.where(slot, weights[..., None], 0.0).reshape(b, h, w, c * w)
+    out = jnp.einsum("bhwn,bhnk->bhwk", spread.astype(value.dtype), value)
+    return out.swapaxes(1, 2)  # [B, W, H, K]

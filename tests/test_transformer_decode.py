@@ -322,6 +322,55 @@ def test_returning_only_the_best_beam_lets_a_sentence_leave_once_its_best_is_fin
             beam_search(model, params, src, return_beams=bad, **kwargs)
 
 
+def test_greedy_argmax_is_jnps_first_maximum():
+    from transformer_jax.decode import _argmax
+
+    x = np.array(jax.random.normal(jax.random.PRNGKey(0), (6, 50)), np.float32)
+    x[1, [3, 7, 40]] = 9.0  # a tie: the first index wins
+    x[2] = -np.inf  # nothing allowed: index 0, as jnp.argmax
+    x[3, [5, 9]] = np.nan  # NaN counts as the maximum
+    x[4, -1] = 9.0
+    got = _argmax(jnp.asarray(x))
+    assert got.dtype == jnp.int32
+    np.testing.assert_array_equal(got, jnp.argmax(jnp.asarray(x), axis=-1))
+    assert list(np.asarray(got)[1:5]) == [3, 0, 5, 49]
+
+
+@pytest.mark.parametrize("n, k", [(2000, 4), (1000, 1), (999, 5), (64, 4)])
+def test_beam_top_k_is_lax_top_k(n, k):
+    from jax import lax
+
+    from transformer_jax.decode import _top_k
+
+    x = np.array(jax.random.normal(jax.random.PRNGKey(n), (7, n)), np.float32)
+    x = np.round(x, 1)  # many ties, across chunks and within them
+    x[1] = -np.inf  # nothing possible: the lowest indices, as lax.top_k
+    x[2, 3:] = -np.inf  # fewer than k possible
+    x[3, [5, n - 1, n // 2]] = 9.0  # tied best, far apart
+    x[4, : n // 2] = -np.inf
+    values, index = _top_k(jnp.asarray(x), k)
+    expected = lax.top_k(jnp.asarray(x), k)
+    np.testing.assert_array_equal(index, expected[1])
+    np.testing.assert_array_equal(values, expected[0])
+
+
+def test_beam_search_with_a_chunked_top_k_equals_plain_top_k(monkeypatch):
+    from transformer_jax import decode
+
+    model, params, src = _ragged_model()
+    kwargs = dict(beam_size=3, max_len=30, length_penalty=0.6)
+    # Chunks of 4: the tiny model's 3 x 48 candidates take the chunked path (at the default
+    # width, only vocabularies above 2 * W * 32 / W = 64 do).
+    for width, plain in ((4, False), (10**6, True)):
+        monkeypatch.setattr(decode, "_TOP_K_CHUNK", width)
+        jax.clear_caches()  # the width is read when a search is traced
+        got = beam_search(model, params, src, **kwargs)
+        if plain:
+            chex.assert_trees_all_equal(got, chunked)
+        chunked = got
+    jax.clear_caches()
+
+
 def test_the_batch_a_search_shrinks_to():
     from transformer_jax.decode import _smaller_batch
 

@@ -61,6 +61,45 @@ def _allowed_log_probs(logits: Array, *, pad_id: int, bos_id: int) -> Array:
     return jax.nn.log_softmax(logits, axis=-1)
 
 
+def _argmax(x: Array) -> Array:
+    """[R, V] -> [R] int32: `jnp.argmax(x, axis=-1)` (the first maximum; a NaN counts as the
+    maximum, as there) as two plain reductions, a max and a min over the indices that reach
+    it. XLA:CPU runs argmax's paired (value, index) reduction unvectorised: 5.0 against 1.6 ms
+    for [512, 4000] (2-core Xeon model 207, 2026-11-27), a tenth of a greedy step."""
+    best = jnp.max(x, axis=-1, keepdims=True)
+    index = lax.broadcasted_iota(jnp.int32, x.shape, x.ndim - 1)
+    hit = (x == best) | jnp.isnan(x)
+    return jnp.min(jnp.where(hit, index, x.shape[-1]), axis=-1)
+
+
+# Chunk width of `_top_k`'s first pass.
+_TOP_K_CHUNK = 32
+
+
+def _top_k(x: Array, k: int) -> tuple[Array, Array]:
+    """`lax.top_k(x, k)` of [R, N] NaN-free scores: the same values and indices, ties to the
+    lower index, found in a fraction of the time.
+
+    The row is cut into chunks of `_TOP_K_CHUNK`; the k best elements lie in the k chunks with
+    the best maxima (a chunk left out has k chunks ahead of it, each holding an element ahead
+    of all of its own), and those k chunks, in index order, are searched. A beam step's
+    [128, 4 x 4000] selection took 0.9 against 7.6 ms (2-core Xeon model 207, 2026-11-27):
+    XLA:CPU's TopK sorts every row.
+    """
+    rows, n = x.shape
+    width = _TOP_K_CHUNK
+    if n < 2 * k * width:
+        return lax.top_k(x, k)
+    if n % width:
+        x = jnp.pad(x, ((0, 0), (0, width - n % width)), constant_values=-jnp.inf)
+    chunks = x.reshape(rows, -1, width)
+    _, best = lax.top_k(jnp.max(chunks, axis=-1), k)  # [R, k]
+    best = jnp.sort(best, axis=-1)  # index order, so that ties still go to the lower index
+    near = jnp.take_along_axis(chunks, best[..., None], axis=1).reshape(rows, k * width)
+    values, at = lax.top_k(near, k)
+    return values, jnp.take_along_axis(best, at // width, axis=1) * width + at % width
+
+
 def cache_stages(max_len: int, first: int = 16) -> tuple[int, ...]:
     """The cache lengths a staged search runs through: first, 2 * first, ... below max_len,
     then max_len (just (max_len,) when max_len <= first)."""
@@ -121,7 +160,7 @@ def _greedy_parts(
         logits, cache = step_fn(last, cache, i)
         # argmax of the log-probs (not of the raw logits) so that beam_size=1 ranks the very
         # same float32 numbers and returns exactly this output.
-        nxt = jnp.argmax(_allowed_log_probs(logits, pad_id=pad_id, bos_id=bos_id), axis=-1)
+        nxt = _argmax(_allowed_log_probs(logits, pad_id=pad_id, bos_id=bos_id))
         nxt = jnp.where(finished, pad_id, nxt).astype(jnp.int32)
         tokens = lax.dynamic_update_slice(tokens, nxt[:, None], (0, i))
         return i + 1, tokens, nxt, finished | (nxt == eos_id), cache
@@ -295,7 +334,7 @@ def _beam_parts(
         cand_lp = jnp.where(finished[..., None], stay, log_prob[..., None] + step_lp)  # [B,W,V]
         cand_len = jnp.where(finished, lengths, i + 1)  # [B, W]
         key = cand_lp / gnmt_length_penalty(cand_len, length_penalty_alpha)[..., None]
-        _, flat = lax.top_k(key.reshape(b_, w_ * v_), w_)  # [B, W], best first
+        _, flat = _top_k(key.reshape(b_, w_ * v_), w_)  # [B, W], best first
         parent, token = flat // v_, (flat % v_).astype(jnp.int32)
 
         log_prob = jnp.take_along_axis(cand_lp.reshape(b_, w_ * v_), flat, axis=1)

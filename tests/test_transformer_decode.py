@@ -306,6 +306,11 @@ def test_returning_only_the_best_beam_lets_a_sentence_leave_once_its_best_is_fin
         assert not shrunk
         best = beam_search(model, params, src, best_only=True, return_beams=1, **kwargs)
         assert best[0].shape == (16, 1, 30) and best[1].shape == (16, 1)
+        # The search as one program (under jit, on split sources) returns the same beam.
+        one = beam_search(
+            model, params, src, best_only=True, return_beams=1, drop_finished=False, **kwargs
+        )
+        np.testing.assert_array_equal(np.asarray(one[0]), np.asarray(best[0]))
         np.testing.assert_array_equal(np.asarray(best[0][:, 0]), np.asarray(whole[0][:, 0]))
         np.testing.assert_allclose(best[1][:, 0], whole[1][:, 0], rtol=1e-5, atol=1e-6)
         # ... and the sentences did leave: the batch shrank to a quarter or less.

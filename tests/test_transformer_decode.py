@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import functools
+
 import chex
 import jax
 import jax.numpy as jnp
@@ -215,6 +217,7 @@ def test_stages_must_rise_to_max_len_and_a_cache_never_shrinks():
     chex.assert_trees_all_equal(grown, longer)
 
 
+@functools.cache  # five tests use it; building runs two searches over 64 sentences
 def _ragged_model(others_run_on: bool = False):
     """A tiny random Transformer (sharp: embeddings at scale 8, EOS's row boosted) and 16
     sources of which 13 end within 4 tokens, greedily and in every beam of 3, and 3 run to the
@@ -248,21 +251,27 @@ def _ragged_model(others_run_on: bool = False):
     return model, params, jnp.asarray(pool[order])
 
 
-@pytest.mark.parametrize("search", ["greedy", "beam", "beam_best_only"])
-def test_dropping_finished_sentences_returns_what_the_whole_batch_search_returns(
-    search, monkeypatch
-):
+@pytest.fixture
+def shrunk(monkeypatch):
+    """(batch, kept) of every `_keep_rows` call the searches make: whether, and to what, a
+    search shrank its batch."""
     from transformer_jax import decode
 
-    shrunk = []
+    calls = []
     keep_rows = decode._keep_rows
 
     def counting_keep_rows(state, keep):
-        shrunk.append((state[1].shape[0], keep.shape[0]))
+        calls.append((state[1].shape[0], keep.shape[0]))
         return keep_rows(state, keep)
 
-    model, params, src = _ragged_model()  # (its own greedy search over 64 sentences shrinks)
     monkeypatch.setattr(decode, "_keep_rows", counting_keep_rows)
+    return calls
+
+
+@pytest.mark.parametrize("search", ["greedy", "beam", "beam_best_only"])
+def test_dropping_finished_sentences_returns_what_the_whole_batch_search_returns(search, shrunk):
+    model, params, src = _ragged_model()
+    shrunk.clear()  # building the model (a greedy search over 64 sentences) may have shrunk
     # Cache stages of 4, 8 and 30 positions: the search looks at which sentences have ended
     # at steps 4, 8 and 24 (and the default stages, which look at step 16).
     for kwargs in (dict(max_len=30, stages=(4, 8, 30)), dict(max_len=30)):
@@ -285,19 +294,10 @@ def test_dropping_finished_sentences_returns_what_the_whole_batch_search_returns
     assert shrunk and all(after <= before // 4 for before, after in shrunk), shrunk
 
 
-def test_returning_only_the_best_beam_lets_a_sentence_leave_once_its_best_is_final(monkeypatch):
-    from transformer_jax import decode
-
-    shrunk = []
-    keep_rows = decode._keep_rows
-
-    def counting_keep_rows(state, keep):
-        shrunk.append((state[1].shape[0], keep.shape[0]))
-        return keep_rows(state, keep)
-
+def test_returning_only_the_best_beam_lets_a_sentence_leave_once_its_best_is_final(shrunk):
     # 13 sentences whose beam 0 ends within 4 tokens while another beam runs to the limit.
     model, params, src = _ragged_model(others_run_on=True)
-    monkeypatch.setattr(decode, "_keep_rows", counting_keep_rows)
+    shrunk.clear()  # building the model may have shrunk a search of its own
     for kwargs in (dict(max_len=30, stages=(4, 8, 30)), dict(max_len=30)):
         kwargs.update(beam_size=3, length_penalty=0.6)
         whole = beam_search(model, params, src, drop_finished=False, **kwargs)

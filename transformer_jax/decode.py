@@ -88,7 +88,7 @@ def _top_k(x: Array, k: int) -> tuple[Array, Array]:
     """
     rows, n = x.shape
     width = _TOP_K_CHUNK
-    if n < 2 * k * width:
+    if n < 2 * k * width:  # under 2k chunks the first pass would keep half the row or more
         return lax.top_k(x, k)
     if n % width:
         x = jnp.pad(x, ((0, 0), (0, width - n % width)), constant_values=-jnp.inf)

@@ -23,6 +23,7 @@ from train.bench.config import DEFAULT_SECTIONS, SECTIONS, XL_SECTIONS, BenchCon
 from train.bench.options import BenchOptions, config_from_options, parse_options
 from train.bench.report import merge_results, to_markdown, write_results
 from train.bench.timing import measure_matmul_rate, nominal_bf16_peak
+from train.core.host_memory import keep_host_memory
 
 # Sections that do not use the matrix rate: a run of only these skips the matmul section (on
 # a CPU the full size, 8192^3, would take minutes).
@@ -248,4 +249,5 @@ def run_and_report(
 def main(argv: Sequence[str] | None = None) -> int:
     """The command line: parse the flags, run, report (-> exit code)."""
     argv = list(sys.argv[1:] if argv is None else argv)
+    keep_host_memory()  # as the training commands do: their step is the one measured
     return run_and_report(parse_options(argv), command=" ".join(["python -m train.bench", *argv]))

@@ -35,6 +35,7 @@ import jax
 from train.core.checkpoint import CONFIG_FILE, load_run_config
 from train.core.compile_cache import enable_compilation_cache
 from train.core.config import RunConfig, UsageError, field_hints, replace
+from train.core.host_memory import keep_host_memory
 from train.core.loop import TrainingDiverged
 from train.core.parallel import maybe_initialize_distributed
 from train.core.task import Task, config_from_saved, default_workdir
@@ -275,10 +276,13 @@ def add_distributed_flags(parser: argparse.ArgumentParser) -> None:
 def start(args: argparse.Namespace) -> dict[str, Any] | None:
     """The start of a command's run -> the saved config of --workdir (None: a new run).
 
-    Reads W/config.json (an unreadable one is a CheckpointError naming it), then starts JAX's
-    distributed runtime, before anything touches a backend, when --distributed true,
-    $TRAIN_DISTRIBUTED or the resumed run's saved config asks for it; then turns on the
-    persistent compilation cache (`train.core.compile_cache`)."""
+    First, on a CPU, has the process keep the host memory of its steps
+    (`train.core.host_memory`), while no JAX backend runs yet. Then reads W/config.json (an
+    unreadable one is a CheckpointError naming it), then starts JAX's distributed runtime,
+    before anything touches a backend, when --distributed true, $TRAIN_DISTRIBUTED or the
+    resumed run's saved config asks for it; then turns on the persistent compilation cache
+    (`train.core.compile_cache`)."""
+    keep_host_memory()
     saved = load_run_config(args.workdir) if args.workdir else None
     wanted = getattr(args, "distributed", None)
     if wanted is None:

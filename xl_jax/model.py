@@ -29,6 +29,7 @@ import flax.linen as nn
 import jax
 import jax.numpy as jnp
 
+from transformer_jax.layers import dense_dot_general
 from xl_jax.adaptive import AdaptiveEmbedding, ProjectedAdaptiveLogSoftmax
 from xl_jax.attention import RelativeMultiHeadAttention, relative_positions, sinusoid_embedding
 from xl_jax.config import TransformerXLConfig
@@ -49,7 +50,10 @@ class PositionwiseFF(nn.Module):
     def __call__(self, x: Array, *, deterministic: bool = True) -> Array:  # [B, T, D]
         cfg = self.config
         dense = dict(
-            dtype=cfg.dtype, param_dtype=cfg.param_dtype, kernel_init=nn.initializers.normal(0.02)
+            dtype=cfg.dtype,
+            param_dtype=cfg.param_dtype,
+            kernel_init=nn.initializers.normal(0.02),
+            dot_general=dense_dot_general,  # its kernel gradient without a transposed copy
         )
         layer_norm = nn.LayerNorm(
             epsilon=cfg.layer_norm_eps,

@@ -7,7 +7,7 @@ cpu_vs_torch`, the block is 367 MB. glibc serves a block that large from a new `
 returns it with `munmap` when the step ends. A worker thread's arena cannot hold more than
 64 MB, so no malloc threshold changes this. Every step therefore faults in all its pages again:
 94,700 page faults and 200 ms of kernel time per step of about 600 ms, and the first write to
-each page lands inside a matrix product (2-core Xeon, cpu model 207, 2026-11-27; pytorch's
+each page lands inside a matrix product (2-core Xeon, cpu model 207, 2026-11-27; PyTorch's
 step, for comparison, has 10,000 faults and 20 ms).
 
 `keep_host_memory()` tells glibc to serve every thread from the main heap (`M_ARENA_MAX` 1),
@@ -16,8 +16,11 @@ never from `mmap` (`M_MMAP_MAX` 0), and to keep freed memory rather than give it
 kernel time per step. The numbers a step computes do not change.
 
 The costs:
-- the process keeps its peak host memory until it exits. A training run reaches its peak in
-  its first steps anyway;
+- the process keeps its peak host memory until it exits, and a freed block with a small
+  allocation next to it can be too short for the next request, so the heap grows by a few
+  blocks before it settles. At 64 x 32, max RSS was 1.20 GB with glibc's defaults, 1.35 GB
+  kept, and 1.70 GB kept with another busy process on the machine; each was stable after
+  step 9 (`benchmarks/cpu_vs_torch_2026-11-27_intel207/`);
 - all threads share one malloc arena. glibc's per-thread caches still serve small
   allocations without its lock.
 

@@ -53,9 +53,14 @@ def dense_product(x: Array, kernel: Array) -> Array:
     XLA's CPU backend then copied g into a transposed layout for each Dense of a training step
     (58 such copies in the 64 x 32 Transformer step of `train.bench --only cpu_vs_torch`).
     The flattened form has none of those copies. Against autodiff's, in one process, the step
-    ran 1.06x as fast at 64 x 32, 1.05x at 32 x 16, and the Transformer-XL's 1.02x (2-core
+    ran 1.06x as fast at 64 x 32 and 1.05x at 32 x 16 (the Transformer-XL's FFN: 1.02x; 2-core
     Xeon, cpu model 207, 2026-11-27; `benchmarks/cpu_vs_torch_2026-11-27_intel207/`). The two
     gradients are the same sums in another order.
+
+    A custom VJP is opaque to `jax.checkpoint`'s dot policies (`dots_saveable`,
+    `dots_with_no_batch_dims_saveable`): under them its product is recomputed in the backward
+    pass, not saved. That is why the Transformer-XL, whose layers run under such a policy,
+    keeps `nn.Dense`'s own product.
     """
     return lax.dot_general(x, kernel, (((x.ndim - 1,), (0,)), ((), ())))
 

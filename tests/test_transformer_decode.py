@@ -272,8 +272,8 @@ def shrunk(monkeypatch):
 def test_dropping_finished_sentences_returns_what_the_whole_batch_search_returns(search, shrunk):
     model, params, src = _ragged_model()
     shrunk.clear()  # building the model (a greedy search over 64 sentences) may have shrunk
-    # Cache stages of 4, 8 and 30 positions: the search looks at which sentences have ended
-    # at steps 4, 8 and 24 (and the default stages, which look at step 16).
+    # Cache stages of 4, 8 and 30 positions, and the default stages (16, 30): the search looks
+    # at which sentences have ended every `_CHECK_EVERY` steps and at each stage's end.
     for kwargs in (dict(max_len=30, stages=(4, 8, 30)), dict(max_len=30)):
         if search == "greedy":
             whole = greedy_decode(model, params, src, drop_finished=False, **kwargs)
@@ -289,9 +289,9 @@ def test_dropping_finished_sentences_returns_what_the_whole_batch_search_returns
         np.testing.assert_allclose(dropping[1], whole[1], rtol=1e-5, atol=1e-6)
         lengths = np.sum(np.asarray(whole[0][:, 0]) != PAD, axis=-1)
         assert lengths.min() <= 4 and lengths.max() > 16, lengths
-    # The batch did shrink (to a power of two at most a quarter of it), so the equality above
+    # The batch did shrink (to a power of two at most half of it), so the equality above
     # compared the dropping search with the whole one, not the whole search with itself.
-    assert shrunk and all(after <= before // 4 for before, after in shrunk), shrunk
+    assert shrunk and all(after <= before // 2 for before, after in shrunk), shrunk
 
 
 def test_returning_only_the_best_beam_lets_a_sentence_leave_once_its_best_is_final(shrunk):
@@ -313,8 +313,8 @@ def test_returning_only_the_best_beam_lets_a_sentence_leave_once_its_best_is_fin
         np.testing.assert_array_equal(np.asarray(one[0]), np.asarray(best[0]))
         np.testing.assert_array_equal(np.asarray(best[0][:, 0]), np.asarray(whole[0][:, 0]))
         np.testing.assert_allclose(best[1][:, 0], whole[1][:, 0], rtol=1e-5, atol=1e-6)
-        # ... and the sentences did leave: the batch shrank to a quarter or less.
-        assert shrunk and all(after <= before // 4 for before, after in shrunk), shrunk
+        # ... and the sentences did leave: the batch shrank to half or less.
+        assert shrunk and all(after <= before // 2 for before, after in shrunk), shrunk
         shrunk.clear()
     # Without best_only, beam 0 is not final before the search has ended; return_beams only
     # trims the outputs. Out of range, it is refused.
@@ -341,22 +341,66 @@ def test_greedy_argmax_is_jnps_first_maximum():
     assert list(np.asarray(got)[1:5]) == [3, 0, 5, 49]
 
 
-@pytest.mark.parametrize("n, k", [(2000, 4), (1000, 1), (999, 5), (64, 4)])
-def test_beam_top_k_is_lax_top_k(n, k):
+@pytest.mark.parametrize("v, w", [(2000, 4), (1000, 1), (999, 5), (64, 4), (101, 3), (40, 4)])
+def test_a_beam_steps_selection_is_lax_top_k_of_every_candidate(v, w):
+    """`_beam_candidates` scores only the best chunks; it returns what `lax.top_k` over every
+    candidate's score returns: the same indices and log-probs, ties to the lower index."""
     from jax import lax
 
-    from transformer_jax.decode import _top_k
+    from transformer_jax.decode import _beam_candidates
 
-    x = np.array(jax.random.normal(jax.random.PRNGKey(n), (7, n)), np.float32)
-    x = np.round(x, 1)  # many ties, across chunks and within them
-    x[1] = -np.inf  # nothing possible: the lowest indices, as lax.top_k
-    x[2, 3:] = -np.inf  # fewer than k possible
-    x[3, [5, n - 1, n // 2]] = 9.0  # tied best, far apart
-    x[4, : n // 2] = -np.inf
-    values, index = _top_k(jnp.asarray(x), k)
-    expected = lax.top_k(jnp.asarray(x), k)
-    np.testing.assert_array_equal(index, expected[1])
-    np.testing.assert_array_equal(values, expected[0])
+    b, bos_id = 6, 1
+    pad_id = v - 1 if v % 2 else 7  # in a last, shorter chunk (OPUS-MT's pad is its last id)
+    rng = np.random.default_rng(v + w)
+    logits = np.round(rng.normal(size=(b, w, v))).astype(np.float32)  # ties everywhere
+    logits[0, :, [3, v - 1, v // 2]] = 9.0  # tied best, far apart, in every beam
+    logits[1] = -5.0  # a tie between a better chunk's second best and a worse, earlier chunk
+    logits[1, 0, [v - 2, v - 3, 5]] = [9.0, 7.0, 7.0]
+    log_prob = np.round(rng.normal(size=(b, w)) - 3.0, 1).astype(np.float32)
+    log_prob[2, 1:] = -np.inf  # the first step: only beam 0 may expand
+    log_prob[3] = np.round(log_prob[3, 0], 1)  # beams tied on their log-prob
+    finished = rng.random((b, w)) < 0.3
+    finished[4] = True  # every hypothesis has ended: each offers only itself
+    finished[5, 0] = True
+    finished[1] = False
+    log_prob[5, 1:] = -np.inf  # one finished, the rest dead: fewer than w possible
+    lengths = rng.integers(1, 20, (b, w))
+    penalty = ((5.0 + lengths.astype(np.float32)) / 6.0) ** np.float32(0.6)
+
+    got = jax.jit(lambda *a: _beam_candidates(*a, k=w, pad_id=pad_id, bos_id=bos_id))(
+        jnp.asarray(logits.reshape(b * w, v)), log_prob, finished, penalty
+    )
+
+    # The reference: every candidate scored, as the search did before.
+    x = np.where(np.isin(np.arange(v), [pad_id, bos_id]), -np.inf, logits)
+    step = jax.nn.log_softmax(jnp.asarray(x), axis=-1)
+    stay = jnp.where(jnp.arange(v) == pad_id, log_prob[..., None], -jnp.inf)
+    cand = jnp.where(finished[..., None], stay, log_prob[..., None] + step).reshape(b, w * v)
+    _, flat = lax.top_k(cand / jnp.repeat(penalty, v, axis=1), w)
+    np.testing.assert_array_equal(got[1], flat)
+    np.testing.assert_array_equal(got[0], jnp.take_along_axis(cand, flat, axis=1))
+    assert got[1].dtype == jnp.int32
+
+
+def test_float_order_and_top_k_order_rank_as_lax_top_k():
+    from jax import lax
+
+    from transformer_jax.decode import _float_order, _top_k_order
+
+    x = np.array(
+        [-np.inf, -3e38, -1.5, -1e-30, -0.0, 0.0, 1e-30, 1.0, 1.0, 3e38, np.inf], np.float32
+    )
+    order = np.asarray(_float_order(jnp.asarray(x)))
+    assert order.dtype == np.int32
+    # The same order, -0.0 and 0.0 equal, and room below -inf.
+    assert np.all(np.diff(order) >= 0) and order[4] == order[5] and order[7] == order[8]
+    assert np.sum(np.diff(order) == 0) == 2 and order[0] > np.iinfo(np.int32).min
+    rows = np.round(np.random.default_rng(0).normal(size=(5, 300)), 1).astype(np.float32)
+    rows[1, ::7] = -np.inf
+    for k in (1, 4, 9):
+        np.testing.assert_array_equal(
+            _top_k_order(_float_order(jnp.asarray(rows)), k), lax.top_k(rows, k)[1]
+        )
 
 
 def test_beam_search_with_a_chunked_top_k_equals_plain_top_k(monkeypatch):
@@ -364,8 +408,8 @@ def test_beam_search_with_a_chunked_top_k_equals_plain_top_k(monkeypatch):
 
     model, params, src = _ragged_model()
     kwargs = dict(beam_size=3, max_len=30, length_penalty=0.6)
-    # Chunks of 4: the tiny model's 3 x 48 candidates take the chunked path (at the default
-    # width, only vocabularies above 2 * W * 32 / W = 64 do).
+    # Chunks of 4: the tiny model's vocabulary of 48 takes the chunked path (at the default
+    # width, only vocabularies of 2 * 32 = 64 or more do).
     outputs = []
     for width in (4, 10**6):
         monkeypatch.setattr(decode, "_TOP_K_CHUNK", width)
@@ -378,17 +422,19 @@ def test_beam_search_with_a_chunked_top_k_equals_plain_top_k(monkeypatch):
 def test_the_batch_a_search_shrinks_to():
     from transformer_jax.decode import _smaller_batch
 
-    assert [_smaller_batch(alive, 128) for alive in (0, 1, 2, 3, 17, 32, 33, 100)] == [
+    assert [_smaller_batch(alive, 128) for alive in (0, 1, 2, 3, 17, 32, 33, 64, 65, 100)] == [
         1,
         1,
         2,
         4,
         32,
         32,
+        64,
+        64,
         128,
         128,
     ]
-    assert _smaller_batch(1, 3) == 3 and _smaller_batch(1, 4) == 1
+    assert _smaller_batch(2, 3) == 3 and _smaller_batch(1, 3) == 1 and _smaller_batch(1, 2) == 1
 
 
 def test_a_search_under_jit_or_on_several_devices_is_one_program():

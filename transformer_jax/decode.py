@@ -72,32 +72,134 @@ def _argmax(x: Array) -> Array:
     return jnp.min(jnp.where(hit, index, x.shape[-1]), axis=-1)
 
 
-# Chunk width of `_top_k`'s first pass.
+# Chunk width of `_beam_candidates`' first pass.
 _TOP_K_CHUNK = 32
 
 
-def _top_k(x: Array, k: int) -> tuple[Array, Array]:
-    """`lax.top_k(x, k)` of [R, N] NaN-free scores: the same values and indices, ties to the
-    lower index, found in a fraction of the time.
+def _candidate_lp(x: Array, is_pad: Array, shift: Array, lse: Array, lp: Array, finished: Array):
+    """A beam step's candidate log-probs from masked logits `x` (any entries of a row, or a
+    chunk's maximum): (x - shift) - lse is `jax.nn.log_softmax`'s own arithmetic (shift: the
+    row's maximum, lse: log of the sum of exp(x - shift)); an alive hypothesis (log-prob lp)
+    adds it, a finished one offers only itself, followed by pad. Every argument broadcasts
+    against x."""
+    return jnp.where(finished, jnp.where(is_pad, lp, -jnp.inf), lp + ((x - shift) - lse))
 
-    The row is cut into chunks of `_TOP_K_CHUNK`; the k best elements lie in the k chunks with
-    the best maxima (a chunk left out has k chunks ahead of it, each holding an element ahead
-    of all of its own), and those k chunks, in index order, are searched. A beam step's
-    [128, 4 x 4000] selection took 0.9 against 7.6 ms (2-core Xeon model 207, 2026-11-27):
-    XLA:CPU's TopK sorts every row.
+
+def _beam_candidates(
+    logits: Array,
+    log_prob: Array,
+    finished: Array,
+    penalty: Array,
+    *,
+    k: int,
+    pad_id: int,
+    bos_id: int,
+) -> tuple[Array, Array]:
+    """A beam step's selection: the k best candidates by length-normalised score.
+
+    Args:
+      logits: [B * W, V] the step's logits (pad and bos are masked here).
+      log_prob, finished: [B, W] the hypotheses' total log-probs and whether they have ended.
+      penalty: [B, W] the length penalty each hypothesis' candidates are divided by.
+    Returns:
+      cand_lp [B, k] float32, the chosen candidates' total log-probs, and flat [B, k] int32,
+      their indices in [W * V] (beam w's token t at w * V + t), best first: exactly
+      `lax.top_k` of the scores cand_lp / penalty over [B, W * V], ties to the lower index.
+
+    The scores are never written out. Within a beam row every candidate's score is the same
+    non-decreasing function of its masked logit (float rounding is monotone), so a chunk of
+    `_TOP_K_CHUNK` logits has the score of its largest. The k best candidates lie in the k
+    chunks with the best scores (a chunk left out has k chunks ahead of it, each holding a
+    candidate ahead of all of its own), and only those k * `_TOP_K_CHUNK` candidates are
+    scored, by the very same arithmetic. A row's logits are read twice (chunk maxima, then
+    the softmax sum). Before, the scores of all [B, W * V] candidates were written twice
+    (for the chunk maxima and for the gather, each behind a padding copy, 15 ms apiece):
+    a beam step at B 32, W 4 of the OPUS-MT-sized model (V 58,101) is 1.13-1.22x faster for
+    it, at the `cpu` preset's size (V 4,000) level (2-core Xeon model 207, 2026-11-27; two
+    runs of 5 interleaved rounds of 16 steps).
     """
-    rows, n = x.shape
+    b, w = log_prob.shape
+    v = logits.shape[-1]
     width = _TOP_K_CHUNK
-    if n < 2 * k * width:  # under 2k chunks the first pass would keep half the row or more
-        return lax.top_k(x, k)
-    if n % width:
-        x = jnp.pad(x, ((0, 0), (0, width - n % width)), constant_values=-jnp.inf)
-    chunks = x.reshape(rows, -1, width)
-    _, best = lax.top_k(jnp.max(chunks, axis=-1), k)  # [R, k]
+    vocab = jnp.arange(v)
+    x = logits.astype(jnp.float32).reshape(b, w, v)
+    x = jnp.where((vocab == pad_id) | (vocab == bos_id), -jnp.inf, x)
+    lp, done, pen = log_prob[..., None], finished[..., None], penalty[..., None]
+    if v < 2 * width:  # too few chunks to leave any out: score every candidate
+        cand = _candidate_lp(x, vocab == pad_id, *_log_softmax_terms(x), lp, done)
+        _, flat = lax.top_k((cand / pen).reshape(b, w * v), k)
+        return jnp.take_along_axis(cand.reshape(b, w * v), flat, axis=1), flat.astype(jnp.int32)
+
+    whole = v - v % width
+    chunk_max = jnp.max(x[..., :whole].reshape(b, w, whole // width, width), axis=-1)
+    if whole < v:  # the row's last, shorter chunk
+        chunk_max = jnp.concatenate([chunk_max, jnp.max(x[..., whole:], -1, keepdims=True)], -1)
+    chunks = chunk_max.shape[-1]
+    shift = jnp.max(chunk_max, axis=-1, keepdims=True)  # [B, W, 1]: the row's maximum
+    lse = jnp.log(jnp.sum(jnp.exp(x - shift), axis=-1, keepdims=True))
+    has_pad = jnp.arange(chunks) == pad_id // width
+    chunk_score = _candidate_lp(chunk_max, has_pad, shift, lse, lp, done) / pen  # [B, W, C]
+    best = _top_k_order(_float_order(chunk_score).reshape(b, w * chunks), k)
     best = jnp.sort(best, axis=-1)  # index order, so that ties still go to the lower index
-    near = jnp.take_along_axis(chunks, best[..., None], axis=1).reshape(rows, k * width)
-    values, at = lax.top_k(near, k)
-    return values, jnp.take_along_axis(best, at // width, axis=1) * width + at % width
+    beam, chunk = best // chunks, best % chunks  # [B, k]
+
+    def per_beam(y: Array) -> Array:  # [B, W, 1] -> [B, k, 1]: the chosen chunks' rows
+        return jnp.take_along_axis(y, beam[..., None], axis=1)
+
+    token = chunk[..., None] * width + jnp.arange(width)  # [B, k, width]
+    inside = token < v
+    token = jnp.minimum(token, v - 1)
+    near = jnp.take_along_axis(x.reshape(b, w * v), (beam[..., None] * v + token).reshape(b, -1), 1)
+    cand = _candidate_lp(
+        near.reshape(token.shape),
+        token == pad_id,
+        per_beam(shift),
+        per_beam(lse),
+        per_beam(lp),
+        per_beam(done),
+    )
+    # The chunks are in index order, so top_k's ties go to the lower index, as over every
+    # candidate. But a last chunk's positions past the vocabulary (beam w's, between w's last
+    # token and w + 1's first) must lose even to an impossible (-inf) candidate, so the
+    # scores are ranked as integers of the same order, with room below -inf.
+    order = _float_order(cand / per_beam(pen))
+    order = jnp.where(inside, order, jnp.iinfo(jnp.int32).min).reshape(b, -1)
+    at = _top_k_order(order, k)  # [B, k] positions among the k * width scored
+    index = (beam[..., None] * v + token).reshape(b, -1)
+    flat = jnp.take_along_axis(index, at, axis=1).astype(jnp.int32)
+    return jnp.take_along_axis(cand.reshape(b, -1), at, axis=1), flat
+
+
+def _top_k_order(order: Array, k: int) -> Array:
+    """`lax.top_k(order, k)[1]` of [R, N] int32 with N >= k, as k rounds of a max and the
+    first index that reaches it, each pick then set to the int32 minimum: at [32, 500] and
+    k 4, 73 against 2,660 us (XLA:CPU's TopK sorts the row, and sorts int32 far slower than
+    float32; 2-core Xeon model 207, 2026-11-27). At least k entries must be above the int32
+    minimum (a pick becomes it, and may be picked again after those)."""
+    n = order.shape[-1]
+    index = lax.broadcasted_iota(jnp.int32, order.shape, order.ndim - 1)
+    picks = []
+    for _ in range(k):
+        top = jnp.max(order, axis=-1, keepdims=True)
+        pick = jnp.min(jnp.where(order == top, index, n), axis=-1, keepdims=True)
+        picks.append(pick)
+        order = jnp.where(index == pick, jnp.iinfo(jnp.int32).min, order)
+    return jnp.concatenate(picks, axis=-1)
+
+
+def _float_order(x: Array) -> Array:
+    """float32 -> int32 of the same order (NaN-free; -0.0 and 0.0 equal, as `lax.top_k` has
+    them): a negative float's bits read as an integer fall as the float rises, so they are
+    mirrored."""
+    bits = lax.bitcast_convert_type(jnp.where(x == 0, 0.0, x), jnp.int32)
+    return jnp.where(bits < 0, bits ^ jnp.int32(0x7FFFFFFF), bits)
+
+
+def _log_softmax_terms(x: Array) -> tuple[Array, Array]:
+    """[..., V] masked logits -> (shift, lse) [..., 1]: `jax.nn.log_softmax(x)` is
+    (x - shift) - lse."""
+    shift = jnp.max(x, axis=-1, keepdims=True)
+    return shift, jnp.log(jnp.sum(jnp.exp(x - shift), axis=-1, keepdims=True))
 
 
 def cache_stages(max_len: int, first: int = 16) -> tuple[int, ...]:
@@ -328,16 +430,19 @@ def _beam_parts(
         i, tokens, last, log_prob, lengths, finished, old_cache = state
         logits, cache = step_fn(last.reshape(b_ * w_), old_cache, i)
         v_ = logits.shape[-1]
-        step_lp = _allowed_log_probs(logits, pad_id=pad_id, bos_id=bos_id).reshape(b_, w_, v_)
-        # A finished hypothesis offers one candidate: itself, followed by pad.
-        stay = jnp.where(jnp.arange(v_) == pad_id, log_prob[..., None], -jnp.inf)
-        cand_lp = jnp.where(finished[..., None], stay, log_prob[..., None] + step_lp)  # [B,W,V]
+        # Each alive hypothesis extended by every allowed token, each finished one by pad at
+        # no cost; the W best by score log P / lp(len), best first.
         cand_len = jnp.where(finished, lengths, i + 1)  # [B, W]
-        key = cand_lp / gnmt_length_penalty(cand_len, length_penalty_alpha)[..., None]
-        _, flat = _top_k(key.reshape(b_, w_ * v_), w_)  # [B, W], best first
+        log_prob, flat = _beam_candidates(
+            logits,
+            log_prob,
+            finished,
+            gnmt_length_penalty(cand_len, length_penalty_alpha),
+            k=w_,
+            pad_id=pad_id,
+            bos_id=bos_id,
+        )
         parent, token = flat // v_, (flat % v_).astype(jnp.int32)
-
-        log_prob = jnp.take_along_axis(cand_lp.reshape(b_, w_ * v_), flat, axis=1)
         lengths = jnp.take_along_axis(cand_len, parent, axis=1)
         parent_finished = jnp.take_along_axis(finished, parent, axis=1)
         # An impossible candidate (-inf) only fills a slot nothing else could: it is dead.
@@ -584,30 +689,33 @@ def _keep_rows(state, keep: Array):
 # Every program a search compiles (a test counts their compilations).
 _PROGRAMS = (_whole_search, _start, _advance, _grow_state, _keep_rows)
 
-# Steps between two looks at which sentences have ended: with `cache_stages` (16, 32, 64, ...)
-# the looks fall at the stage ends. A look costs a round trip to the host, well under a step,
-# but each batch size it shrinks to compiles programs of its own. On the CPU main job's
-# evaluation (1,000 sentences, beam 4; model-207 Xeon, 2026-11-27, one run per variant),
-# looking every 8 steps or shrinking to a half rather than a quarter compiled up to 40% more
-# programs (first pass with nothing cached 40-42 s against 34 s) and ran no faster (10.6-11.8 s
-# a pass against 10.2 s).
-_CHECK_EVERY = 16
+# Steps between two looks at which sentences have ended. A look costs a round trip to the host
+# (about 1 ms on a 2-core Xeon: a search dispatch and a wait), and each batch size a search
+# shrinks to compiles programs of its own. On the CPU main job's evaluation (the 4,000-step
+# model, 1,000 sentences in batches of 128, beam 4; model-207 Xeon, 2026-11-27, 3 interleaved
+# passes), looking every 4 steps and shrinking to a half (rather than every 16 steps, at the
+# stage ends, to a quarter): 7.8 s a pass against 9.8 s, but 56 programs compiled against 34
+# (first pass with nothing cached 113 s against 58 s; the commands' persistent compilation
+# cache pays that once a machine). Every 4 steps to a quarter: 8.3 s, 49 programs. On the
+# bench's 32 random sentences (`train.bench --only decode`): 1.30x (the `cpu` preset's size)
+# and 1.49x (OPUS-MT's) a beam-search batch; every 2 steps was no better overall.
+_CHECK_EVERY = 4
 
 
 def _smaller_batch(alive: int, rows: int) -> int:
     """The batch the `alive` unfinished sentences of a batch of `rows` continue in: the
-    smallest power of two that holds them, once that is at most a quarter of the batch (each
-    size compiles programs of its own), else `rows`."""
+    smallest power of two that holds them, once that is at most half the batch (each size
+    compiles programs of its own), else `rows`."""
     size = 1 << max(alive - 1, 0).bit_length()
-    return size if size <= rows // 4 else rows
+    return size if size <= rows // 2 else rows
 
 
 def _drive(model, params, src, alpha: Array, *, search: _Search, stages) -> tuple[Array, ...]:
     """A search that drops finished sentences as it goes: the outputs of `_whole_search`.
 
     Every `_CHECK_EVERY` steps the host reads which sentences have ended (`_Parts.done`: no
-    later step changes their outputs). Once the unfinished ones fit in a quarter of the batch
-    or less, the finished ones' outputs are kept and the search goes on with the unfinished
+    later step changes their outputs). Once the unfinished ones fit in half the batch or
+    less, the finished ones' outputs are kept and the search goes on with the unfinished
     ones in a batch of the next power of two, filled up with finished ones. Every sentence
     goes through the same steps as in the whole batch, so the outputs are the same tokens,
     and the same scores up to float32 rounding (a smaller batch's products may round a last
@@ -623,7 +731,7 @@ def _drive(model, params, src, alpha: Array, *, search: _Search, stages) -> tupl
         if k:
             state = _grow_state(model, params, state, cache_len=cache_len)
         while step < cache_len:
-            limit = jnp.int32(min(cache_len, step + _CHECK_EVERY))
+            limit = np.int32(min(cache_len, step + _CHECK_EVERY))
             state, done, over, outputs = _advance(model, params, state, limit, alpha, search=search)
             step, over, done = jax.device_get((state[0], over, done))
             if over:

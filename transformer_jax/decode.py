@@ -53,12 +53,16 @@ ExpandFn = Callable[[Cache, int], Cache]
 ReorderFn = Callable[[Cache, Array], Cache]
 
 
+def _masked_logits(logits: Array, *, pad_id: int, bos_id: int) -> Array:
+    """[R, V] logits -> [R, V] float32 with pad and bos impossible (-inf): no search emits
+    either."""
+    vocab = jnp.arange(logits.shape[-1])
+    return jnp.where((vocab == pad_id) | (vocab == bos_id), -jnp.inf, logits.astype(jnp.float32))
+
+
 def _allowed_log_probs(logits: Array, *, pad_id: int, bos_id: int) -> Array:
     """[R, V] logits -> [R, V] float32 log-probs with pad and bos impossible (-inf)."""
-    logits = logits.astype(jnp.float32)
-    vocab = jnp.arange(logits.shape[-1])
-    logits = jnp.where((vocab == pad_id) | (vocab == bos_id), -jnp.inf, logits)
-    return jax.nn.log_softmax(logits, axis=-1)
+    return jax.nn.log_softmax(_masked_logits(logits, pad_id=pad_id, bos_id=bos_id), axis=-1)
 
 
 def _argmax(x: Array) -> Array:
@@ -122,8 +126,7 @@ def _beam_candidates(
     v = logits.shape[-1]
     width = _TOP_K_CHUNK
     vocab = jnp.arange(v)
-    x = logits.astype(jnp.float32).reshape(b, w, v)
-    x = jnp.where((vocab == pad_id) | (vocab == bos_id), -jnp.inf, x)
+    x = _masked_logits(logits, pad_id=pad_id, bos_id=bos_id).reshape(b, w, v)
     lp, done, pen = log_prob[..., None], finished[..., None], penalty[..., None]
     if v < 2 * width:  # too few chunks to leave any out: score every candidate
         cand = _candidate_lp(x, vocab == pad_id, *_log_softmax_terms(x), lp, done)
@@ -135,8 +138,8 @@ def _beam_candidates(
     if whole < v:  # the row's last, shorter chunk
         chunk_max = jnp.concatenate([chunk_max, jnp.max(x[..., whole:], -1, keepdims=True)], -1)
     chunks = chunk_max.shape[-1]
-    shift = jnp.max(chunk_max, axis=-1, keepdims=True)  # [B, W, 1]: the row's maximum
-    lse = jnp.log(jnp.sum(jnp.exp(x - shift), axis=-1, keepdims=True))
+    # [B, W, 1]: the row's maximum, from the chunk maxima rather than a third read of the row
+    shift, lse = _log_softmax_terms(x, jnp.max(chunk_max, axis=-1, keepdims=True))
     has_pad = jnp.arange(chunks) == pad_id // width
     chunk_score = _candidate_lp(chunk_max, has_pad, shift, lse, lp, done) / pen  # [B, W, C]
     best = _top_k_order(_float_order(chunk_score).reshape(b, w * chunks), k)
@@ -149,7 +152,8 @@ def _beam_candidates(
     token = chunk[..., None] * width + jnp.arange(width)  # [B, k, width]
     inside = token < v
     token = jnp.minimum(token, v - 1)
-    near = jnp.take_along_axis(x.reshape(b, w * v), (beam[..., None] * v + token).reshape(b, -1), 1)
+    index = (beam[..., None] * v + token).reshape(b, -1)  # [B, k * width] in [W * V]
+    near = jnp.take_along_axis(x.reshape(b, w * v), index, axis=1)
     cand = _candidate_lp(
         near.reshape(token.shape),
         token == pad_id,
@@ -165,7 +169,6 @@ def _beam_candidates(
     order = _float_order(cand / per_beam(pen))
     order = jnp.where(inside, order, jnp.iinfo(jnp.int32).min).reshape(b, -1)
     at = _top_k_order(order, k)  # [B, k] positions among the k * width scored
-    index = (beam[..., None] * v + token).reshape(b, -1)
     flat = jnp.take_along_axis(index, at, axis=1).astype(jnp.int32)
     return jnp.take_along_axis(cand.reshape(b, -1), at, axis=1), flat
 
@@ -195,10 +198,12 @@ def _float_order(x: Array) -> Array:
     return jnp.where(bits < 0, bits ^ jnp.int32(0x7FFFFFFF), bits)
 
 
-def _log_softmax_terms(x: Array) -> tuple[Array, Array]:
+def _log_softmax_terms(x: Array, shift: Array | None = None) -> tuple[Array, Array]:
     """[..., V] masked logits -> (shift, lse) [..., 1]: `jax.nn.log_softmax(x)` is
-    (x - shift) - lse."""
-    shift = jnp.max(x, axis=-1, keepdims=True)
+    (x - shift) - lse. shift: the rows' maxima when the caller has them already (None:
+    computed here)."""
+    if shift is None:
+        shift = jnp.max(x, axis=-1, keepdims=True)
     return shift, jnp.log(jnp.sum(jnp.exp(x - shift), axis=-1, keepdims=True))
 
 

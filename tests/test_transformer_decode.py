@@ -327,6 +327,36 @@ def test_returning_only_the_best_beam_lets_a_sentence_leave_once_its_best_is_fin
             beam_search(model, params, src, return_beams=bad, **kwargs)
 
 
+def test_only_a_search_on_cpus_drops_finished_sentences_by_default(shrunk, monkeypatch):
+    from transformer_jax import decode
+
+    # drop_finished=None drops on CPUs only: on an accelerator the syncs with the host and the
+    # programs of each batch size cost more than the rows it saves (decode's H200 figures).
+    assert decode._drops_by_default(["cpu"]) and decode._drops_by_default(("cpu", "cpu"))
+    for platforms in (["gpu"], ["cuda"], ["tpu"], ["cpu", "gpu"], []):
+        assert not decode._drops_by_default(platforms), platforms
+    model, params, src = _ragged_model()
+    shrunk.clear()
+    dropping = greedy_decode(model, params, src, max_len=30)
+    assert shrunk  # on this CPU, the default dropped finished sentences
+    # The default asks about the devices holding the source; answered "no", the search is one
+    # program (no shrink) and returns the same tokens.
+    asked = []
+
+    def on_accelerator(platforms):
+        asked.append(list(platforms))
+        return False
+
+    monkeypatch.setattr(decode, "_drops_by_default", on_accelerator)
+    shrunk.clear()
+    whole = greedy_decode(model, params, np.asarray(src), max_len=30)
+    assert asked == [["cpu"]] and not shrunk
+    chex.assert_trees_all_equal(whole, dropping)
+    # An explicit drop_finished is not second-guessed.
+    greedy_decode(model, params, src, max_len=30, drop_finished=True)
+    assert asked == [["cpu"]] and shrunk
+
+
 def test_greedy_argmax_is_jnps_first_maximum():
     from transformer_jax.decode import _argmax
 

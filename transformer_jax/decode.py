@@ -763,7 +763,25 @@ def _gathered(kept, outputs, sentence, ready, batch: int) -> list[np.ndarray]:
     return kept
 
 
-def _search(model, params, src, alpha, *, search: _Search, stages, drop_finished: bool):
+# On a GPU, dropping finished sentences made a batch slower, not faster: the rows it saves
+# were worth less than what it costs there, a sync with the host every few steps (the device
+# idles while the host looks) and programs compiled for each batch size. The bench's
+# OPUS-MT-sized random model, batch 32, one NVIDIA H200, 2026-11-27, same tokens both ways:
+# greedy 50 ms a batch dropping against 19 ms as one program, beam 4 78 against 32 ms; the
+# first call 16 against 6 s and 31 against 11 s (benchmarks/h200_2026-11-27/). On a CPU a
+# step costs about its rows, and dropping wins (`_CHECK_EVERY`).
+def _drops_by_default(platforms) -> bool:
+    """Whether a search drops finished sentences when drop_finished is None: only when every
+    device it runs on (`platforms`, their `jax.Device.platform`) is a CPU."""
+    platforms = set(platforms)
+    return bool(platforms) and platforms <= {"cpu"}
+
+
+def _search(model, params, src, alpha, *, search: _Search, stages, drop_finished: bool | None):
+    if not isinstance(src, jax.core.Tracer):
+        src = jnp.asarray(src)  # on JAX's default device, unless already placed
+        if drop_finished is None:
+            drop_finished = _drops_by_default(d.platform for d in src.devices())
     stages = _model_stages(model, search.max_len, stages)
     alpha = jnp.asarray(alpha, jnp.float32)
     whole = (
@@ -774,7 +792,7 @@ def _search(model, params, src, alpha, *, search: _Search, stages, drop_finished
     )
     if whole:
         return _whole_search(model, params, src, alpha, search=search, stages=stages)
-    return _drive(model, params, jnp.asarray(src), alpha, search=search, stages=stages)
+    return _drive(model, params, src, alpha, search=search, stages=stages)
 
 
 def greedy_decode(
@@ -784,7 +802,7 @@ def greedy_decode(
     *,
     max_len: int,
     stages: tuple[int, ...] | None = None,
-    drop_finished: bool = True,
+    drop_finished: bool | None = None,
 ) -> Array:
     """Greedy decoding of any protocol model (compiled; `model` is hashed as a static argument).
 
@@ -799,7 +817,9 @@ def greedy_decode(
         looks every few steps, see `_drive`), so that a batch costs about its sentences'
         own lengths rather than B times the longest. The output does not depend on it. It
         applies to concrete sources on one device; under `jit`, on a source split over
-        several devices or with False, the search is one compiled program.
+        several devices or with False, the search is one compiled program. None (the
+        default): True where the source is decoded on a CPU, False on an accelerator
+        (`_drops_by_default` says why).
     Returns:
       [B, O] int32 tokens after BOS, pad_id after EOS.
     """
@@ -830,7 +850,7 @@ def beam_search(
     best_only: bool = False,
     return_beams: int | None = None,
     stages: tuple[int, ...] | None = None,
-    drop_finished: bool = True,
+    drop_finished: bool | None = None,
 ) -> tuple[Array, Array]:
     """Beam search over any protocol model (compiled; `model` is hashed as a static argument).
 

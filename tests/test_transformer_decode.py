@@ -452,11 +452,16 @@ def test_beam_search_with_a_chunked_top_k_equals_plain_top_k(monkeypatch):
 def test_the_batch_a_search_shrinks_to():
     from transformer_jax.decode import _smaller_batch
 
-    assert [_smaller_batch(alive, 128) for alive in (0, 1, 2, 3, 17, 32, 33, 64, 65, 100)] == [
-        1,
-        1,
-        2,
-        4,
+    # A power of two at most half the current batch, never below a sixteenth of the first
+    # one (8 of 128): the last few sentences of a batch of 128 go on in 8 rows.
+    alive = (0, 1, 2, 3, 8, 9, 17, 32, 33, 64, 65, 100)
+    assert [_smaller_batch(n, 128, 128) for n in alive] == [
+        8,
+        8,
+        8,
+        8,
+        8,
+        16,
         32,
         32,
         64,
@@ -464,7 +469,13 @@ def test_the_batch_a_search_shrinks_to():
         128,
         128,
     ]
-    assert _smaller_batch(2, 3) == 3 and _smaller_batch(1, 3) == 1 and _smaller_batch(1, 2) == 1
+    # Shrunk already, from 128 to 16 rows: to 8 and no further.
+    assert [_smaller_batch(n, 16, 128) for n in (1, 5, 8, 9)] == [8, 8, 8, 16]
+    assert _smaller_batch(1, 8, 128) == 8
+    # The bench's batch of 32 goes down to 2; batches under 16 have no floor.
+    assert [_smaller_batch(n, 32, 32) for n in (1, 2, 3, 16, 17)] == [2, 2, 4, 16, 32]
+    assert _smaller_batch(2, 3, 3) == 3 and _smaller_batch(1, 3, 3) == 1
+    assert _smaller_batch(1, 2, 2) == 1
 
 
 def test_a_search_under_jit_or_on_several_devices_is_one_program():

@@ -707,11 +707,25 @@ _PROGRAMS = (_whole_search, _start, _advance, _grow_state, _keep_rows)
 _CHECK_EVERY = 4
 
 
-def _smaller_batch(alive: int, rows: int) -> int:
-    """The batch the `alive` unfinished sentences of a batch of `rows` continue in: the
-    smallest power of two that holds them, once that is at most half the batch (each size
-    compiles programs of its own), else `rows`."""
-    size = 1 << max(alive - 1, 0).bit_length()
+# The smallest batch a search shrinks to: a sixteenth of the batch it started with (8 of the
+# evaluation's 128 sentences, 2 of the bench's 32). Each batch size compiles programs of its
+# own, and which sizes a search reaches depends on when its sentences end, so on the model: a
+# newly trained model met programs that no earlier run on the machine had put in the
+# persistent compilation cache, most of them the last few sentences' sizes of 1 to 4. On the
+# CPU main job's evaluation (1,000 sentences in batches of 128, beam 4; AMD EPYC family 25,
+# 2026-11-27), a pass over a new model's translations in a fresh process, with the cache
+# holding what the previous model's pass compiled, took 35.7-42.0 s without the floor and
+# 23.3 s with it, the steady passes unchanged (5.9-7.4 s); the job's evaluation 35.0 s
+# before, 23.9 s after (benchmarks/decode_2026-11-27d/). The bench's batch of 32 (floor 2)
+# was no slower.
+_FLOOR_FRACTION = 16
+
+
+def _smaller_batch(alive: int, rows: int, batch: int) -> int:
+    """The batch the `alive` unfinished sentences of a batch of `rows` (a search that began
+    with `batch`) continue in: the smallest power of two that holds them and at least
+    batch // _FLOOR_FRACTION, once that is at most half of `rows`, else `rows`."""
+    size = 1 << max(max(alive, batch // _FLOOR_FRACTION) - 1, 0).bit_length()
     return size if size <= rows // 2 else rows
 
 
@@ -721,7 +735,8 @@ def _drive(model, params, src, alpha: Array, *, search: _Search, stages) -> tupl
     Every `_CHECK_EVERY` steps the host reads which sentences have ended (`_Parts.done`: no
     later step changes their outputs). Once the unfinished ones fit in half the batch or
     less, the finished ones' outputs are kept and the search goes on with the unfinished
-    ones in a batch of the next power of two, filled up with finished ones. Every sentence
+    ones in a batch of the next power of two (at least a sixteenth of the first batch),
+    filled up with finished ones. Every sentence
     goes through the same steps as in the whole batch, so the outputs are the same tokens,
     and the same scores up to float32 rounding (a smaller batch's products may round a last
     bit differently); the steps cost what the sentences still being decoded cost, not what the
@@ -742,7 +757,7 @@ def _drive(model, params, src, alpha: Array, *, search: _Search, stages) -> tupl
             if over:
                 kept = _gathered(kept, outputs, sentence, np.ones(len(sentence), bool), batch)
                 return tuple(jnp.asarray(x) for x in kept)
-            size = _smaller_batch(int(np.sum(~done)), len(sentence))
+            size = _smaller_batch(int(np.sum(~done)), len(sentence), batch)
             if size < len(sentence):
                 kept = _gathered(kept, outputs, sentence, done, batch)
                 order = np.concatenate([np.flatnonzero(~done), np.flatnonzero(done)])[:size]

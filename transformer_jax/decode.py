@@ -711,7 +711,7 @@ _CHECK_EVERY = 4
 # evaluation's 128 sentences, 2 of the bench's 32). Each batch size compiles programs of its
 # own, and which sizes a search reaches depends on when its sentences end, so on the model: a
 # newly trained model met programs that no earlier run on the machine had put in the
-# persistent compilation cache, most of them the last few sentences' sizes of 1 to 4. On the
+# persistent compilation cache, all of them the last few sentences' sizes of 1 to 8. On the
 # CPU main job's evaluation (1,000 sentences in batches of 128, beam 4; AMD EPYC family 25,
 # 2026-11-27), a pass over a new model's translations in a fresh process, with the cache
 # holding what the previous model's pass compiled, took 35.7-42.0 s without the floor and

@@ -725,7 +725,7 @@ def _smaller_batch(alive: int, rows: int, batch: int) -> int:
     """The batch the `alive` unfinished sentences of a batch of `rows` (a search that began
     with `batch`) continue in: the smallest power of two that holds them and at least
     batch // _FLOOR_FRACTION, once that is at most half of `rows`, else `rows`."""
-    size = 1 << max(max(alive, batch // _FLOOR_FRACTION) - 1, 0).bit_length()
+    size = 1 << (max(alive, batch // _FLOOR_FRACTION, 1) - 1).bit_length()
     return size if size <= rows // 2 else rows
 
 
@@ -736,11 +736,10 @@ def _drive(model, params, src, alpha: Array, *, search: _Search, stages) -> tupl
     later step changes their outputs). Once the unfinished ones fit in half the batch or
     less, the finished ones' outputs are kept and the search goes on with the unfinished
     ones in a batch of the next power of two (at least a sixteenth of the first batch),
-    filled up with finished ones. Every sentence
-    goes through the same steps as in the whole batch, so the outputs are the same tokens,
-    and the same scores up to float32 rounding (a smaller batch's products may round a last
-    bit differently); the steps cost what the sentences still being decoded cost, not what the
-    batch's longest output costs.
+    filled up with finished ones. Every sentence goes through the same steps as in the whole
+    batch, so the outputs are the same tokens, and the same scores up to float32 rounding (a
+    smaller batch's products may round a last bit differently); the steps cost what the
+    sentences still being decoded cost, not what the batch's longest output costs.
     """
     batch = src.shape[0]
     state = _start(model, params, src, alpha, search=search, cache_len=stages[0])
@@ -793,18 +792,16 @@ def _drops_by_default(platforms) -> bool:
 
 
 def _search(model, params, src, alpha, *, search: _Search, stages, drop_finished: bool | None):
-    if not isinstance(src, jax.core.Tracer):
-        src = jnp.asarray(src)  # on JAX's default device, unless already placed
-        if drop_finished is None:
-            drop_finished = _drops_by_default(d.platform for d in src.devices())
     stages = _model_stages(model, search.max_len, stages)
     alpha = jnp.asarray(alpha, jnp.float32)
-    whole = (
-        not drop_finished
-        or src.shape[0] < 2
-        or isinstance(src, jax.core.Tracer)
-        or (isinstance(src, jax.Array) and len(src.sharding.device_set) > 1)
-    )
+    if isinstance(src, jax.core.Tracer):  # under the caller's jit: one program
+        whole = True
+    else:
+        src = jnp.asarray(src)  # on JAX's default device, unless already placed
+        devices = src.sharding.device_set
+        if drop_finished is None:
+            drop_finished = _drops_by_default(d.platform for d in devices)
+        whole = not drop_finished or src.shape[0] < 2 or len(devices) > 1
     if whole:
         return _whole_search(model, params, src, alpha, search=search, stages=stages)
     return _drive(model, params, src, alpha, search=search, stages=stages)

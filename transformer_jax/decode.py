@@ -707,17 +707,16 @@ _PROGRAMS = (_whole_search, _start, _advance, _grow_state, _keep_rows)
 _CHECK_EVERY = 4
 
 
-# The smallest batch a search shrinks to: a sixteenth of the batch it started with (8 of the
-# evaluation's 128 sentences, 2 of the bench's 32). Each batch size compiles programs of its
-# own, and which sizes a search reaches depends on when its sentences end, so on the model: a
-# newly trained model met programs that no earlier run on the machine had put in the
-# persistent compilation cache, all of them the last few sentences' sizes of 1 to 8. On the
-# CPU main job's evaluation (1,000 sentences in batches of 128, beam 4; AMD EPYC family 25,
-# 2026-11-27), a pass over a new model's translations in a fresh process, with the cache
-# holding what the previous model's pass compiled, took 35.7-42.0 s without the floor and
-# 23.3 s with it, the steady passes unchanged (5.9-7.4 s); the job's evaluation 35.0 s
-# before, 23.9 s after (benchmarks/decode_2026-11-27d/). The bench's batch of 32 (floor 2)
-# was no slower.
+# The smallest batch a search shrinks to: a sixteenth of the batch it started with (16 of the CPU
+# main job's evaluation batches of 256, 8 of the 128 measured below, 2 of the bench's 32). Each
+# batch size compiles programs of its own, and which sizes a search reaches depends on when its
+# sentences end, so on the model: a newly trained model met programs that no earlier run on the
+# machine had put in the persistent compilation cache, all of them the last few sentences' sizes of
+# 1 to 8. On the CPU main job's evaluation (1,000 sentences in batches of 128, beam 4; AMD EPYC
+# family 25, 2026-11-27), a pass over a new model's translations in a fresh process, with the cache
+# holding what the previous model's pass compiled, took 35.7-42.0 s without the floor and 23.3 s
+# with it, the steady passes unchanged (5.9-7.4 s); the job's evaluation 35.0 s before, 23.9 s after
+# (benchmarks/decode_2026-11-27d/). The bench's batch of 32 (floor 2) was no slower.
 _FLOOR_FRACTION = 16
 
 

@@ -351,7 +351,7 @@ PRESETS: dict[str, dict[str, Any]] = {
     # compiles 44 programs rather than 63. Each costs about a third of a second to trace,
     # lower and load on a process's first pass, even from the persistent cache, and the job
     # evaluates once: the first pass took 16.6-17.6 s against 20.0-21.1 s, the job's
-    # evaluation 18.7 s against 23.9 s. Later passes are 6-9% slower; the
+    # evaluation 18.7 and 17.0 s against 23.9 s. Later passes are 6-9% slower; the
     # translations are the same (2-core AMD EPYC family 25, 2026-11-28;
     # benchmarks/decode_2026-11-28/).
     "cpu": dict(

@@ -35,9 +35,9 @@ def on_event(event: str, duration: float, **kwargs) -> None:
 
 jax.monitoring.register_event_duration_secs_listener(on_event)
 
-from train.core.task import eval_params, restore_for_inference  # noqa: E402
+from train.core.task import params_for_inference  # noqa: E402
 from train.translate import evaluate  # noqa: E402
-from train.translate.task import TranslationTask, load_split, load_tokenizer  # noqa: E402
+from train.translate.task import TASK, load_split, trained_tokenizer  # noqa: E402
 from transformer_jax import decode  # noqa: E402
 
 
@@ -58,12 +58,10 @@ def main() -> None:
     args = parser.parse_args()
     if args.stages == "wide":
         decode.cache_stages = wide_stages
-    task = TranslationTask()
-    config, model, state, dp = restore_for_inference(task, args.workdir)
+    config, model, params, dp = params_for_inference(TASK, args.workdir)
     if args.eval_batch_size:
         config = dataclasses.replace(config, eval_batch_size=args.eval_batch_size)
-    params = eval_params(state)
-    tokenizer = load_tokenizer(config, args.workdir)
+    tokenizer = trained_tokenizer(config, args.workdir)
     test = load_split(config, tokenizer, config.test_split)
     for p in range(args.passes):
         phase[0] = f"pass {p}"

@@ -15,10 +15,10 @@ from train.core import compile_cache, host_memory
 host_memory.keep_host_memory()
 compile_cache.enable_compilation_cache()
 
-from train.core.task import eval_params, restore_for_inference  # noqa: E402
+from train.core.task import params_for_inference  # noqa: E402
 from train.data.batching import eval_batches  # noqa: E402
 from train.translate.evaluate import special_ids  # noqa: E402
-from train.translate.task import TranslationTask, load_split, load_tokenizer  # noqa: E402
+from train.translate.task import TASK, load_split, trained_tokenizer  # noqa: E402
 from transformer_jax import decode  # noqa: E402
 
 SIZES = (128, 256)
@@ -27,20 +27,21 @@ SIZES = (128, 256)
 def main() -> None:
     workdir = sys.argv[1]
     rounds = int(sys.argv[2]) if len(sys.argv) > 2 else 5
-    task = TranslationTask()
-    config, model, state, _ = restore_for_inference(task, workdir)
-    params = eval_params(state)
-    tokenizer = load_tokenizer(config, workdir)
+    config, model, params, _ = params_for_inference(TASK, workdir)
+    tokenizer = trained_tokenizer(config, workdir)
     test = load_split(config, tokenizer, config.test_split)
 
-    def batches(size: int) -> list[dict]:
-        return eval_batches(
-            [(src, []) for src, _ in test.pairs],
+    sources = [(src, []) for src, _ in test.pairs]
+    batches = {
+        size: eval_batches(
+            sources,
             batch_size=size,
             buckets=config.buckets,
             sort_by_length=True,
             **special_ids(config.model_config),
         )
+        for size in SIZES
+    }
 
     def run(batch: dict) -> float:
         src = jax.device_put(batch["src"])
@@ -58,20 +59,19 @@ def main() -> None:
         jax.block_until_ready(tokens)
         return time.perf_counter() - start
 
-    times = {}
-    for size in SIZES:
-        for batch in batches(size):
+    for size in SIZES:  # warm-up: every program compiled or loaded
+        for batch in batches[size]:
             run(batch)
-        times[size] = [[] for _ in batches(size)]
+    times = {size: [[] for _ in batches[size]] for size in SIZES}
     for r in range(rounds):
         for size in SIZES if r % 2 == 0 else SIZES[::-1]:
-            for i, batch in enumerate(batches(size)):
+            for i, batch in enumerate(batches[size]):
                 times[size][i].append(run(batch))
     for size in SIZES:
         medians = [float(np.median(t)) for t in times[size]]
         rows = [
             f"{b['src'].shape[1]} x {int((b['index'] >= 0).sum())}: {m:.2f} s"
-            for b, m in zip(batches(size), medians)
+            for b, m in zip(batches[size], medians)
         ]
         print(f"batch {size}: {sum(medians):.2f} s in all; " + ", ".join(rows))
 

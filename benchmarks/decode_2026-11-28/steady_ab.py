@@ -14,19 +14,17 @@ from train.core import compile_cache, host_memory
 host_memory.keep_host_memory()
 compile_cache.enable_compilation_cache()
 
-from train.core.task import eval_params, restore_for_inference  # noqa: E402
+from train.core.task import params_for_inference  # noqa: E402
 from train.translate import evaluate  # noqa: E402
-from train.translate.task import TranslationTask, load_split, load_tokenizer  # noqa: E402
+from train.translate.task import TASK, load_split, trained_tokenizer  # noqa: E402
 
 
 def main() -> None:
     workdir = sys.argv[1]
     rounds = int(sys.argv[2]) if len(sys.argv) > 2 else 4
     sizes = tuple(int(a) for a in sys.argv[3:]) or (128, 256)
-    task = TranslationTask()
-    config, model, state, dp = restore_for_inference(task, workdir)
-    params = eval_params(state)
-    tokenizer = load_tokenizer(config, workdir)
+    config, model, params, dp = params_for_inference(TASK, workdir)
+    tokenizer = trained_tokenizer(config, workdir)
     test = load_split(config, tokenizer, config.test_split)
 
     def one(size: int) -> tuple[float, list[str]]:

@@ -446,3 +446,10 @@ def finish_all(procs: list[Running], timeout: float = TIMEOUT, grace: float = 60
             break
         time.sleep(0.05)
     return [p.finish() for p in procs]
+
+
+def full_size_residuals(f, *args, shape) -> int:
+    """How many arrays of `shape` the forward pass of f(*args) keeps for its backward pass
+    (the leaves of the VJP closure `jax.vjp` returns are its residuals)."""
+    _, vjp = jax.vjp(f, *args)
+    return sum(leaf.shape == shape for leaf in jax.tree.leaves(vjp))

@@ -9,7 +9,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
-from helpers import needs_gpu, np_multi_head_attention
+from helpers import full_size_residuals, needs_gpu, np_multi_head_attention
 
 from transformer_jax import (
     MultiHeadAttention,
@@ -18,6 +18,7 @@ from transformer_jax import (
     make_causal_mask,
     make_padding_mask,
 )
+from transformer_jax.attention import masked_softmax
 
 
 def _np_attention(q, k, v, mask=None, bias=None, scale=None):
@@ -85,6 +86,35 @@ class DotProductAttentionTest(chex.TestCase):
         np.testing.assert_array_equal(
             np.asarray(causal[0, 0]), np.array([[s <= t for s in range(4)] for t in range(4)])
         )
+
+
+def test_masked_softmax_backward_reads_the_weights_alone():
+    # Its gradient is autodiff's through the masked softmax (a fully masked row included), and
+    # the forward pass keeps one [B, H, T, S] array for it, the weights, where autodiff's keeps
+    # several (the softmax's broadcast row sums, its exponentials, the mask's selects).
+    rng = np.random.default_rng(8)
+    scores = jnp.asarray(rng.normal(size=(2, 3, 4, 5)), jnp.float32)
+    mask = rng.random((2, 1, 4, 5)) > 0.4
+    mask[1, 0, 2] = False
+    mask = jnp.asarray(mask)
+    weight = jnp.asarray(rng.normal(size=scores.shape), jnp.float32)
+
+    def autodiff(s, m):
+        return jnp.where(m, jax.nn.softmax(jnp.where(m, s, -1e30), axis=-1), 0.0)
+
+    def grad(f, m):
+        return jax.grad(lambda s: jnp.sum(f(s, m) * weight))(scores)
+
+    for m in (mask, jnp.ones((), bool)):
+        got, want = grad(masked_softmax, m), grad(autodiff, m)
+        chex.assert_trees_all_close(masked_softmax(scores, m), autodiff(scores, m), atol=1e-7)
+        chex.assert_trees_all_close(got, want, atol=1e-6)
+    # the fully masked row: no weight, no gradient
+    np.testing.assert_array_equal(np.asarray(masked_softmax(scores, mask))[1, :, 2], 0.0)
+    np.testing.assert_array_equal(np.asarray(grad(masked_softmax, mask))[1, :, 2], 0.0)
+    full = scores.shape
+    assert full_size_residuals(lambda s: autodiff(s, mask), scores, shape=full) >= 3
+    assert full_size_residuals(lambda s: masked_softmax(s, mask), scores, shape=full) == 1
 
 
 def test_attention_dropout_only_when_not_deterministic():

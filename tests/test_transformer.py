@@ -11,7 +11,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
-from helpers import matmul_dtypes, np_dense, np_multi_head_attention
+from helpers import full_size_residuals, matmul_dtypes, np_dense, np_multi_head_attention
 
 from transformer_jax import (
     Transformer,
@@ -19,7 +19,7 @@ from transformer_jax import (
     layers,
     sinusoidal_positions,
 )
-from transformer_jax.layers import dense, dense_product, output_logits
+from transformer_jax.layers import LayerNorm, dense, dense_product, output_logits
 
 V = 17
 
@@ -389,6 +389,60 @@ def test_dense_layers_use_dense_product_without_a_transposed_copy():
 
     assert copies(theirs), "autodiff's kernel gradient no longer copies: this test is moot"
     assert copies(ours) == []
+
+
+@pytest.mark.parametrize("dtype", [jnp.float32, jnp.bfloat16])
+def test_layer_norm_is_flax_s_with_its_statistics_kept_reduced(dtype):
+    # The LayerNorm of every model here: flax's parameters, initialisers and output (to the
+    # bit in float32), autodiff's gradients, and a backward pass that saves x, not a
+    # [..., D] broadcast of the statistics as autodiff does.
+    rng = np.random.default_rng(6)
+    x = jnp.asarray(rng.normal(size=(3, 5, 32)) * 2 + 1, dtype)
+    ours, theirs = LayerNorm(epsilon=1e-5, dtype=dtype), nn.LayerNorm(epsilon=1e-5, dtype=dtype)
+    params = theirs.init(jax.random.PRNGKey(0), x)
+    chex.assert_trees_all_equal(ours.init(jax.random.PRNGKey(0), x), params)
+    params = jax.tree.map(lambda p: p + jnp.asarray(rng.normal(size=p.shape), p.dtype), params)
+    got, want = ours.apply(params, x), theirs.apply(params, x)
+    chex.assert_type(got, dtype)
+    if dtype == jnp.float32:
+        chex.assert_trees_all_equal(got, want)
+    else:
+        chex.assert_trees_all_close(got.astype(float), want.astype(float), atol=2e-2)
+    weight = jnp.asarray(rng.normal(size=x.shape), jnp.float32)
+
+    def loss(module):
+        return lambda p, x: jnp.sum(jnp.sin(module.apply(p, x).astype(jnp.float32)) * weight)
+
+    got = jax.grad(loss(ours), argnums=(0, 1))(params, x)
+    want = jax.grad(loss(theirs), argnums=(0, 1))(params, x)
+    chex.assert_trees_all_equal_dtypes(got, (params, x))
+    tol = 1e-5 if dtype == jnp.float32 else 5e-2
+    chex.assert_trees_all_close(got, want, rtol=tol, atol=tol)
+    assert full_size_residuals(theirs.apply, params, x, shape=x.shape) >= 2
+    assert full_size_residuals(ours.apply, params, x, shape=x.shape) == 1  # x itself
+
+
+def test_layer_norm_gradient_is_exact_in_float64():
+    # The closed-form VJP against autodiff through flax's formula, where rounding is 1e-16.
+    with jax.enable_x64(True):
+        rng = np.random.default_rng(7)
+        x = jnp.asarray(rng.normal(size=(4, 16)) * 3, jnp.float64)
+        scale, bias = (jnp.asarray(rng.normal(size=16), jnp.float64) for _ in range(2))
+        weight = jnp.asarray(rng.normal(size=x.shape), jnp.float64)
+
+        def flax_formula(x, scale, bias):
+            mean = x.mean(-1, keepdims=True)
+            var = jnp.maximum(0.0, jnp.square(x).mean(-1, keepdims=True) - jnp.square(mean))
+            return (x - mean) * (jax.lax.rsqrt(var + 1e-6) * scale) + bias
+
+        def grads(f):
+            return jax.grad(lambda *a: jnp.sum(jnp.sin(f(*a)) * weight), argnums=(0, 1, 2))(
+                x, scale, bias
+            )
+
+        got = grads(lambda x, s, b: layers.normalize(x, s, b, 1e-6))
+        want = grads(flax_formula)
+        chex.assert_trees_all_close(got, want, rtol=1e-12, atol=1e-12)
 
 
 @pytest.mark.parametrize("positional", ["sinusoidal_concat", "learned"])

@@ -50,6 +50,36 @@ def combine_masks(*masks: Array | None) -> Array | None:
     return out
 
 
+@jax.custom_vjp
+def masked_softmax(scores: Array, mask: Array) -> Array:
+    """softmax(scores) over the last axis with masked keys left out: scores [..., T, S], mask
+    bool broadcastable to them (True = attend) -> [..., T, S] in scores' dtype; masked keys
+    get 0, and a row with every key masked is all 0 (rather than a uniform spread).
+
+    Its VJP reads the weights alone: d_scores = w (g - sum_s g w), which is already 0 where w
+    is. Autodiff's saves the row sums broadcast to [..., T, S] (the softmax's division) and
+    selects by the mask again on the way back: an array written out and two extra passes for
+    each attention of a training step.
+    """
+    return _masked_softmax_fwd(scores, mask)[0]
+
+
+def _masked_softmax_fwd(scores, mask):
+    weights = jax.nn.softmax(jnp.where(mask, scores, _MASK_VALUE), axis=-1)
+    weights = jnp.where(mask, weights, 0.0)
+    return weights, (weights, mask)
+
+
+def _masked_softmax_bwd(saved, grad):
+    weights, _ = saved
+    d_scores = weights * (grad - jnp.sum(grad * weights, axis=-1, keepdims=True))
+    # The mask is a boolean: its cotangent is float0.
+    return d_scores, None
+
+
+masked_softmax.defvjp(_masked_softmax_fwd, _masked_softmax_bwd)
+
+
 def attention_weights(
     scores: Array,
     *,
@@ -72,12 +102,7 @@ def attention_weights(
     """
     # At least float32; float64 stays float64 so x64 references can be matched to 1e-9.
     scores = scores.astype(jnp.promote_types(scores.dtype, jnp.float32))
-    if mask is not None:
-        scores = jnp.where(mask, scores, _MASK_VALUE)
-    weights = jax.nn.softmax(scores, axis=-1)
-    if mask is not None:
-        # A fully masked row gets exactly zero weight rather than a uniform spread.
-        weights = jnp.where(mask, weights, 0.0)
+    weights = masked_softmax(scores, jnp.ones((), bool) if mask is None else mask)
     if not deterministic and dropout_rate > 0.0:
         if dropout_rng is None:
             raise ValueError("attention dropout needs a dropout_rng when deterministic=False")

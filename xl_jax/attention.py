@@ -22,6 +22,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from transformer_jax.attention import dot_product_attention
+from transformer_jax.layers import LayerNorm
 from xl_jax.config import TransformerXLConfig
 
 Array = jax.Array
@@ -109,7 +110,7 @@ class RelativeMultiHeadAttention(nn.Module):
             r_w_bias = self.param("r_w_bias", init, (H, K), cfg.param_dtype)
             r_r_bias = self.param("r_r_bias", init, (H, K), cfg.param_dtype)
         t = h.shape[1]
-        layer_norm = nn.LayerNorm(
+        layer_norm = LayerNorm(
             epsilon=cfg.layer_norm_eps,
             dtype=cfg.dtype,
             param_dtype=cfg.param_dtype,

@@ -29,6 +29,7 @@ import flax.linen as nn
 import jax
 import jax.numpy as jnp
 
+from transformer_jax.layers import LayerNorm
 from xl_jax.adaptive import AdaptiveEmbedding, ProjectedAdaptiveLogSoftmax
 from xl_jax.attention import RelativeMultiHeadAttention, relative_positions, sinusoid_embedding
 from xl_jax.config import TransformerXLConfig
@@ -55,7 +56,7 @@ class PositionwiseFF(nn.Module):
         dense = dict(
             dtype=cfg.dtype, param_dtype=cfg.param_dtype, kernel_init=nn.initializers.normal(0.02)
         )
-        layer_norm = nn.LayerNorm(
+        layer_norm = LayerNorm(
             epsilon=cfg.layer_norm_eps,
             dtype=cfg.dtype,
             param_dtype=cfg.param_dtype,

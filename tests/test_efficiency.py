@@ -231,9 +231,10 @@ def test_xl_step_does_not_keep_a_score_tensor_per_layer():
         two, four = (_xl_step_temp_bytes(n, b=b, h=h, t=t, m=m, remat=mode) for n in (2, 4))
         per_layer[mode] = (four - two) / 2 / score
     # Less than one score tensor a layer (remat='attention' keeps the projections' outputs,
-    # measured 0.43 here; 'none' keeps 3.8 score-sized tensors a layer).
+    # measured 0.43 here; 'none' keeps 1.47 score-sized tensors a layer, 3.8 before the VJP of
+    # `transformer_jax.attention.masked_softmax`, which keeps the attention weights alone).
     assert per_layer[default] < 0.75, per_layer
-    assert per_layer["none"] > 1.5, per_layer
+    assert per_layer["none"] > 1.0, per_layer
 
 
 # ----------------------------------------------------------------------------- recompilation

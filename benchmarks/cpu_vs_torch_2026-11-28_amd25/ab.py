@@ -1,0 +1,180 @@
+"""The project's Transformer train step (the cpu preset's model, dropout off, as
+`train.bench --only cpu_vs_torch`) built twice in one process: once under a variant's patches,
+once from the working tree; steps taken in turn, the speed the median of per-round ratios.
+
+    python benchmarks/cpu_vs_torch_2026-11-28_amd25/ab.py 64 32 prev 16
+
+Variants (each the code before, or a counterfactual, against the working tree):
+  flax_ln            flax's nn.LayerNorm instead of transformer_jax.layers.LayerNorm
+  old_softmax        autodiff's masked softmax instead of attention.masked_softmax
+  prev               both of the above: the step as it was at 1aad2e8
+  fake_no_transpose  attention that reads the projections as [B, H, T, K] without moving them:
+                     wrong maths, the cost of the step with no head transposes at all
+  barrier_kgrad      kernel gradients as materialised x^T @ g (a YNNPACK product) instead of
+                     Eigen's contraction over the rows
+"""
+
+from __future__ import annotations
+
+import contextlib
+import statistics
+import sys
+import time
+
+import flax.linen as nn
+import jax
+import jax.numpy as jnp
+import numpy as np
+from jax import lax
+
+import transformer_jax.attention as A
+import transformer_jax.layers as L
+import transformer_jax.model as M
+from train import translate
+from train.core.parallel import DataParallel
+from train.core.state import TrainState
+from train.translate import registry
+from transformer_jax.model import Transformer
+from transformer_jax.optim import make_optimizer
+
+
+@contextlib.contextmanager
+def flax_ln():
+    old = L.layer_norm
+
+    def flax(config, **kw):
+        return nn.LayerNorm(epsilon=config.layer_norm_eps, dtype=config.dtype, **kw)
+
+    L.layer_norm = M.layer_norm = flax
+    try:
+        yield
+    finally:
+        L.layer_norm = M.layer_norm = old
+
+
+def _autodiff_softmax(s, m):
+    return jnp.where(m, jax.nn.softmax(jnp.where(m, s, A._MASK_VALUE), -1), 0.0)
+
+
+@contextlib.contextmanager
+def old_softmax():
+    old = A.masked_softmax
+    A.masked_softmax = _autodiff_softmax
+    try:
+        yield
+    finally:
+        A.masked_softmax = old
+
+
+@contextlib.contextmanager
+def prev():
+    with flax_ln(), old_softmax():
+        yield
+
+
+def _no_transpose_attention(query, key, value, *, mask=None, **_):
+    b, t, h, k = query.shape
+    q, kk, v = (x.reshape(b, h, x.shape[1], k) for x in (query, key, value))
+    w = A.attention_weights(jnp.einsum("bhtk,bhsk->bhts", q, kk) * k**-0.5, mask=mask)
+    return jnp.einsum("bhts,bhsk->bhtk", w, v).reshape(b, t, h, k)
+
+
+@contextlib.contextmanager
+def fake_no_transpose():
+    old = L.dot_product_attention
+    L.dot_product_attention = _no_transpose_attention
+    try:
+        yield
+    finally:
+        L.dot_product_attention = old
+
+
+def _barrier_bwd(saved, grad):
+    x, kernel = saved
+    rows = grad.reshape(-1, grad.shape[-1])
+    d_x = (rows @ kernel.T).reshape(x.shape)
+    d_kernel = lax.optimization_barrier(x.reshape(-1, x.shape[-1]).T) @ rows
+    return d_x, d_kernel
+
+
+def _barrier_tied_bwd(saved, grad):
+    y, table = saved
+    d_y = jnp.einsum("...v,vd->...d", grad, table)
+    rows = grad.reshape(-1, grad.shape[-1])
+    return d_y, (lax.optimization_barrier(y.reshape(-1, y.shape[-1]).T) @ rows).T
+
+
+@contextlib.contextmanager
+def barrier_kgrad():
+    L.dense_product.defvjp(L._dense_product_fwd, _barrier_bwd)
+    L.tied_logits.defvjp(L._tied_logits_fwd, _barrier_tied_bwd)
+    try:
+        yield
+    finally:
+        L.dense_product.defvjp(L._dense_product_fwd, L._dense_product_bwd)
+        L.tied_logits.defvjp(L._tied_logits_fwd, L._tied_logits_bwd)
+
+
+def main(b: int, t: int, variant: str, rounds: int) -> None:
+    cfg = registry.build_model_config("transformer", "cpu", vocab_size=4000)
+    cfg = cfg.replace(dropout=0.0, attention_dropout=0.0, dtype=jnp.float32)
+    run = translate.make_config("transformer", "cpu")
+    tx, _ = make_optimizer(run.optimizer_config())
+    rng = np.random.default_rng(0)
+    keys = ("src", "tgt_in", "tgt_out")
+    batches = [
+        {k: rng.integers(3, cfg.tgt_vocab_size, (b, t), dtype=np.int32) for k in keys}
+        for _ in range(8)
+    ]
+    cpu = jax.devices("cpu")[0]
+
+    def build(patch):
+        with patch():  # the model is traced at the first call, under the patch
+            model = Transformer(cfg)
+
+            def init_state():
+                d = jnp.ones((1, 8), jnp.int32)
+                p = model.init({"params": jax.random.PRNGKey(0)}, d, d)["params"]
+                return TrainState.create(params=p, tx=tx, rng=jax.random.PRNGKey(1))
+
+            dp = DataParallel("jit", devices=[cpu])
+            box = {"state": dp.put_state(dp.init_state(init_state)), "losses": []}
+            placed = [dp.put_batch(x) for x in batches]
+            smoothing = run.label_smoothing
+            loss_fn = translate.make_loss_fn(model, smoothing=smoothing, pad_id=cfg.pad_id)
+            step = dp.compile_train_step(loss_fn, box["state"])
+
+            def one(i):
+                box["state"], m = step(box["state"], placed[i % len(placed)])
+                jax.block_until_ready(box["state"])
+                box["losses"].append(float(m["loss_sum"] / m["n_tokens"]))
+
+            one(0)
+        return one, box
+
+    arms = {"variant": build(globals()[variant]), "tree": build(contextlib.nullcontext)}
+    for i in (1, 2):
+        for one, _ in arms.values():
+            one(i)
+    times = {k: [] for k in arms}
+    for r in range(rounds):
+        order = list(arms.items()) if r % 2 else list(arms.items())[::-1]
+        for name, (one, _) in order:
+            start = time.perf_counter()
+            one(r + 3)
+            times[name].append(time.perf_counter() - start)
+    speed = statistics.median(v / w for v, w in zip(times["variant"], times["tree"]))
+    lv, lt = arms["variant"][1]["losses"], arms["tree"][1]["losses"]
+    print(
+        f"{b}x{t} {variant}: variant {statistics.median(times['variant']) * 1e3:.1f} ms, "
+        f"tree {statistics.median(times['tree']) * 1e3:.1f} ms; "
+        f"tree's speed / variant's {speed:.3f}; "
+        f"largest relative loss difference over {len(lt)} steps "
+        f"{max(abs(a - c) / abs(a) for a, c in zip(lv, lt)):.1e}"
+    )
+    print("by step:", " ".join(f"{abs(a - c) / abs(a):.0e}" for a, c in zip(lv, lt)))
+
+
+if __name__ == "__main__":
+    b, t, variant = int(sys.argv[1]), int(sys.argv[2]), sys.argv[3]
+    main(b, t, variant, int(sys.argv[4]) if len(sys.argv) > 4 else 12)

@@ -73,7 +73,7 @@ def _masked_softmax_fwd(scores, mask):
 def _masked_softmax_bwd(saved, grad):
     weights, _ = saved
     d_scores = weights * (grad - jnp.sum(grad * weights, axis=-1, keepdims=True))
-    # The mask is a boolean: its cotangent is float0.
+    # None: the mask, a boolean, has no cotangent.
     return d_scores, None
 
 

@@ -31,9 +31,9 @@ import transformer_jax.attention as A
 import transformer_jax.layers as L
 import transformer_jax.model as M
 from train import translate
-from train.core.parallel import DataParallel
+from train.bench.config import BenchConfig
+from train.bench.cpu_vs_torch import _project_arm
 from train.core.state import TrainState
-from train.translate import registry
 from transformer_jax.model import Transformer
 from transformer_jax.optim import make_optimizer
 
@@ -116,8 +116,9 @@ def barrier_kgrad():
 
 
 def main(b: int, t: int, variant: str, rounds: int) -> None:
-    cfg = registry.build_model_config("transformer", "cpu", vocab_size=4000)
-    cfg = cfg.replace(dropout=0.0, attention_dropout=0.0, dtype=jnp.float32)
+    # The bench's own model and project arm (`train.bench.cpu_vs_torch`), so that the step
+    # built here is the one `--only cpu_vs_torch` times.
+    cfg = BenchConfig.quick().torch_transformer.replace(dtype=jnp.float32)
     run = translate.make_config("transformer", "cpu")
     tx, _ = make_optimizer(run.optimizer_config())
     rng = np.random.default_rng(0)
@@ -126,7 +127,6 @@ def main(b: int, t: int, variant: str, rounds: int) -> None:
         {k: rng.integers(3, cfg.tgt_vocab_size, (b, t), dtype=np.int32) for k in keys}
         for _ in range(8)
     ]
-    cpu = jax.devices("cpu")[0]
 
     def build(patch):
         with patch():  # the model is traced at the first call, under the patch
@@ -137,20 +137,17 @@ def main(b: int, t: int, variant: str, rounds: int) -> None:
                 p = model.init({"params": jax.random.PRNGKey(0)}, d, d)["params"]
                 return TrainState.create(params=p, tx=tx, rng=jax.random.PRNGKey(1))
 
-            dp = DataParallel("jit", devices=[cpu])
-            box = {"state": dp.put_state(dp.init_state(init_state)), "losses": []}
-            placed = [dp.put_batch(x) for x in batches]
             smoothing = run.label_smoothing
             loss_fn = translate.make_loss_fn(model, smoothing=smoothing, pad_id=cfg.pad_id)
-            step = dp.compile_train_step(loss_fn, box["state"])
+            arm, _, last_loss, _ = _project_arm(loss_fn, init_state, batches, jax.devices("cpu")[0])
+            arm(0)
+        losses = [last_loss()]
 
-            def one(i):
-                box["state"], m = step(box["state"], placed[i % len(placed)])
-                jax.block_until_ready(box["state"])
-                box["losses"].append(float(m["loss_sum"] / m["n_tokens"]))
+        def one(i):
+            arm(i)
+            losses.append(last_loss())  # after the arm has blocked: a scalar read
 
-            one(0)
-        return one, box
+        return one, losses
 
     arms = {"variant": build(globals()[variant]), "tree": build(contextlib.nullcontext)}
     for i in (1, 2):
@@ -164,7 +161,7 @@ def main(b: int, t: int, variant: str, rounds: int) -> None:
             one(r + 3)
             times[name].append(time.perf_counter() - start)
     speed = statistics.median(v / w for v, w in zip(times["variant"], times["tree"]))
-    lv, lt = arms["variant"][1]["losses"], arms["tree"][1]["losses"]
+    lv, lt = arms["variant"][1], arms["tree"][1]
     print(
         f"{b}x{t} {variant}: variant {statistics.median(times['variant']) * 1e3:.1f} ms, "
         f"tree {statistics.median(times['tree']) * 1e3:.1f} ms; "

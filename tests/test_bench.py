@@ -446,6 +446,51 @@ def test_trace_summary_reads_what_a_cpu_library_fusion_runs_from_the_hlo():
     assert summary["categories"] == {"matmul": 0.75, "other (elementwise, reductions)": 0.25}
 
 
+def _region(pid, tid, start, stop):
+    mark = "ThreadpoolListener::{}Region"
+    return [
+        {"ph": "X", "pid": pid, "tid": tid, "name": mark.format(k), "ts": t, "dur": 0}
+        for k, t in (("Start", start), ("Stop", stop))
+    ]
+
+
+def test_trace_summary_counts_the_cpu_pools_work_outside_op_events():
+    """A YNNPACK product's helper threads and an Eigen contraction's tasks are pool work with no
+    op event on their thread: credited to the op that runs meanwhile, else left unattributed."""
+    cpu = _meta_events(
+        5, "/host:CPU", {1: "python", 2: "tf_XLAEigen/1", 3: "tf_XLAEigen/2", 4: "tf_XLAPjRt/1"}
+    )
+    at = lambda e, ts: {**e, "ts": ts}  # noqa: E731
+    cpu += [
+        at(_op(5, 2, "dot.4", 10.0), 0),  # returns at once; its tasks run to t = 40 on both
+        at(_op(5, 2, "ynn_fusion.3", 40.0), 40),  # thread 3 helps it throughout
+        at(_op(5, 3, "tanh_fusion", 10.0), 80),  # thread 2 idle: no help
+        *_region(5, 2, 0, 80),
+        *_region(5, 3, 0, 90),
+        *_region(5, 4, 0, 90),  # the client thread waiting for the program: not pool work
+    ]
+    summary = summarize_trace_events(cpu, steps=1, hlo_text=CPU_HLO)
+    assert summary["op_events_us_per_step"] == 10 + 40 + 10
+    # Thread 3 helps dot.4 while its event lasts (10) and the product throughout (40); from
+    # t = 10 to 40 both threads run dot.4's tasks with no op event anywhere (2 x 30).
+    assert summary["busy_us_per_step"] == 80 + 90
+    ops = {op["name"]: op["us_per_step"] for op in summary["top"]}
+    assert ops == {
+        "ynn_fusion.3": 80.0,
+        "(pool work while no op event runs)": 60.0,
+        "dot.4": 20.0,
+        "tanh_fusion": 10.0,
+    }
+    assert summary["categories"] == pytest.approx(
+        {
+            "matmul": 100 / 170,
+            "pool work, no op (asynchronous library calls)": 60 / 170,
+            "other (elementwise, reductions)": 10 / 170,
+        }
+    )
+    assert summary["source"].endswith("with the pool's work outside op events")
+
+
 def test_a_profiled_cpu_program_counts_its_matrix_product_as_one(tmp_path):
     """On the real compiler and profiler: the trace's op names are the HLO's, so the op that
     runs the product (a YNNPACK fusion with jax 0.10, a dot elsewhere) is counted as matmul."""
@@ -1042,6 +1087,8 @@ def test_cpu_vs_torch_section_reports_every_field_and_a_failed_compile(tmp_path,
         # Where the project's step went, its matrix products found by the program's HLO.
         assert r["profile"]["busy_us_per_step"] > 0
         assert r["profile"]["categories"].get("matmul", 0) > 0, r["profile"]
+        # The pool's work outside op events comes on top of the op events, never instead.
+        assert r["profile"]["busy_us_per_step"] >= r["profile"]["op_events_us_per_step"] > 0
     assert cmp["rows"][0]["tokens_per_step"] == 2 * 8
     assert cmp["rows"][1]["tokens_per_step"] == 2 * 8 and cmp["rows"][1]["mem_len"] == 8
     md = (tmp_path / "bench.md").read_text()

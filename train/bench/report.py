@@ -190,9 +190,11 @@ def _profile_lines(
     if not profile:
         return []
     busy_ms = profile["busy_us_per_step"] / 1e3
+    op_ms = profile.get("op_events_us_per_step", profile["busy_us_per_step"]) / 1e3
+    in_ops = f" ({op_ms:.1f} in op events)" if op_ms < busy_ms else ""
     shares = ", ".join(f"{c} {100 * x:.0f}%" for c, x in profile["categories"].items())
     lines = [
-        f"Profile of {name} ({profile['source']}): {busy_ms:.1f} ms busy per step of "
+        f"Profile of {name} ({profile['source']}): {busy_ms:.1f} ms busy per step{in_ops} of "
         f"{step_s * 1e3:.1f} ms; {shares}.",
         "",
         "| op | ms/step | share | category |",

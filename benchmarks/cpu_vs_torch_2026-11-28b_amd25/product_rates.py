@@ -5,26 +5,20 @@ one thread): the forward product x @ w and the kernel gradient x^T @ g. Run on o
 """
 
 import statistics
-import time
 
 import jax
 import jax.numpy as jnp
 import numpy as np
 import torch
 
+from train.bench.timing import time_calls
+
 torch.set_num_threads(1)
 
 
-def median_seconds(f, *args, n=30):
-    f(*args)
-    times = []
-    for _ in range(n):
-        start = time.perf_counter()
-        out = f(*args)
-        if hasattr(out, "block_until_ready"):
-            out.block_until_ready()
-        times.append(time.perf_counter() - start)
-    return statistics.median(times)
+def median_seconds(f, *args):
+    # One untimed call, then 30 timed (jax.block_until_ready passes torch's tensors through).
+    return statistics.median(time_calls(lambda: f(*args), warmup=1, repeats=30))
 
 
 rng = np.random.default_rng(0)

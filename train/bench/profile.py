@@ -11,9 +11,16 @@ import re
 from collections.abc import Mapping, Sequence
 from typing import Any
 
+# XLA:CPU's intra-op thread pool (the threads that run a CPU program's ops).
+POOL_THREAD = "XLAEigen"
+# The entry for that pool's work while no op event runs (`pool_work_outside_ops`).
+UNATTRIBUTED = "(pool work while no op event runs)"
+
+# Op categories of a profile, first match wins; matched against `_op_text`: the event's name
 # and, from the HLO instruction XLA puts in its args, the opcode, a custom call's target and a
 # fusion's called computation (not the operands: a fusion reading a %dot is no matmul).
 OP_CATEGORIES = (
+    ("pool work, no op (asynchronous library calls)", re.compile(re.escape(UNATTRIBUTED))),
     ("attention (fused)", re.compile(r"fmha|flash|cudnn", re.IGNORECASE)),
     # nvjet_*: cuBLAS's newer GEMM kernels (seen with jax 0.11 on an H100).
     (
@@ -96,13 +103,9 @@ def summarize_trace_events(
     categories: dict[str, float] = {}
     ops = []
     for name, (dur, calls, text) in sorted(per_op.items(), key=lambda kv: -kv[1][0]):
-        category = (
-            "pool work, no op (asynchronous library calls)"
-            if name == UNATTRIBUTED
-            else next(
-                (c for c, pattern in OP_CATEGORIES if pattern.search(text)),
-                "other (elementwise, reductions)",
-            )
+        category = next(
+            (c for c, pattern in OP_CATEGORIES if pattern.search(text)),
+            "other (elementwise, reductions)",
         )
         categories[category] = categories.get(category, 0.0) + dur / total
         ops.append(
@@ -121,11 +124,6 @@ def summarize_trace_events(
         "top": ops[:top],
         "categories": dict(sorted(categories.items(), key=lambda kv: -kv[1])),
     }
-
-
-# XLA:CPU's intra-op thread pool (the threads that run a CPU program's ops).
-POOL_THREAD = "XLAEigen"
-UNATTRIBUTED = "(pool work while no op event runs)"
 
 
 def pool_work_outside_ops(

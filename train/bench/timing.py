@@ -110,6 +110,3 @@ def device_peak_bytes(device: jax.Device) -> int | None:
 def utilisation(flops: float, seconds: float, rate: float | None) -> float | None:
     """Model FLOPs utilisation: flops / seconds / rate (None without a rate)."""
     return flops / seconds / rate if rate else None
-
-
-# Op categories of a profile, first match wins; matched against `_op_text`: the event's name

@@ -20,6 +20,7 @@ import contextlib
 import statistics
 import sys
 import time
+from unittest import mock
 
 import flax.linen as nn
 import jax
@@ -38,32 +39,25 @@ from transformer_jax.model import Transformer
 from transformer_jax.optim import make_optimizer
 
 
+def _flax_layer_norm(config, **kw):
+    return nn.LayerNorm(epsilon=config.layer_norm_eps, dtype=config.dtype, **kw)
+
+
 @contextlib.contextmanager
 def flax_ln():
-    old = L.layer_norm
-
-    def flax(config, **kw):
-        return nn.LayerNorm(epsilon=config.layer_norm_eps, dtype=config.dtype, **kw)
-
-    L.layer_norm = M.layer_norm = flax
-    try:
+    with (
+        mock.patch.object(L, "layer_norm", _flax_layer_norm),
+        mock.patch.object(M, "layer_norm", _flax_layer_norm),
+    ):
         yield
-    finally:
-        L.layer_norm = M.layer_norm = old
 
 
 def _autodiff_softmax(s, m):
     return jnp.where(m, jax.nn.softmax(jnp.where(m, s, A._MASK_VALUE), -1), 0.0)
 
 
-@contextlib.contextmanager
 def old_softmax():
-    old = A.masked_softmax
-    A.masked_softmax = _autodiff_softmax
-    try:
-        yield
-    finally:
-        A.masked_softmax = old
+    return mock.patch.object(A, "masked_softmax", _autodiff_softmax)
 
 
 @contextlib.contextmanager
@@ -79,14 +73,8 @@ def _no_transpose_attention(query, key, value, *, mask=None, **_):
     return jnp.einsum("bhts,bhsk->bhtk", w, v).reshape(b, t, h, k)
 
 
-@contextlib.contextmanager
 def fake_no_transpose():
-    old = L.dot_product_attention
-    L.dot_product_attention = _no_transpose_attention
-    try:
-        yield
-    finally:
-        L.dot_product_attention = old
+    return mock.patch.object(L, "dot_product_attention", _no_transpose_attention)
 
 
 def _barrier_bwd(saved, grad):

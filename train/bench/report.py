@@ -193,9 +193,12 @@ def _profile_lines(
     op_ms = profile.get("op_events_us_per_step", profile["busy_us_per_step"]) / 1e3
     in_ops = f" ({op_ms:.1f} in op events)" if op_ms < busy_ms else ""
     shares = ", ".join(f"{c} {100 * x:.0f}%" for c, x in profile["categories"].items())
+    wall = f"{step_s * 1e3:.1f} ms"
+    if "wall_us_per_step" in profile:
+        wall = f"{profile['wall_us_per_step'] / 1e3:.1f} ms traced ({wall} untraced)"
     lines = [
         f"Profile of {name} ({profile['source']}): {busy_ms:.1f} ms busy per step{in_ops} of "
-        f"{step_s * 1e3:.1f} ms; {shares}.",
+        f"{wall}; {shares}.",
         "",
         "| op | ms/step | share | category |",
         "|---|---|---|---|",

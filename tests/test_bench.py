@@ -1089,13 +1089,7 @@ def test_cpu_vs_torch_section_reports_every_field_and_a_failed_compile(tmp_path,
         assert r["profile"]["categories"].get("matmul", 0) > 0, r["profile"]
         # The pool's work outside op events comes on top of the op events, never instead.
         assert r["profile"]["busy_us_per_step"] >= r["profile"]["op_events_us_per_step"] > 0
-        # The busy time is read against the traced steps' own wall time, not the median's.
-        traced_ms = r["profile"]["wall_us_per_step"] / 1e3
-        assert traced_ms > 0
-        assert (
-            f"{traced_ms:.1f} ms traced ({project['median_s'] * 1e3:.1f} ms untraced)"
-            in (tmp_path / "bench.md").read_text()
-        )
+        assert r["profile"]["wall_us_per_step"] > 0
     assert cmp["rows"][0]["tokens_per_step"] == 2 * 8
     assert cmp["rows"][1]["tokens_per_step"] == 2 * 8 and cmp["rows"][1]["mem_len"] == 8
     md = (tmp_path / "bench.md").read_text()
@@ -1104,3 +1098,8 @@ def test_cpu_vs_torch_section_reports_every_field_and_a_failed_compile(tmp_path,
     rows = [line for line in md.splitlines() if line.startswith("| Transformer")]
     assert len(rows) == 2 and all(line.endswith("| n/a |") for line in rows)  # no compile
     assert md.count("Profile of Transformer") == 2
+    for r in cmp["rows"]:
+        # The busy time is read against the traced steps' own wall time, not the median's.
+        traced_ms = r["profile"]["wall_us_per_step"] / 1e3
+        untraced_ms = r["arms"]["project"]["median_s"] * 1e3
+        assert f"{traced_ms:.1f} ms traced ({untraced_ms:.1f} ms untraced)" in md

@@ -32,37 +32,18 @@ import jax.numpy as jnp
 import numpy as np
 from jax import lax
 
-from train import translate
 from train.bench.config import BenchConfig
+from train.bench.cpu_vs_torch import transformer_problem
 from train.bench.timing import time_calls
 from train.core.host_memory import keep_host_memory
 from train.core.parallel import DataParallel, batch_signature
-from train.core.state import TrainState
-from transformer_jax.model import Transformer
-from transformer_jax.optim import make_optimizer
 
 
 def build(b: int, t: int):
     """-> (step, state, placed batches): the bench's project arm, unwrapped."""
-    cfg = BenchConfig.quick().torch_transformer.replace(dtype=jnp.float32)
-    run = translate.make_config("transformer", "cpu")
-    tx, _ = make_optimizer(run.optimizer_config())
-    model = Transformer(cfg)
-    rng = np.random.default_rng(0)
-    keys = ("src", "tgt_in", "tgt_out")
-    batches = [
-        {k: rng.integers(3, cfg.tgt_vocab_size, (b, t), dtype=np.int32) for k in keys}
-        for _ in range(8)
-    ]
-
-    def init_state():
-        d = jnp.ones((1, 8), jnp.int32)
-        p = model.init({"params": jax.random.PRNGKey(0)}, d, d)["params"]
-        return TrainState.create(params=p, tx=tx, rng=jax.random.PRNGKey(1))
-
+    _, _, loss_fn, init_state, batches = transformer_problem(BenchConfig.quick(), b, t, 8)
     dp = DataParallel("jit", devices=[jax.devices("cpu")[0]])
     state = dp.put_state(dp.init_state(init_state))
-    loss_fn = translate.make_loss_fn(model, smoothing=run.label_smoothing, pad_id=cfg.pad_id)
     return dp.compile_train_step(loss_fn, state), state, [dp.put_batch(x) for x in batches]
 
 
@@ -148,7 +129,7 @@ def ops(*_) -> None:
             return xs
 
         f = jax.jit(program, donate_argnums=0)
-        xs, (wall, cpu, _) = timed_calls(f, [x + 0 for x in inputs], [None])
+        _, (wall, cpu, _) = timed_calls(f, [x + 0 for x in inputs], [None])
         print(f"529 inputs, {2 * k} ops on each: call {wall:.2f} ms (CPU {cpu:.2f})")
 
 

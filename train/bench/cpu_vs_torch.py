@@ -222,9 +222,11 @@ def _n_batches(config: BenchConfig) -> int:
 
 
 # ------------------------------------------------------------------------------ the models
-def _transformer_arms(config: BenchConfig, b: int, t: int, cpu, tr) -> dict[str, Any]:
-    import torch  # optional, a test-only dependency: imported where the comparison runs
-
+def transformer_problem(config: BenchConfig, b: int, t: int, n_batches: int):
+    """The project's side of the Transformer comparison -> (model config, run config, loss_fn,
+    init_state, batches): `config.torch_transformer` in float32 with the cpu preset's loss and
+    optimizer, and n_batches random [b, t] batches. What `benchmarks/` scripts build the
+    bench's step from, too."""
     cfg = config.torch_transformer.replace(dtype=jnp.float32)
     # The cpu preset's run: Adam 1e-3 after clipping to 1, EMA 0.99, label smoothing 0.1.
     run = translate.make_config("transformer", "cpu")
@@ -236,7 +238,7 @@ def _transformer_arms(config: BenchConfig, b: int, t: int, cpu, tr) -> dict[str,
             k: rng.integers(3, cfg.tgt_vocab_size, (b, t), dtype=np.int32)
             for k in ("src", "tgt_in", "tgt_out")
         }
-        for _ in range(_n_batches(config))
+        for _ in range(n_batches)
     ]
 
     def init_state() -> TrainState:
@@ -244,12 +246,15 @@ def _transformer_arms(config: BenchConfig, b: int, t: int, cpu, tr) -> dict[str,
         params = model.init({"params": jax.random.PRNGKey(0)}, dummy, dummy)["params"]
         return TrainState.create(params=params, tx=tx, rng=jax.random.PRNGKey(1))
 
-    project, n_project, project_loss, profile = _project_arm(
-        translate.make_loss_fn(model, smoothing=run.label_smoothing, pad_id=cfg.pad_id),
-        init_state,
-        batches,
-        cpu,
-    )
+    loss_fn = translate.make_loss_fn(model, smoothing=run.label_smoothing, pad_id=cfg.pad_id)
+    return cfg, run, loss_fn, init_state, batches
+
+
+def _transformer_arms(config: BenchConfig, b: int, t: int, cpu, tr) -> dict[str, Any]:
+    import torch  # optional, a test-only dependency: imported where the comparison runs
+
+    cfg, run, loss_fn, init_state, batches = transformer_problem(config, b, t, _n_batches(config))
+    project, n_project, project_loss, profile = _project_arm(loss_fn, init_state, batches, cpu)
     torch.manual_seed(0)
     eager = tr.TorchTransformer(cfg)
     compiled = copy.deepcopy(eager)

@@ -25,18 +25,13 @@ from unittest import mock
 import flax.linen as nn
 import jax
 import jax.numpy as jnp
-import numpy as np
 from jax import lax
 
 import transformer_jax.attention as A
 import transformer_jax.layers as L
 import transformer_jax.model as M
-from train import translate
 from train.bench.config import BenchConfig
-from train.bench.cpu_vs_torch import _project_arm
-from train.core.state import TrainState
-from transformer_jax.model import Transformer
-from transformer_jax.optim import make_optimizer
+from train.bench.cpu_vs_torch import _project_arm, transformer_problem
 
 
 def _flax_layer_norm(config, **kw):
@@ -106,27 +101,9 @@ def barrier_kgrad():
 def main(b: int, t: int, variant: str, rounds: int) -> None:
     # The bench's own model and project arm (`train.bench.cpu_vs_torch`), so that the step
     # built here is the one `--only cpu_vs_torch` times.
-    cfg = BenchConfig.quick().torch_transformer.replace(dtype=jnp.float32)
-    run = translate.make_config("transformer", "cpu")
-    tx, _ = make_optimizer(run.optimizer_config())
-    rng = np.random.default_rng(0)
-    keys = ("src", "tgt_in", "tgt_out")
-    batches = [
-        {k: rng.integers(3, cfg.tgt_vocab_size, (b, t), dtype=np.int32) for k in keys}
-        for _ in range(8)
-    ]
-
     def build(patch):
         with patch():  # the model is traced at the first call, under the patch
-            model = Transformer(cfg)
-
-            def init_state():
-                d = jnp.ones((1, 8), jnp.int32)
-                p = model.init({"params": jax.random.PRNGKey(0)}, d, d)["params"]
-                return TrainState.create(params=p, tx=tx, rng=jax.random.PRNGKey(1))
-
-            smoothing = run.label_smoothing
-            loss_fn = translate.make_loss_fn(model, smoothing=smoothing, pad_id=cfg.pad_id)
+            _, _, loss_fn, init_state, batches = transformer_problem(BenchConfig.quick(), b, t, 8)
             arm, _, last_loss, _ = _project_arm(loss_fn, init_state, batches, jax.devices("cpu")[0])
             arm(0)
         losses = [last_loss()]

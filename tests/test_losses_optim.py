@@ -1,4 +1,6 @@
-"""Label-smoothed cross-entropy, the Noam schedule and the paper's Adam, against their formulas."""
+"""Label-smoothed cross-entropy, the Noam schedule and the paper's Adam against their formulas;
+the gradient clipping against optax's, and the train step's update (clipped mean gradient,
+non-finite steps skipped) against optax's chain."""
 
 from __future__ import annotations
 
@@ -12,6 +14,8 @@ import optax
 import pytest
 from absl.testing import parameterized
 
+from train.core.state import TrainState
+from train.core.step import make_train_step
 from transformer_jax import (
     OptimizerConfig,
     label_smoothed_cross_entropy,
@@ -20,7 +24,7 @@ from transformer_jax import (
     smoothed_target_distribution,
     token_cross_entropy,
 )
-from transformer_jax.optim import find_params_ema, params_ema
+from transformer_jax.optim import clip_by_global_norm, find_params_ema, params_ema
 
 
 def _explicit_smoothed_ce(logits, targets, smoothing, pad_id):
@@ -194,6 +198,74 @@ def test_params_ema_averages_the_updated_params_and_leaves_updates_alone():
         ema = new if ema is None else {k: d * ema[k] + (1 - d) * new[k] for k in new}
         chex.assert_trees_all_close(find_params_ema(s), ema, rtol=1e-6)
     assert find_params_ema(s_plain) is None
+
+
+@pytest.mark.parametrize("scale", [0.1, 10.0])  # below and above the clipping norm
+def test_clip_by_global_norm_is_optaxs_with_its_state(scale):
+    grads = {"w": jnp.array([[0.3, -0.4], [1.2, 0.5]]) * scale, "b": jnp.array([0.25]) * scale}
+    ours, theirs = clip_by_global_norm(1.0), optax.clip_by_global_norm(1.0)
+    params = jax.tree.map(jnp.zeros_like, grads)
+    # The same (empty) state: a checkpoint written with either restores with the other.
+    assert jax.tree.structure(ours.init(params)) == jax.tree.structure(theirs.init(params))
+    got, _ = ours.update(grads, ours.init(params))
+    want, _ = theirs.update(grads, theirs.init(params))
+    chex.assert_trees_all_close(got, want, rtol=1e-6)
+    assert float(optax.tree.norm(got)) == pytest.approx(min(1.0, float(optax.tree.norm(grads))))
+
+
+def test_clip_by_global_norm_reads_the_norm_it_is_given():
+    grads = {"w": jnp.array([3.0, 4.0])}  # norm 5
+    tx = clip_by_global_norm(1.0)
+    state = tx.init(grads)
+    given, _ = tx.update(grads, state, global_norm=jnp.float32(10.0))
+    chex.assert_trees_all_close(given, {"w": jnp.array([0.3, 0.4])}, rtol=1e-6)
+    below, _ = tx.update(grads, state, global_norm=jnp.float32(0.5))
+    chex.assert_trees_all_equal(below, grads)  # a norm under the limit leaves them alone
+    with pytest.raises(ValueError, match="max_norm"):
+        clip_by_global_norm(0.0)
+
+
+def _step_state(tx):
+    params = {"w": jnp.array([0.5, -1.0, 2.0]), "b": jnp.array(0.25)}
+    return TrainState.create(params=params, tx=tx, rng=jax.random.PRNGKey(0))
+
+
+def _weighted_loss(weights):
+    """loss_fn whose summed loss is sum(weights * params) over 4 tokens: the gradient of the
+    summed loss is `weights`, its mean weights / 4."""
+
+    def loss_fn(params, batch, *, rng, extra, deterministic):
+        loss = sum(jnp.sum(w * params[k]) for k, w in weights.items())
+        return loss, {"n_tokens": jnp.float32(4.0)}, None
+
+    return loss_fn
+
+
+def test_train_step_updates_with_the_clipped_mean_gradient():
+    tx, _ = make_optimizer(OptimizerConfig(learning_rate=0.1, clip_norm=1.0, ema_decay=0.9))
+    weights = {"w": jnp.array([8.0, -4.0, 2.0]), "b": jnp.array(12.0)}  # mean norm 3.8
+    state, metrics = jax.jit(make_train_step(_weighted_loss(weights)))(_step_state(tx), {})
+    mean = jax.tree.map(lambda w: w / 4.0, weights)
+    reference = optax.chain(
+        optax.clip_by_global_norm(1.0), optax.adam(optax.constant_schedule(0.1)), params_ema(0.9)
+    )
+    start = _step_state(reference)
+    updates, opt_state = reference.update(mean, start.opt_state, start.params)
+    chex.assert_trees_all_close(state.params, optax.apply_updates(start.params, updates), rtol=1e-6)
+    chex.assert_trees_all_close(state.opt_state, opt_state, rtol=1e-6)
+    assert float(metrics["grad_norm"]) == pytest.approx(float(optax.tree.norm(mean)), rel=1e-6)
+    assert float(metrics["nonfinite"]) == 0.0 and int(state.step) == 1
+
+
+@pytest.mark.parametrize("bad", [np.inf, np.nan, 1e30])  # 1e30: its square overflows float32
+def test_train_step_skips_an_update_whose_gradient_norm_is_not_finite(bad):
+    tx, _ = make_optimizer(OptimizerConfig(learning_rate=0.1, clip_norm=1.0, ema_decay=0.9))
+    weights = {"w": jnp.array([8.0, bad, 2.0], jnp.float32), "b": jnp.array(12.0)}
+    before = _step_state(tx)
+    state, metrics = jax.jit(make_train_step(_weighted_loss(weights)))(before, {})
+    assert float(metrics["nonfinite"]) == 1.0 and int(state.step) == 1
+    chex.assert_trees_all_equal(state.params, before.params)
+    chex.assert_trees_all_equal(state.opt_state, before.opt_state)
 
 
 def test_params_ema_rejects_a_decay_outside_0_1():

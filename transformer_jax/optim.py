@@ -135,7 +135,8 @@ def make_schedule(config: OptimizerConfig) -> optax.Schedule:
 
 
 def make_optimizer(config: OptimizerConfig) -> tuple[optax.GradientTransformation, optax.Schedule]:
-    """-> (tx, the learning-rate schedule): [clip] -> Adam -> [params_ema].
+    """-> (tx, the learning-rate schedule): [clip] -> Adam -> [params_ema]; the clip is
+    `clip_by_global_norm`, whose update takes the gradient's norm from a caller that has it.
 
     A single transformation is returned unchained, so the optimizer state's tree (and with it
     every checkpoint) is the same as that transformation's own.
@@ -147,10 +148,35 @@ def make_optimizer(config: OptimizerConfig) -> tuple[optax.GradientTransformatio
         adam = optax.adam(schedule)
     parts = [adam]
     if config.clip_norm is not None:
-        parts.insert(0, optax.clip_by_global_norm(config.clip_norm))
+        parts.insert(0, clip_by_global_norm(config.clip_norm))
     if config.ema_decay:
         parts.append(params_ema(config.ema_decay))  # last: it averages the updated params
     return (parts[0] if len(parts) == 1 else optax.chain(*parts)), schedule
+
+
+def clip_by_global_norm(max_norm: float) -> optax.GradientTransformationExtraArgs:
+    """Scales the updates down to global norm `max_norm` when their norm is above it, as
+    `optax.clip_by_global_norm` does and with its (empty) state, so checkpoints are the same.
+
+    update(updates, state, params=None, *, global_norm=None): `global_norm` is the norm of
+    `updates` when the caller has it already (`train.core.step` computes it for its metrics
+    and its finiteness check); None computes it here. Given it, the clipping reads the norm
+    instead of reducing every leaf a second time inside the step's update branch.
+
+    The updates are multiplied by one scalar, min(1, max_norm / norm); optax selects between g
+    and g / norm * max_norm, which XLA:CPU wrote out as a divided copy of every gradient leaf,
+    then read beside the gradient itself in Adam's moments. The two agree to float rounding.
+    """
+    if not max_norm > 0:
+        raise ValueError(f"max_norm: must be > 0, got {max_norm}")
+
+    def update(updates, state, params=None, *, global_norm=None, **extra_args):
+        del params, extra_args
+        norm = optax.tree.norm(updates) if global_norm is None else global_norm
+        scale = jnp.where(norm < max_norm, 1.0, max_norm / norm)
+        return jax.tree.map(lambda g: g * scale.astype(g.dtype), updates), state
+
+    return optax.GradientTransformationExtraArgs(optax.init_empty_state, update)
 
 
 class ParamsEmaState(NamedTuple):

@@ -52,9 +52,19 @@ class TrainState(struct.PyTreeNode):
             tx=tx,
         )
 
-    def apply_gradients(self, grads: PyTree, **changes) -> TrainState:
-        """One optimizer update; `changes` replaces other fields (e.g. extra=new_memory)."""
-        updates, opt_state = self.tx.update(grads, self.opt_state, self.params)
+    def apply_gradients(
+        self, grads: PyTree, *, grad_norm: jax.Array | None = None, **changes
+    ) -> TrainState:
+        """One optimizer update; `changes` replaces other fields (e.g. extra=new_memory).
+
+        grad_norm: the global norm of `grads`, when the caller has it: passed on as the
+        optimizer's `global_norm` extra argument, which `transformer_jax.optim`'s clipping
+        reads instead of computing it again (a transformation without it ignores it).
+        """
+        extra_args = {}
+        if grad_norm is not None and isinstance(self.tx, optax.GradientTransformationExtraArgs):
+            extra_args["global_norm"] = grad_norm
+        updates, opt_state = self.tx.update(grads, self.opt_state, self.params, **extra_args)
         params = optax.apply_updates(self.params, updates)
         return self.replace(step=self.step + 1, params=params, opt_state=opt_state, **changes)
 

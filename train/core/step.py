@@ -40,7 +40,8 @@ def make_train_step(
 
     metrics: the summed `sums` plus 'loss_sum', 'grad_norm' (of the normalised gradient, before
     clipping), 'lr' (the rate this step used) and 'nonfinite' (1.0 when the loss or the
-    gradient was NaN or infinite: that update was not applied); all scalars, left on device.
+    gradient was NaN or infinite, or the gradient's norm overflowed: that update was not
+    applied); all scalars, left on device.
     axis_name: set under `pmap`: gradients and sums are psummed over that axis.
     """
 
@@ -64,24 +65,29 @@ def make_train_step(
         if axis_name is not None:
             grads, sums = lax.psum((grads, sums), axis_name)
         # The mean over the global batch: the gradient of the summed loss divided by the token
-        # count of every device together, identical to a single-device step.
-        n_tokens = jnp.maximum(sums["n_tokens"], 1.0)
-        grads = jax.tree.map(lambda g: g / n_tokens, grads)
-        grad_norm = optax.tree.norm(grads)
+        # count of every device together, identical to a single-device step. A product with
+        # one reciprocal, written where it is read (the norm's reduction here, the update in
+        # the branch), so XLA fuses it into those reads instead of writing out a divided copy
+        # of every leaf (benchmarks/README.md).
+        inv_tokens = 1.0 / jnp.maximum(sums["n_tokens"], 1.0)
+
+        def mean_grads():
+            return jax.tree.map(lambda g: g * inv_tokens.astype(g.dtype), grads)
+
+        grad_norm = optax.tree.norm(mean_grads())
         # A non-finite loss or gradient never reaches the parameters: the step counter moves
         # on (the next step reads the next batch), everything else stays as it was. The flag
-        # travels with the metrics, so the host learns of it without an extra transfer.
-        # (Checked leaf by leaf, not through grad_norm: sharing that reduction with the
-        # clipping's own norm lets XLA reorder it and move the losses: benchmarks/README.md.)
-        finite = jnp.isfinite(loss_sum) & jnp.all(
-            jnp.stack([jnp.all(jnp.isfinite(g)) for g in jax.tree.leaves(grads)])
-        )
+        # travels with the metrics, so the host learns of it without an extra transfer. The
+        # norm is NaN or infinite when any gradient element is (or when the sum of squares
+        # overflows float32, a norm above 1.8e19), and the clipping reads this same norm, so
+        # one reduction over the gradient serves the flag, the metric and the clipping.
+        finite = jnp.isfinite(loss_sum) & jnp.isfinite(grad_norm)
         # A cond, not a select per leaf of the state: XLA fuses the chain of per-leaf checks
         # into each select, which multiplies compile time (benchmarks/README.md), and a
         # skipped step does no optimizer work.
         new_state = lax.cond(
             finite,
-            lambda s: s.apply_gradients(grads, extra=extra),
+            lambda s: s.apply_gradients(mean_grads(), grad_norm=grad_norm, extra=extra),
             lambda s: s.replace(step=s.step + 1),
             state,
         )

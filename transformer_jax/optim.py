@@ -158,10 +158,10 @@ def clip_by_global_norm(max_norm: float) -> optax.GradientTransformationExtraArg
     """Scales the updates down to global norm `max_norm` when their norm is above it, as
     `optax.clip_by_global_norm` does and with its (empty) state, so checkpoints are the same.
 
-    update(updates, state, params=None, *, global_norm=None): `global_norm` is the norm of
-    `updates` when the caller has it already (`train.core.step` computes it for its metrics
-    and its finiteness check); None computes it here. Given it, the clipping reads the norm
-    instead of reducing every leaf a second time inside the step's update branch.
+    Its update takes an optional keyword argument, `global_norm`: the norm of the updates when
+    the caller has it already (`train.core.step` computes it for its metrics and its
+    finiteness check); without it the norm is computed here. Given it, the clipping reads the
+    norm instead of reducing every leaf a second time inside the step's update branch.
 
     The updates are multiplied by one scalar, min(1, max_norm / norm); optax selects between g
     and g / norm * max_norm, which XLA:CPU wrote out as a divided copy of every gradient leaf,

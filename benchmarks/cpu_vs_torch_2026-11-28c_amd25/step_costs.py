@@ -10,7 +10,9 @@ products  every `dot` of the step's optimized HLO, each compiled alone (same ope
           dimension numbers) and timed alone on all of XLA's threads: the products' time if
           each ran by itself, one after another.
 ops       the same call for programs of 529 [64, 64] inputs and k = 0, 1, 2, 4 small ops
-          (a reduction and an elementwise fusion) on each: its cost per op of the program.
+          (a reduction and an elementwise fusion) on each. (XLA:CPU runs such programs' ops
+          on the calling thread, so this times their work, not dispatch per op:
+          ../cpu_vs_torch_2026-11-28d_amd25/call_runs_ops.py.)
 steps     60 steps after 3, each blocked on, then the wall time a step: the process for
           `perf record -p PID` (perf_categories.py).
 dispatch  the wall and main-thread CPU time of the call that starts a step (it returns before

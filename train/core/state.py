@@ -59,7 +59,8 @@ class TrainState(struct.PyTreeNode):
 
         grad_norm: the global norm of `grads`, when the caller has it: passed on as the
         optimizer's `global_norm` extra argument, which `transformer_jax.optim`'s clipping
-        reads instead of computing it again (a transformation without it ignores it).
+        reads instead of computing it again. Only a tx that takes extra arguments gets it
+        (`optax.chain` drops it for the transformations in it that take none).
         """
         extra_args = {}
         if grad_norm is not None and isinstance(self.tx, optax.GradientTransformationExtraArgs):

@@ -12,9 +12,10 @@ from __future__ import annotations
 import json
 import os
 import subprocess
+import sys
 
 import pytest
-from helpers import FRESH_LM
+from helpers import FRESH_LM, REPO, TIMEOUT
 
 from train.core import cli
 from train.core.checkpoint import CONFIG_FILE
@@ -120,3 +121,61 @@ def test_a_config_json_that_is_not_a_run_config_is_one_line(tmp_path, capsys):
     assert_one_line_error(
         code, capsys.readouterr(), str(workdir / CONFIG_FILE), "does not describe a run"
     )
+
+
+# A body that leaves what orbax's concurrent readers leave after one failed read: a sibling
+# task whose exception nobody awaited, collected (and logged by asyncio) while the expected
+# error propagates, then the expected error itself.
+ORPHANED_TASK = """
+import asyncio, gc, sys
+from train.core import cli
+from train.core.checkpoint import CheckpointError
+
+def body():
+    async def sibling_read():
+        raise ValueError("OUT_OF_RANGE: sibling read of a truncated file")
+
+    loop = asyncio.new_event_loop()
+    task = loop.create_task(sibling_read())
+    loop.run_until_complete(asyncio.sleep(0.01))  # the task fails; nobody asks for its result
+    loop.close()
+    del task
+    gc.collect()  # asyncio logs 'Task exception was never retrieved' here
+    raise CheckpointError("checkpoint W/checkpoints/8 could not be restored")
+
+if sys.argv[1] == "bare":
+    body()
+else:
+    sys.exit(cli.run_command(body, workdir=sys.argv[2]))
+"""
+
+
+def test_an_orphaned_asyncio_task_error_goes_to_error_log_not_stderr(tmp_path):
+    """A CI run under load printed orbax's unretrieved sibling read error, with its asyncio
+    traceback, after the one restore message (issue 28's stop 45). run_command writes it to
+    W/error.log instead."""
+
+    def python(*args):
+        return subprocess.run(
+            [sys.executable, "-c", ORPHANED_TASK, *args],
+            cwd=REPO,
+            env=dict(os.environ, PYTHONPATH=REPO),
+            capture_output=True,
+            text=True,
+            timeout=TIMEOUT,
+        )
+
+    bare = python("bare")  # the control: without run_command, asyncio prints it to stderr
+    assert "Task exception was never retrieved" in bare.stderr, bare.stderr
+    assert "sibling read of a truncated file" in bare.stderr
+
+    done = python("run", str(tmp_path))
+    assert done.returncode == cli.EXIT_ERROR, done.stderr
+    assert "checkpoint W/checkpoints/8 could not be restored" in done.stderr
+    assert "Traceback" not in done.stderr and "never retrieved" not in done.stderr, done.stderr
+    assert len(done.stderr.strip().splitlines()) == 2, done.stderr  # the message + where
+    with open(tmp_path / cli.ERROR_LOG) as f:
+        log = f.read()
+    assert "Task exception was never retrieved" in log
+    assert "ValueError: OUT_OF_RANGE: sibling read of a truncated file" in log
+    assert "CheckpointError" in log  # the error itself, as before

@@ -20,6 +20,7 @@ from __future__ import annotations
 
 import argparse
 import ast
+import logging
 import math
 import os
 import sys
@@ -403,7 +404,7 @@ def run_command(body: Callable[[], int], *, workdir: str | None) -> int:
     """Runs an entry point's body -> its exit code. An expected error prints one message
     (the cause and the path it names) to stderr and its traceback to W/error.log, instead of a
     page of library internals; a training divergence exits with EXIT_DIVERGED."""
-    _quiet_closed_event_loops()
+    _quiet_orbax_leftovers(workdir)
     try:
         return body()
     except KeyboardInterrupt:
@@ -439,10 +440,20 @@ def _log_traceback(workdir: str | None) -> str | None:
     return path
 
 
-def _quiet_closed_event_loops() -> None:
-    """orbax's readers leave asyncio callbacks that fire after their loop closed; at exit each
-    prints an 'Event loop is closed' traceback (a hundred after one failed restore), burying
-    the one message that matters. They are harmless: drop exactly those."""
+def _quiet_orbax_leftovers(workdir: str | None) -> None:
+    """Keeps orbax's asyncio leftovers off stderr, where they would bury the one message that
+    matters (`run_command`). Two kinds, both from its concurrent readers after one read failed:
+    - callbacks that fire after their event loop closed: at exit each prints an 'Event loop
+      is closed' traceback (a hundred after one failed restore); harmless, dropped;
+    - sibling reads that failed too, whose exceptions nobody awaited: asyncio logs each as
+      'Task exception was never retrieved' with a traceback when the task is collected, at a
+      time that depends on the garbage collector (a CI run under load printed one after the
+      restore error). Written to W/error.log beside the traceback of the error itself, and
+      printed as before when there is no W/error.log to write.
+    Idempotent: a process that runs several commands (tests) installs each once."""
+    _ORPHANED_TASKS.workdir = workdir
+    if getattr(sys.unraisablehook, "_drops_closed_loops", False):
+        return
     previous = sys.unraisablehook
 
     def hook(unraisable):
@@ -452,4 +463,33 @@ def _quiet_closed_event_loops() -> None:
             return
         previous(unraisable)
 
+    hook._drops_closed_loops = True
     sys.unraisablehook = hook
+    logging.getLogger("asyncio").addFilter(_ORPHANED_TASKS)
+
+
+class _OrphanedTaskErrors(logging.Filter):
+    """The asyncio logger's 'exception was never retrieved' records -> W/error.log (see
+    `_quiet_orbax_leftovers`); every other record passes."""
+
+    workdir: str | None = None
+
+    def filter(self, record: logging.LogRecord) -> bool:
+        message = record.getMessage()
+        if not message.startswith(("Task exception was never", "Future exception was never")):
+            return True
+        try:
+            workdir = local_dir(self.workdir) if self.workdir else None
+            if not workdir or not os.path.isdir(workdir):
+                return True
+            text = message
+            if record.exc_info:
+                text += "\n" + "".join(traceback.format_exception(*record.exc_info))
+            with open(os.path.join(workdir, ERROR_LOG), "a") as f:
+                f.write(f"--- {time.strftime('%Y-%m-%d %H:%M:%S')} (asyncio)\n{text}\n")
+        except Exception:  # late in interpreter shutdown, or a full disk: print it as before
+            return True
+        return False
+
+
+_ORPHANED_TASKS = _OrphanedTaskErrors()

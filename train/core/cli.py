@@ -428,13 +428,19 @@ def run_command(body: Callable[[], int], *, workdir: str | None) -> int:
 
 
 def _log_traceback(workdir: str | None) -> str | None:
+    return _append_error_log(workdir, traceback.format_exc())
+
+
+def _append_error_log(workdir: str | None, text: str, source: str = "") -> str | None:
+    """Appends a dated section holding `text` to W/error.log -> its path, or None when there is
+    no W to write to (none given, not a directory, a full or read-only disk)."""
     workdir = local_dir(workdir) if workdir else None  # a remote W: its local mirror
     if not workdir or not os.path.isdir(workdir):
         return None
     path = os.path.join(workdir, ERROR_LOG)
     try:
         with open(path, "a") as f:
-            f.write(f"--- {time.strftime('%Y-%m-%d %H:%M:%S')}\n{traceback.format_exc()}\n")
+            f.write(f"--- {time.strftime('%Y-%m-%d %H:%M:%S')}{source}\n{text}\n")
     except OSError:  # a full or read-only disk: the message on stderr is what is left
         return None
     return path
@@ -479,17 +485,12 @@ class _OrphanedTaskErrors(logging.Filter):
         if not message.startswith(("Task exception was never", "Future exception was never")):
             return True
         try:
-            workdir = local_dir(self.workdir) if self.workdir else None
-            if not workdir or not os.path.isdir(workdir):
-                return True
-            text = message
             if record.exc_info:
-                text += "\n" + "".join(traceback.format_exception(*record.exc_info))
-            with open(os.path.join(workdir, ERROR_LOG), "a") as f:
-                f.write(f"--- {time.strftime('%Y-%m-%d %H:%M:%S')} (asyncio)\n{text}\n")
-        except Exception:  # late in interpreter shutdown, or a full disk: print it as before
+                message += "\n" + "".join(traceback.format_exception(*record.exc_info))
+            written = _append_error_log(self.workdir, message, " (asyncio)")
+        except Exception:  # late in interpreter shutdown: print it as before
             return True
-        return False
+        return written is None  # not written (no W/error.log): print it as before
 
 
 _ORPHANED_TASKS = _OrphanedTaskErrors()

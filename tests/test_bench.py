@@ -973,6 +973,29 @@ def test_every_option_is_a_flag_in_the_entry_points_style():
 
 
 # ----------------------------------------------------------------------------- CPU vs PyTorch
+def test_hlo_products_counts_every_dot_and_its_flops_fused_or_not():
+    """`products_floor.hlo_products` reads the products of an optimized HLO module: a plain
+    and a batched product, 2 x output elements x contracted size each."""
+    from train.bench.products_floor import hlo_products
+
+    def f(a, b, c, d):
+        return jnp.tanh(a @ b), jnp.einsum("bij,bjk->bik", c, d) * 2.0
+
+    args = [jnp.ones(s, jnp.float32) for s in ((8, 16), (16, 4), (2, 3, 5), (2, 5, 7))]
+    hlo = jax.jit(f).lower(*args).compile().as_text()
+    assert hlo_products(hlo) == (2, pytest.approx((2 * 8 * 4 * 16 + 2 * 2 * 3 * 7 * 5) / 1e9))
+    assert hlo_products("HloModule m\n") == (0, 0.0)
+
+
+def test_products_floor_refuses_a_model_it_does_not_mirror():
+    from train.bench.products_floor import transformer_floor, xl_floor
+
+    with pytest.raises(ValueError, match="cutoffs"):
+        xl_floor(TransformerXLConfig.tiny(cutoffs=(20,)), 2)
+    with pytest.raises(ValueError, match="int8"):
+        transformer_floor(TransformerConfig.tiny(quantize="int8"), 2, 8)
+
+
 def test_cpu_vs_torch_compares_the_cpu_presets_at_equal_parameter_counts():
     """The models of `--only cpu_vs_torch` are the cpu presets' (dropout off), and the PyTorch
     twins have exactly their parameter counts (4,978,688 and 4,739,344)."""
@@ -1090,13 +1113,26 @@ def test_cpu_vs_torch_section_reports_every_field_and_a_failed_compile(tmp_path,
         # The pool's work outside op events comes on top of the op events, never instead.
         assert r["profile"]["busy_us_per_step"] >= r["profile"]["op_events_us_per_step"] > 0
         assert r["profile"]["wall_us_per_step"] > 0
+        # The products floor: the same products as the step (remat's recomputation aside,
+        # which these tiny steps do not add), timed in the same turns.
+        (n_step, gflop_step), (n_floor, gflop_floor) = r["products"]["step"], r["products"]["floor"]
+        assert n_step == n_floor > 0 and gflop_floor == pytest.approx(gflop_step, rel=1e-9)
+        floors = r["arms"]["jax_floor"], r["arms"]["torch_floor"]
+        assert all(len(arm["times_s"]) == 3 and arm["final_loss"] is None for arm in floors)
+        assert r["eager_over_floor"] == pytest.approx(eager["median_s"] / floors[0]["median_s"])
+        assert r["project_above_floor_ms"] == pytest.approx(
+            (project["median_s"] - floors[0]["median_s"]) * 1e3
+        )
     assert cmp["rows"][0]["tokens_per_step"] == 2 * 8
     assert cmp["rows"][1]["tokens_per_step"] == 2 * 8 and cmp["rows"][1]["mem_len"] == 8
     md = (tmp_path / "bench.md").read_text()
     assert "| project / eager | project / compile |" in md
     assert f"{threads} threads for both" in md and "torch.compile failed" in md
-    rows = [line for line in md.splitlines() if line.startswith("| Transformer")]
+    steps_table, floor_table = md.split("Products floor:")
+    rows = [line for line in steps_table.splitlines() if line.startswith("| Transformer")]
     assert len(rows) == 2 and all(line.endswith("| n/a |") for line in rows)  # no compile
+    floor_rows = [line for line in floor_table.splitlines() if line.startswith("| Transformer")]
+    assert len(floor_rows) == 2 and "no longer mirrors" not in floor_table
     assert md.count("Profile of Transformer") == 2
     for r in cmp["rows"]:
         # The busy time is read against the traced steps' own wall time, not the median's.

@@ -104,7 +104,9 @@ def main(b: int, t: int, variant: str, rounds: int) -> None:
     def build(patch):
         with patch():  # the model is traced at the first call, under the patch
             _, _, loss_fn, init_state, batches = transformer_problem(BenchConfig.quick(), b, t, 8)
-            arm, _, last_loss, _ = _project_arm(loss_fn, init_state, batches, jax.devices("cpu")[0])
+            arm, _, last_loss, *_ = _project_arm(
+                loss_fn, init_state, batches, jax.devices("cpu")[0]
+            )
             arm(0)
         losses = [last_loss()]
 

@@ -10,7 +10,10 @@ MemTransformerLM (the official model's maths). Per model:
   torch_eager    `torch_reference`'s (for XL `xl_torch_reference`'s) model of the same shape
                  and parameter count (asserted), the same loss and optimizer chain;
   torch_compile  the same, forward and loss under `torch.compile` (its failure is reported,
-                 not raised).
+                 not raised);
+  jax_floor,     the step's matrix products alone, in jax and in torch (`products_floor`):
+  torch_floor    eager PyTorch's step over the jax floor bounds what the project's step can
+                 reach on the machine.
 
 All float32, dropout off, identical random batches (step i reads batch i in every arm), the
 arms taking turns step by step; medians of `torch_steps` steps after `torch_warmup` untimed
@@ -33,6 +36,7 @@ import numpy as np
 
 from train import lm, translate
 from train.bench.config import BenchConfig
+from train.bench.products_floor import Floor, hlo_products, transformer_floor, xl_floor
 from train.bench.profile import profile_summary
 from train.bench.timing import time_interleaved
 from train.bench.train_steps import PROFILED_STEPS
@@ -132,7 +136,7 @@ def _compare(setup: Mapping[str, Any], config: BenchConfig) -> dict[str, Any]:
             "times_s": ts,
             "first_call_s": first_call_s[name],
             "tokens_per_s": tokens / median,
-            "final_loss": losses[name],
+            "final_loss": losses.get(name),  # None for the floors: no loss
         }
     project = out_arms["project"]["median_s"]
 
@@ -150,12 +154,36 @@ def _compare(setup: Mapping[str, Any], config: BenchConfig) -> dict[str, Any]:
         "project_over_eager": ratio("torch_eager"),
         "project_over_compile": ratio("torch_compile"),
         "compile_error": compile_error,
+        **_floor_fields(out_arms, setup),
+    }
+
+
+def _floor_fields(arms: Mapping[str, Any], setup: Mapping[str, Any]) -> dict[str, Any]:
+    """The products floor's figures of one row: eager PyTorch's step over the jax floor (the
+    most the project's step can reach against it here), each step's time above its own floor,
+    and the products (count, GFLOP) of the step and of the floor, which should be equal."""
+    if "jax_floor" not in arms:
+        return {}
+    ms = {
+        name: arms[name]["median_s"] * 1e3
+        for name in ("project", "torch_eager", "jax_floor", "torch_floor")
+    }
+    return {
+        "eager_over_floor": ms["torch_eager"] / ms["jax_floor"],
+        "torch_floor_over_jax_floor": ms["torch_floor"] / ms["jax_floor"],
+        "project_above_floor_ms": ms["project"] - ms["jax_floor"],
+        "eager_above_floor_ms": ms["torch_eager"] - ms["torch_floor"],
+        "products": {
+            "step": setup["step_products"](),
+            "floor": list(hlo_products(setup["floor"].hlo)),
+        },
     }
 
 
 def _project_arm(loss_fn, init_state: Callable[[], TrainState], batches, cpu):
     """The project's jitted train step on the CPU device -> (arm, n_params, last loss,
-    profile), profile(trace_dir): where PROFILED_STEPS more steps spent their time."""
+    profile, products), profile(trace_dir): where PROFILED_STEPS more steps spent their time;
+    products(): [count, GFLOP] of the step's matrix products."""
     dp = DataParallel("jit", devices=[cpu])
     state = dp.put_state(dp.init_state(init_state))
     placed = [dp.put_batch(b) for b in batches]
@@ -186,7 +214,16 @@ def _project_arm(loss_fn, init_state: Callable[[], TrainState], batches, cpu):
             summary["wall_us_per_step"] = traced_s / PROFILED_STEPS * 1e6
         return summary
 
-    return arm, count_params(state.params), last_loss, profile
+    def products() -> list:
+        """[count, GFLOP] of the step's matrix products, from its optimized HLO."""
+        return list(hlo_products(step.executables[batch_signature(placed[0])].as_text()))
+
+    return arm, count_params(state.params), last_loss, profile, products
+
+
+def _floor_arms(floor: Floor) -> dict[str, Callable[[int], None]]:
+    """The products floor's two arms (the batch index is not theirs: one fixed input)."""
+    return {"jax_floor": lambda i: floor.jax_step(), "torch_floor": lambda i: floor.torch_step()}
 
 
 def _torch_arms(step_eager, step_compiled, batches) -> tuple[dict, Callable]:
@@ -254,7 +291,10 @@ def _transformer_arms(config: BenchConfig, b: int, t: int, cpu, tr) -> dict[str,
     import torch  # optional, a test-only dependency: imported where the comparison runs
 
     cfg, run, loss_fn, init_state, batches = transformer_problem(config, b, t, _n_batches(config))
-    project, n_project, project_loss, profile = _project_arm(loss_fn, init_state, batches, cpu)
+    project, n_project, project_loss, profile, products = _project_arm(
+        loss_fn, init_state, batches, cpu
+    )
+    floor = transformer_floor(cfg, b, t)
     torch.manual_seed(0)
     eager = tr.TorchTransformer(cfg)
     compiled = copy.deepcopy(eager)
@@ -281,9 +321,11 @@ def _transformer_arms(config: BenchConfig, b: int, t: int, cpu, tr) -> dict[str,
         "shape": {"batch": b, "length": t},
         "tokens_per_step": b * t,
         "n_params": _check_params(name, n_project, eager),
-        "arms": {"project": project, **arms},
+        "arms": {"project": project, **arms, **_floor_arms(floor)},
         "losses": lambda: {"project": project_loss(), **torch_losses()},
         "profile": profile,
+        "step_products": products,
+        "floor": floor,
     }
 
 
@@ -314,9 +356,10 @@ def _xl_arms(config: BenchConfig, cpu, tr) -> dict[str, Any]:
             params=params, tx=tx, rng=jax.random.PRNGKey(1), extra=init_memory(cfg, b)
         )
 
-    project, n_project, project_loss, profile = _project_arm(
+    project, n_project, project_loss, profile, products = _project_arm(
         lm.make_loss_fn(model), init_state, batches, cpu
     )
+    floor = xl_floor(cfg, b)
     torch.manual_seed(0)
     eager = xl_torch_reference.from_config(cfg).train()
     _official_init(eager)
@@ -347,9 +390,11 @@ def _xl_arms(config: BenchConfig, cpu, tr) -> dict[str, Any]:
         "shape": {"batch": b, "length": t, "mem_len": cfg.mem_len},
         "tokens_per_step": b * t,
         "n_params": _check_params(name, n_project, eager),
-        "arms": {"project": project, **arms},
+        "arms": {"project": project, **arms, **_floor_arms(floor)},
         "losses": lambda: {"project": project_loss(), **torch_losses()},
         "profile": profile,
+        "step_products": products,
+        "floor": floor,
     }
 
 

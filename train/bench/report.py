@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import json
 import os
-from collections.abc import Mapping
+from collections.abc import Mapping, Sequence
 from typing import Any
 
 
@@ -239,6 +239,7 @@ def _cpu_vs_torch_lines(cmp: Mapping[str, Any] | None) -> list[str]:
             f"{_num(r['project_over_eager'], '.2f')} | "
             f"{_num(r.get('project_over_compile'), '.2f')} |"
         )
+    lines += _floor_lines(cmp["rows"])
     notes = [
         f"{r['name']}: torch.compile failed: {r['compile_error']}"
         for r in cmp["rows"]
@@ -249,6 +250,42 @@ def _cpu_vs_torch_lines(cmp: Mapping[str, Any] | None) -> list[str]:
     lines += [""] + [f"- {note}" for note in notes] + ([""] if notes else [])
     for r in cmp["rows"]:
         lines += _profile_lines(r["name"], r.get("profile"), r["arms"]["project"]["median_s"])
+    return lines
+
+
+def _floor_lines(rows: Sequence[Mapping[str, Any]]) -> list[str]:
+    """The products floor of each row (`train.bench.products_floor`), if it was timed."""
+    rows = [r for r in rows if "eager_over_floor" in r]
+    if not rows:
+        return []
+    lines = [
+        "",
+        "Products floor: each step's matrix products alone (no softmax, LayerNorm, loss, "
+        "transposes or optimizer), in jax and in torch, timed in the same turns. Eager "
+        "PyTorch's step over the jax floor is the most the project's step could reach against "
+        "it on this machine.",
+        "",
+        "| products of | count, GFLOP (step; floor) | jax floor (ms) | torch floor (ms) | "
+        "eager / jax floor | project above its floor (ms) | eager above its floor (ms) |",
+        "|---|---|---:|---:|---:|---:|---:|",
+    ]
+    differ = []
+    for r in rows:
+        (n_step, gf_step), (n_floor, gf_floor) = r["products"]["step"], r["products"]["floor"]
+        if n_step != n_floor or abs(gf_step - gf_floor) > 1e-6 * gf_step:
+            differ.append(r["name"])
+        arms = r["arms"]
+        lines.append(
+            f"| {r['name']} | {n_step}, {gf_step:.4g}; {n_floor}, {gf_floor:.4g} | "
+            f"{arms['jax_floor']['median_s'] * 1e3:.1f} | "
+            f"{arms['torch_floor']['median_s'] * 1e3:.1f} | {r['eager_over_floor']:.2f} | "
+            f"{r['project_above_floor_ms']:.1f} | {r['eager_above_floor_ms']:.1f} |"
+        )
+    lines += [
+        f"- {name}: the floor's products differ from the step's, so it no longer mirrors the "
+        "model (train/bench/products_floor.py)"
+        for name in differ
+    ]
     return lines
 
 

@@ -994,6 +994,11 @@ def test_products_floor_refuses_a_model_it_does_not_mirror():
         xl_floor(TransformerXLConfig.tiny(cutoffs=(20,)), 2)
     with pytest.raises(ValueError, match="int8"):
         transformer_floor(TransformerConfig.tiny(quantize="int8"), 2, 8)
+    # The comparison then runs without it and says why.
+    from train.bench.cpu_vs_torch import build_floor
+
+    floor, why = build_floor(xl_floor, TransformerXLConfig.tiny(cutoffs=(20,)), 2)
+    assert floor is None and "cutoffs (20,)" in why
 
 
 def test_cpu_vs_torch_compares_the_cpu_presets_at_equal_parameter_counts():
@@ -1117,6 +1122,7 @@ def test_cpu_vs_torch_section_reports_every_field_and_a_failed_compile(tmp_path,
         # which these tiny steps do not add), timed in the same turns.
         (n_step, gflop_step), (n_floor, gflop_floor) = r["products"]["step"], r["products"]["floor"]
         assert n_step == n_floor > 0 and gflop_floor == pytest.approx(gflop_step, rel=1e-9)
+        assert r["floor_error"] is None
         floors = r["arms"]["jax_floor"], r["arms"]["torch_floor"]
         assert all(len(arm["times_s"]) == 3 and arm["final_loss"] is None for arm in floors)
         assert r["eager_over_floor"] == pytest.approx(eager["median_s"] / floors[0]["median_s"])

@@ -163,7 +163,7 @@ def _floor_fields(arms: Mapping[str, Any], setup: Mapping[str, Any]) -> dict[str
     most the project's step can reach against it here), each step's time above its own floor,
     and the products (count, GFLOP) of the step and of the floor, which should be equal."""
     if "jax_floor" not in arms:
-        return {}
+        return {"floor_error": setup["floor_error"]}
     ms = {
         name: arms[name]["median_s"] * 1e3
         for name in ("project", "torch_eager", "jax_floor", "torch_floor")
@@ -221,8 +221,19 @@ def _project_arm(loss_fn, init_state: Callable[[], TrainState], batches, cpu):
     return arm, count_params(state.params), last_loss, profile, products
 
 
-def _floor_arms(floor: Floor) -> dict[str, Callable[[int], None]]:
+def build_floor(build: Callable[..., Floor], *args) -> tuple[Floor | None, str | None]:
+    """`build(*args)` -> (the floor, None), or (None, why) for a model it does not mirror:
+    the comparison then runs without the floor and says so."""
+    try:
+        return build(*args), None
+    except ValueError as e:
+        return None, str(e)
+
+
+def _floor_arms(floor: Floor | None) -> dict[str, Callable[[int], None]]:
     """The products floor's two arms (the batch index is not theirs: one fixed input)."""
+    if floor is None:
+        return {}
     return {"jax_floor": lambda i: floor.jax_step(), "torch_floor": lambda i: floor.torch_step()}
 
 
@@ -294,7 +305,7 @@ def _transformer_arms(config: BenchConfig, b: int, t: int, cpu, tr) -> dict[str,
     project, n_project, project_loss, profile, products = _project_arm(
         loss_fn, init_state, batches, cpu
     )
-    floor = transformer_floor(cfg, b, t)
+    floor, floor_error = build_floor(transformer_floor, cfg, b, t)
     torch.manual_seed(0)
     eager = tr.TorchTransformer(cfg)
     compiled = copy.deepcopy(eager)
@@ -326,6 +337,7 @@ def _transformer_arms(config: BenchConfig, b: int, t: int, cpu, tr) -> dict[str,
         "profile": profile,
         "step_products": products,
         "floor": floor,
+        "floor_error": floor_error,
     }
 
 
@@ -359,7 +371,7 @@ def _xl_arms(config: BenchConfig, cpu, tr) -> dict[str, Any]:
     project, n_project, project_loss, profile, products = _project_arm(
         lm.make_loss_fn(model), init_state, batches, cpu
     )
-    floor = xl_floor(cfg, b)
+    floor, floor_error = build_floor(xl_floor, cfg, b)
     torch.manual_seed(0)
     eager = xl_torch_reference.from_config(cfg).train()
     _official_init(eager)
@@ -395,6 +407,7 @@ def _xl_arms(config: BenchConfig, cpu, tr) -> dict[str, Any]:
         "profile": profile,
         "step_products": products,
         "floor": floor,
+        "floor_error": floor_error,
     }
 
 

@@ -246,6 +246,11 @@ def _cpu_vs_torch_lines(cmp: Mapping[str, Any] | None) -> list[str]:
         if r.get("compile_error")
     ]
     # Results of older runs may carry notes (such as an XL row skipped) in a bench.json.
+    notes += [
+        f"{r['name']}: no products floor: {r['floor_error']}"
+        for r in cmp["rows"]
+        if r.get("floor_error")
+    ]
     notes += cmp.get("notes", [])
     lines += [""] + [f"- {note}" for note in notes] + ([""] if notes else [])
     for r in cmp["rows"]:

@@ -169,6 +169,7 @@ def _floor_fields(arms: Mapping[str, Any], setup: Mapping[str, Any]) -> dict[str
         for name in ("project", "torch_eager", "jax_floor", "torch_floor")
     }
     return {
+        "floor_error": None,
         "eager_over_floor": ms["torch_eager"] / ms["jax_floor"],
         "torch_floor_over_jax_floor": ms["torch_floor"] / ms["jax_floor"],
         "project_above_floor_ms": ms["project"] - ms["jax_floor"],

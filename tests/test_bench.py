@@ -987,6 +987,29 @@ def test_hlo_products_counts_every_dot_and_its_flops_fused_or_not():
     assert hlo_products("HloModule m\n") == (0, 0.0)
 
 
+def test_the_floor_table_says_when_the_floor_and_the_step_have_different_products():
+    from train.bench.report import _floor_lines
+
+    def row(name, step, floor):
+        arm = {"median_s": 0.01}
+        return {
+            "name": name,
+            "products": {"step": step, "floor": floor},
+            "arms": {"jax_floor": arm, "torch_floor": arm},
+            "eager_over_floor": 1.2,
+            "project_above_floor_ms": 1.0,
+            "eager_above_floor_ms": 2.0,
+        }
+
+    same = _floor_lines([row("A", [10, 1.5], [10, 1.5])])
+    assert any(line.startswith("| A | 10, 1.5; 10, 1.5 |") for line in same)
+    assert not any("products differ" in line for line in same)
+    differ = _floor_lines([row("A", [10, 1.5], [10, 1.5]), row("B", [12, 1.7], [10, 1.5])])
+    notes = [line for line in differ if "products differ" in line]
+    assert len(notes) == 1 and notes[0].startswith("- B:")
+    assert _floor_lines([{"name": "C", "floor_error": "not mirrored"}]) == []
+
+
 def test_products_floor_refuses_a_model_it_does_not_mirror():
     from train.bench.products_floor import transformer_floor, xl_floor
 
@@ -1138,7 +1161,7 @@ def test_cpu_vs_torch_section_reports_every_field_and_a_failed_compile(tmp_path,
     rows = [line for line in steps_table.splitlines() if line.startswith("| Transformer")]
     assert len(rows) == 2 and all(line.endswith("| n/a |") for line in rows)  # no compile
     floor_rows = [line for line in floor_table.splitlines() if line.startswith("| Transformer")]
-    assert len(floor_rows) == 2 and "no longer mirrors" not in floor_table
+    assert len(floor_rows) == 2 and "products differ" not in floor_table
     assert md.count("Profile of Transformer") == 2
     for r in cmp["rows"]:
         # The busy time is read against the traced steps' own wall time, not the median's.

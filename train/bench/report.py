@@ -245,12 +245,12 @@ def _cpu_vs_torch_lines(cmp: Mapping[str, Any] | None) -> list[str]:
         for r in cmp["rows"]
         if r.get("compile_error")
     ]
-    # Results of older runs may carry notes (such as an XL row skipped) in a bench.json.
     notes += [
         f"{r['name']}: no products floor: {r['floor_error']}"
         for r in cmp["rows"]
         if r.get("floor_error")
     ]
+    # Results of older runs may carry notes (such as an XL row skipped) in a bench.json.
     notes += cmp.get("notes", [])
     lines += [""] + [f"- {note}" for note in notes] + ([""] if notes else [])
     for r in cmp["rows"]:
@@ -286,11 +286,13 @@ def _floor_lines(rows: Sequence[Mapping[str, Any]]) -> list[str]:
             f"{arms['torch_floor']['median_s'] * 1e3:.1f} | {r['eager_over_floor']:.2f} | "
             f"{r['project_above_floor_ms']:.1f} | {r['eager_above_floor_ms']:.1f} |"
         )
-    lines += [
-        f"- {name}: the floor's products differ from the step's, so it no longer mirrors the "
-        "model (train/bench/products_floor.py)"
-        for name in differ
-    ]
+    if differ:
+        lines += [""] + [
+            f"- {name}: the floor's products differ from the step's (a remat policy's "
+            "recomputation, or a floor that no longer mirrors the model: "
+            "train/bench/products_floor.py)"
+            for name in differ
+        ]
     return lines
 
 

@@ -162,14 +162,14 @@ def _floor_fields(arms: Mapping[str, Any], setup: Mapping[str, Any]) -> dict[str
     """The products floor's figures of one row: eager PyTorch's step over the jax floor (the
     most the project's step can reach against it here), each step's time above its own floor,
     and the products (count, GFLOP) of the step and of the floor, which should be equal."""
-    if "jax_floor" not in arms:
+    if "jax_floor" not in arms:  # not mirrored: setup["floor_error"] says why
         return {"floor_error": setup["floor_error"]}
     ms = {
         name: arms[name]["median_s"] * 1e3
         for name in ("project", "torch_eager", "jax_floor", "torch_floor")
     }
     return {
-        "floor_error": None,
+        "floor_error": setup["floor_error"],  # None: the floor was built
         "eager_over_floor": ms["torch_eager"] / ms["jax_floor"],
         "torch_floor_over_jax_floor": ms["torch_floor"] / ms["jax_floor"],
         "project_above_floor_ms": ms["project"] - ms["jax_floor"],
@@ -199,15 +199,18 @@ def _project_arm(loss_fn, init_state: Callable[[], TrainState], batches, cpu):
         m = box["metrics"]
         return float(m["loss_sum"] / m["n_tokens"])
 
+    def program_hlo() -> str:
+        """The optimized HLO of the executable the arm runs."""
+        return step.executables[batch_signature(placed[0])].as_text()
+
     def profile(trace_dir: str) -> dict[str, Any] | None:
         with jax.profiler.trace(trace_dir, create_perfetto_trace=True):
             start = time.perf_counter()
             for i in range(PROFILED_STEPS):
                 arm(i)
             traced_s = time.perf_counter() - start
-        # The executable the arm ran, for what each op of the trace runs (its HLO).
-        hlo = step.executables[batch_signature(placed[0])].as_text()
-        summary = profile_summary(trace_dir, steps=PROFILED_STEPS, hlo_text=hlo)
+        # The executable's HLO says what each op of the trace runs.
+        summary = profile_summary(trace_dir, steps=PROFILED_STEPS, hlo_text=program_hlo())
         if summary:
             # The traced steps take their own time (12% more or 11% less than the median in
             # one run, 2026-11-28), so the busy time is read against it: against the median,
@@ -217,7 +220,7 @@ def _project_arm(loss_fn, init_state: Callable[[], TrainState], batches, cpu):
 
     def products() -> list:
         """[count, GFLOP] of the step's matrix products, from its optimized HLO."""
-        return list(hlo_products(step.executables[batch_signature(placed[0])].as_text()))
+        return list(hlo_products(program_hlo()))
 
     return arm, count_params(state.params), last_loss, profile, products
 

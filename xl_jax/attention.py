@@ -23,6 +23,7 @@ import numpy as np
 
 from transformer_jax.attention import dot_product_attention
 from transformer_jax.layers import LayerNorm
+from xl_jax import fused_attention
 from xl_jax.config import TransformerXLConfig
 
 Array = jax.Array
@@ -100,6 +101,7 @@ class RelativeMultiHeadAttention(nn.Module):
         r_w_bias: Array | None = None,  # [H, K] u, shared across layers; None with untie_r
         r_r_bias: Array | None = None,  # [H, K] v
         *,
+        valid: Array | None = None,  # [B] int, the memory's valid count (the fused kernel's mask)
         deterministic: bool = True,
     ) -> Array:  # [B, T, D]
         cfg = self.config
@@ -125,31 +127,71 @@ class RelativeMultiHeadAttention(nn.Module):
         k, v = qkv[:, :, 1], qkv[:, :, 2]  # [B, S, H, K]
         r = nn.DenseGeneral((H, K), name="r_net", **dense)(pos_emb)  # [S, H, K]
 
-        score_dtype = jnp.promote_types(q.dtype, jnp.float32)
         scale = K**-0.5
-        # (b) + (d), once per distance, then aligned to keys.
-        pos_scores = jnp.einsum(
-            "bthk,shk->bhts", q + r_r_bias.astype(q.dtype), r, preferred_element_type=score_dtype
-        )
-        pos_bias = rel_shift(pos_scores) * scale  # [B, H, T, S]
         dropout_rng = None
         if not deterministic and cfg.dropatt > 0.0:
             dropout_rng = self.make_rng("dropout")
-        # (a) + (c) and the softmax/dropatt/mix in the shared core.
-        attn = dot_product_attention(
-            q + r_w_bias.astype(q.dtype),
-            k,
-            v,
-            mask=mask,
-            bias=pos_bias,
-            scale=scale,
-            dropout_rate=cfg.dropatt,
-            dropout_rng=dropout_rng,
-            deterministic=deterministic,
-            implementation=cfg.attention_impl,
-        )  # [B, T, H, K]
+        qu = q + r_w_bias.astype(q.dtype)  # (a) + (c)
+        qv = q + r_r_bias.astype(q.dtype)  # (b) + (d)
+        if use_fused_kernel(cfg, q, mem_len=cat.shape[1] - t, valid=valid):
+            attn = fused_attention.relative_attention(
+                qu,
+                qv,
+                k,
+                v,
+                r,
+                valid,
+                mem_len=cat.shape[1] - t,
+                same_length=cfg.same_length,
+                scale=scale,
+                dropout_rate=cfg.dropatt,
+                dropout_rng=dropout_rng,
+            )  # [B, T, H, K]
+        else:
+            # (b) + (d), once per distance, then aligned to keys.
+            pos_scores = jnp.einsum(
+                "bthk,shk->bhts",
+                qv,
+                r,
+                preferred_element_type=jnp.promote_types(q.dtype, jnp.float32),
+            )
+            pos_bias = rel_shift(pos_scores) * scale  # [B, H, T, S]
+            # (a) + (c) and the softmax/dropatt/mix in the shared core.
+            attn = dot_product_attention(
+                qu,
+                k,
+                v,
+                mask=mask,
+                bias=pos_bias,
+                scale=scale,
+                dropout_rate=cfg.dropatt,
+                dropout_rng=dropout_rng,
+                deterministic=deterministic,
+                implementation="auto" if cfg.attention_impl == "pallas" else cfg.attention_impl,
+            )  # [B, T, H, K]
         out = nn.DenseGeneral(cfg.d_model, axis=(-2, -1), name="o_net", **dense)(attn)
         out = nn.Dropout(cfg.dropout)(out, deterministic=deterministic)
         if cfg.norm_first:
             return h + out
         return layer_norm(h + out)
+
+
+def use_fused_kernel(
+    config: TransformerXLConfig, q: Array, *, mem_len: int, valid: Array | None
+) -> bool:
+    """Whether this call goes through `xl_jax.fused_attention`'s kernels.
+
+    'pallas' takes them wherever the shapes allow (a power-of-two head width of at least 8,
+    16 on a GPU, and a block size dividing T and M; a decoding step's single query does not),
+    interpreted on a CPU; 'auto' never, until the device measurements show they pay
+    (benchmarks/README.md); 'xla' and 'cudnn' never. Without the memory's valid count (a
+    caller of this module that passes only a mask) the XLA path runs.
+    """
+    if config.attention_impl != "pallas" or valid is None:
+        return False
+    return fused_attention.applies(
+        head_width=q.shape[-1],
+        q_len=q.shape[1],
+        mem_len=mem_len,
+        on_gpu=jax.default_backend() == "gpu",
+    )

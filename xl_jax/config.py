@@ -16,6 +16,8 @@ import jax.numpy as jnp
 from transformer_jax.attention import IMPLEMENTATIONS
 
 REMAT_MODES = ("attention", "full", "none")
+# The attention core's choices plus the fused relative-attention kernels (xl_jax.fused_attention).
+ATTENTION_IMPLS = (*IMPLEMENTATIONS, "pallas")
 TAIL_MODES = ("grouped", "dense")
 
 
@@ -66,8 +68,11 @@ class TransformerXLConfig:
       dtype: compute dtype. Parameters are float32, or float64 when dtype is float64 (which
         needs `jax_enable_x64`); attention logits, softmax and loss are at least float32.
       attention_impl: "auto" (cuDNN's fused kernel, with the position term as its bias, on a
-        GPU in half precision where it applies, else XLA), "xla" or "cudnn"; see
-        `transformer_jax.attention.dot_product_attention`.
+        GPU in half precision where it applies, else XLA), "xla" or "cudnn" (see
+        `transformer_jax.attention.dot_product_attention`), or "pallas": the fused relative
+        attention of `xl_jax.fused_attention` (position term, rel-shift, masks, online softmax
+        and dropatt in one blockwise kernel, no [B, H, T, S] tensor in memory) wherever its
+        shapes allow, else "auto"'s path; interpreted (slowly) on a CPU.
     """
 
     vocab_size: int
@@ -93,7 +98,7 @@ class TransformerXLConfig:
     remat: Literal["attention", "full", "none"] = "attention"
     softmax_tails: Literal["grouped", "dense"] = "grouped"
     dtype: Any = jnp.float32
-    attention_impl: Literal["auto", "xla", "cudnn"] = "auto"
+    attention_impl: Literal["auto", "xla", "cudnn", "pallas"] = "auto"
 
     def __post_init__(self):
         # Lists are accepted for convenience but stored as tuples so the config stays hashable
@@ -145,9 +150,9 @@ class TransformerXLConfig:
             raise ValueError(
                 f"softmax_tails must be one of {TAIL_MODES}, got {self.softmax_tails!r}"
             )
-        if self.attention_impl not in IMPLEMENTATIONS:
+        if self.attention_impl not in ATTENTION_IMPLS:
             raise ValueError(
-                f"attention_impl must be one of {IMPLEMENTATIONS}, got {self.attention_impl!r}"
+                f"attention_impl must be one of {ATTENTION_IMPLS}, got {self.attention_impl!r}"
             )
         try:
             dtype = jnp.dtype(self.dtype)

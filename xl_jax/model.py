@@ -77,10 +77,26 @@ class DecoderLayer(nn.Module):
 
     @nn.compact
     def __call__(
-        self, h, memory, pos_emb, mask, r_w_bias, r_r_bias, *, deterministic: bool = True
+        self,
+        h,
+        memory,
+        pos_emb,
+        mask,
+        r_w_bias,
+        r_r_bias,
+        *,
+        valid=None,
+        deterministic: bool = True,
     ) -> Array:  # [B, T, D]
         h = RelativeMultiHeadAttention(self.config, name="attn")(
-            h, memory, pos_emb, mask, r_w_bias, r_r_bias, deterministic=deterministic
+            h,
+            memory,
+            pos_emb,
+            mask,
+            r_w_bias,
+            r_r_bias,
+            valid=valid,
+            deterministic=deterministic,
         )
         return PositionwiseFF(self.config, name="ff")(h, deterministic=deterministic)
 
@@ -127,6 +143,7 @@ def _run_layers(
     r_w_bias: Array | None,
     r_r_bias: Array | None,
     *,
+    valid: Array,  # [B] the memory's valid count (the mask's, for the fused kernel)
     deterministic: bool,
 ) -> tuple[Array, tuple[Array, ...]]:
     """The L decoder layers of `model` (a bound TransformerXL) as one scan over layers.
@@ -149,7 +166,16 @@ def _run_layers(
     cfg = model.config
 
     def layer_step(layer: DecoderLayer, h, memory_l):
-        out = layer(h, memory_l, pos, mask, r_w_bias, r_r_bias, deterministic=deterministic)
+        out = layer(
+            h,
+            memory_l,
+            pos,
+            mask,
+            r_w_bias,
+            r_r_bias,
+            valid=valid,
+            deterministic=deterministic,
+        )
         return out, h  # carry the output on; emit the input for the memory
 
     if cfg.remat != "none":
@@ -236,7 +262,15 @@ class TransformerXL(nn.Module):
             r_r_bias = self.param("r_r_bias", init, (cfg.n_heads, cfg.d_head), cfg.param_dtype)
 
         x, layer_inputs = _run_layers(
-            self, x, memory.hidden, pos, mask, r_w_bias, r_r_bias, deterministic=deterministic
+            self,
+            x,
+            memory.hidden,
+            pos,
+            mask,
+            r_w_bias,
+            r_r_bias,
+            valid=memory.valid,
+            deterministic=deterministic,
         )
         x = drop(x, deterministic=deterministic)
 

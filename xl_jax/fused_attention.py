@@ -47,10 +47,16 @@ Array = jax.Array
 _MASK_VALUE = -0.7 * float(np.finfo(np.float32).max)
 
 
-def _triton_params(num_warps: int = 4, num_stages: int = 2):
+# Triton's launch settings for the GPU kernels, and the largest block size tried (a benchmark
+# may set other values before tracing).
+TRITON_OPTIONS = {"num_warps": 4, "num_stages": 2}
+MAX_BLOCK = 64
+
+
+def _triton_params():
     from jax.experimental.pallas import triton as plgpu
 
-    return plgpu.CompilerParams(num_warps=num_warps, num_stages=num_stages)
+    return plgpu.CompilerParams(**TRITON_OPTIONS)
 
 
 def _barrier(interpret: bool) -> None:
@@ -105,9 +111,10 @@ def reference_keep_mask(
     return dropout_keep(seed, bh, i, j, rate)
 
 
-def block_size(q_len: int, mem_len: int, *, minimum: int, maximum: int = 64) -> int | None:
-    """The largest power of two in [minimum, maximum] dividing both T and M (None if none)."""
-    size = maximum
+def block_size(q_len: int, mem_len: int, *, minimum: int, maximum: int | None = None) -> int | None:
+    """The largest power of two in [minimum, maximum] (default MAX_BLOCK) dividing both T and M
+    (None if none)."""
+    size = MAX_BLOCK if maximum is None else maximum
     while size >= minimum:
         if q_len % size == 0 and mem_len % size == 0:
             return size
@@ -528,7 +535,7 @@ def relative_attention(
       dropout_rate, dropout_rng: attention dropout, drawn by `dropout_keep` from a seed that
         `dropout_rng` gives (None or rate 0: no dropout).
       block: query and key block size (a power of two dividing T and M); default: the
-        largest up to 64 (at least 16 on a GPU, 8 interpreted).
+        largest up to MAX_BLOCK (at least 16 on a GPU, 8 interpreted).
       interpret: Pallas interpret mode; default: on unless JAX's backend is a GPU.
     Returns:
       [B, T, H, K] in qu's dtype: what `xl_jax.attention`'s XLA path gives with the same

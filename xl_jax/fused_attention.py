@@ -50,13 +50,25 @@ _MASK_VALUE = -0.7 * float(np.finfo(np.float32).max)
 # Triton's launch settings for the GPU kernels, and the largest block size tried (a benchmark
 # may set other values before tracing).
 TRITON_OPTIONS = {"num_warps": 4, "num_stages": 2}
+BACKWARD_TRITON_OPTIONS: dict = {}  # overrides of TRITON_OPTIONS for the backward kernels
 MAX_BLOCK = 64
+VOLATILE_SCRATCH = False  # read the scratch block with volatile loads on a GPU
 
 
-def _triton_params():
+def _triton_params(backward: bool = False):
     from jax.experimental.pallas import triton as plgpu
 
-    return plgpu.CompilerParams(**TRITON_OPTIONS)
+    options = {**TRITON_OPTIONS, **(BACKWARD_TRITON_OPTIONS if backward else {})}
+    return plgpu.CompilerParams(**options)
+
+
+def _gather(ref, rows, cols, interpret: bool):
+    """ref[rows, cols] with index arrays, from a block this program wrote."""
+    if VOLATILE_SCRATCH and not interpret:
+        from jax.experimental.pallas import triton as plgpu
+
+        return plgpu.load(ref.at[rows, cols], volatile=True)
+    return ref[rows, cols]
 
 
 def _barrier(interpret: bool) -> None:
@@ -154,7 +166,7 @@ class _Tile:
         b = jnp.arange(self.bk, dtype=jnp.int32)[None, :]
         # Row a of the tile holds distances for R rows c0 .. c0 + N - 1; key b of it needs row
         # c0 + (bq - 1 - a) + b: the rel-shift, as a gathered read.
-        shifted = scratch_ref[a, (self.bq - 1 - a) + b]  # [bq, bk]
+        shifted = _gather(scratch_ref, a, (self.bq - 1 - a) + b, self.interpret)  # [bq, bk]
         _barrier(self.interpret)
         s = (content + shifted) * self.scale
         mask = self.mask(i0 + a, j0 + b, kstart)
@@ -176,7 +188,8 @@ class _Tile:
         e = jnp.arange(self.n, dtype=jnp.int32)[None, :]
         src = e - (self.bq - 1 - a)
         inside = (src >= 0) & (src < self.bk)
-        out = jnp.where(inside, scratch_ref[a, jnp.clip(src, 0, self.bk - 1)], 0.0)
+        gathered = _gather(scratch_ref, a, jnp.clip(src, 0, self.bk - 1), self.interpret)
+        out = jnp.where(inside, gathered, 0.0)
         _barrier(self.interpret)
         return out
 
@@ -287,7 +300,14 @@ def _dq_kernel(
         ds_rows = tile.unskew(ds, scratch_ref)  # [bq, N]
         dqv = dqv + jnp.dot(ds_rows.astype(rs.dtype), rs, preferred_element_type=jnp.float32)
         dr = jnp.dot(ds_rows.T.astype(qv.dtype), qv, preferred_element_type=jnp.float32)
-        dr_ref[pl.ds(j0, tile.n), :] = dr_ref[pl.ds(j0, tile.n), :] + dr
+        rows = pl.ds(j0, tile.n)
+        if VOLATILE_SCRATCH and not tile.interpret:
+            from jax.experimental.pallas import triton as plgpu
+
+            previous = plgpu.load(dr_ref.at[rows, :], volatile=True)
+        else:
+            previous = dr_ref[rows, :]
+        dr_ref[rows, :] = previous + dr
         _barrier(tile.interpret)
         return dqu, dqv
 

@@ -48,8 +48,10 @@ _MASK_VALUE = -0.7 * float(np.finfo(np.float32).max)
 
 
 # Triton's launch settings for the GPU kernels, and the largest block size tried (a benchmark
-# may set other values before tracing).
-TRITON_OPTIONS = {"num_warps": 4, "num_stages": 2}
+# may set other values before tracing). One stage: Triton's software pipelining (num_stages 2)
+# gave wrong gradients on an H200 (benchmarks/h200_2026-11-28/), the reads of the scratch
+# block presumably issued ahead of the writes they must follow.
+TRITON_OPTIONS = {"num_warps": 4, "num_stages": 1}
 BACKWARD_TRITON_OPTIONS: dict = {}  # overrides of TRITON_OPTIONS for the backward kernels
 MAX_BLOCK = 64
 VOLATILE_SCRATCH = False  # read the scratch block with volatile loads on a GPU

@@ -244,7 +244,7 @@ def main(argv=None):
         variants, repeats, steps = [(16, 4, 2), (8, 4, 2)], 2, 2
     else:
         corr_shape, micro_shape = (2, 128, 128, 4, 64), (22, 512, 512, 8, 64)
-        variants = [(64, 4, 2), (64, 8, 2), (64, 4, 3), (32, 4, 2), (128, 8, 2)]
+        variants = [(64, 4, 1), (64, 8, 1), (32, 4, 1)]
         repeats, steps = 20, 10
     if "correct" in only:
         section("correct", a.out)(correct)(corr_shape, interpret)

@@ -131,15 +131,22 @@ def file_hashes(directory) -> dict[str, str]:
 # ---------------------------------------------------------------------------- compute dtypes
 
 
-def matmul_dtypes(fn, *args) -> list[tuple[str, str, str]]:
-    """(lhs, rhs, result) dtype names of every dot_general in the program fn(*args) traces,
-    scans, custom VJPs and nested jits included: which dtype a model really multiplies in."""
+def matmul_sites(fn, *args) -> list[tuple[str, str, str, str]]:
+    """(where, lhs, rhs, result dtype names) of every dot_general in the program fn(*args)
+    traces, scans, custom VJPs and nested jits included; `where` is the product's name stack
+    (Flax module path, then the einsum spec or module name, under `transpose(...)` or
+    `rematted_computation` in a backward pass): which dtype each product really multiplies in."""
     found = []
 
     def walk(jaxpr):
         for eqn in jaxpr.eqns:
             if eqn.primitive.name == "dot_general":
-                found.append(tuple(str(v.aval.dtype) for v in (*eqn.invars, eqn.outvars[0])))
+                found.append(
+                    (
+                        str(eqn.source_info.name_stack),
+                        *(str(v.aval.dtype) for v in (*eqn.invars, eqn.outvars[0])),
+                    )
+                )
             for param in eqn.params.values():
                 for sub in param if isinstance(param, (list, tuple)) else (param,):
                     if isinstance(sub, jax_core.ClosedJaxpr):
@@ -149,6 +156,12 @@ def matmul_dtypes(fn, *args) -> list[tuple[str, str, str]]:
 
     walk(jax.make_jaxpr(fn)(*args).jaxpr)
     return found
+
+
+def matmul_dtypes(fn, *args) -> list[tuple[str, str, str]]:
+    """(lhs, rhs, result) dtype names of every dot_general in the program fn(*args) traces
+    (`matmul_sites` without the names): which dtype a model really multiplies in."""
+    return [site[1:] for site in matmul_sites(fn, *args)]
 
 
 # ---------------------------------------------------------------------------- NumPy references

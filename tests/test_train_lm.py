@@ -302,6 +302,7 @@ def test_the_reported_perplexity_is_the_per_token_nll_of_the_saved_model(straigh
     assert math.isclose(math.exp(nll), final["test_ppl"], rel_tol=1e-5)
 
 
+@pytest.mark.slow
 def test_the_memory_carrying_evaluation_is_the_hand_carried_segment_loop():
     """evaluate_stream, which gives every validation and test figure of a run, against
     `segment_loop_nll`, on weights 10x their initial scale (std 0.2), where the memory moves the

@@ -131,15 +131,22 @@ def file_hashes(directory) -> dict[str, str]:
 # ---------------------------------------------------------------------------- compute dtypes
 
 
-def matmul_dtypes(fn, *args) -> list[tuple[str, str, str]]:
-    """(lhs, rhs, result) dtype names of every dot_general in the program fn(*args) traces,
-    scans, custom VJPs and nested jits included: which dtype a model really multiplies in."""
+def matmul_sites(fn, *args) -> list[tuple[str, str, str, str]]:
+    """(where, lhs, rhs, result dtype names) of every dot_general in the program fn(*args)
+    traces, scans, custom VJPs and nested jits included; `where` is the product's name stack
+    (Flax module path, then the einsum spec or module name, under `transpose(...)` or
+    `rematted_computation` in a backward pass): which dtype each product really multiplies in."""
     found = []
 
     def walk(jaxpr):
         for eqn in jaxpr.eqns:
             if eqn.primitive.name == "dot_general":
-                found.append(tuple(str(v.aval.dtype) for v in (*eqn.invars, eqn.outvars[0])))
+                found.append(
+                    (
+                        str(eqn.source_info.name_stack),
+                        *(str(v.aval.dtype) for v in (*eqn.invars, eqn.outvars[0])),
+                    )
+                )
             for param in eqn.params.values():
                 for sub in param if isinstance(param, (list, tuple)) else (param,):
                     if isinstance(sub, jax_core.ClosedJaxpr):
@@ -149,6 +156,12 @@ def matmul_dtypes(fn, *args) -> list[tuple[str, str, str]]:
 
     walk(jax.make_jaxpr(fn)(*args).jaxpr)
     return found
+
+
+def matmul_dtypes(fn, *args) -> list[tuple[str, str, str]]:
+    """(lhs, rhs, result) dtype names of every dot_general in the program fn(*args) traces
+    (`matmul_sites` without the names): which dtype a model really multiplies in."""
+    return [site[1:] for site in matmul_sites(fn, *args)]
 
 
 # ---------------------------------------------------------------------------- NumPy references
@@ -177,6 +190,27 @@ def np_multi_head_attention(xq, xkv, p, mask, n_heads):
             w = np.exp(scores - scores.max(-1, keepdims=True))
             out[b, :, cols] = (w / w.sum(-1, keepdims=True)) @ v[b, :, cols]
     return np_dense(out, p["out"])
+
+
+def teacher_forced_nll(model, params, pairs, model_config) -> tuple[float, int]:
+    """The per-token nll of a translation model on `pairs` ((source ids, target ids)) the
+    slow, obvious way -> (nll, target tokens): one sentence at a time (no padding), the
+    model's logits for <bos> + target, a plain log-softmax and each next token's entry, <eos>
+    included."""
+    # Compiled once per sentence shape: op by op, 16 shapes took minutes on two cores.
+    apply = jax.jit(
+        lambda src, tgt_in: model.apply({"params": params}, src, tgt_in, deterministic=True)
+    )
+    total, count = 0.0, 0
+    for src, tgt in pairs:
+        tgt_in = np.array([[model_config.bos_id, *tgt]])
+        tgt_out = np.array([[*tgt, model_config.eos_id]])
+        logits = np.asarray(apply(np.array([src]), tgt_in), np.float64)  # [1, T, V]
+        logp = logits - logits.max(-1, keepdims=True)
+        logp -= np.log(np.exp(logp).sum(-1, keepdims=True))
+        total -= np.take_along_axis(logp, tgt_out[..., None], -1).sum()
+        count += tgt_out.size
+    return total / count, count
 
 
 # ---------------------------------------------------------------------------- PyTorch models

@@ -4,13 +4,17 @@ Adam's moments and the carried state left as orbax placeholders (never built, ne
 
 from __future__ import annotations
 
+import math
+
 import jax
 import numpy as np
 import orbax.checkpoint as ocp
 import pytest
+from helpers import teacher_forced_nll
 
 from train import translate
 from train.core.checkpoint import Checkpoints
+from train.core.metrics import read_metrics
 from train.core.parallel import DataParallel
 from train.core.task import eval_params, init_state, restore_for_inference
 from transformer_jax.optim import find_params_ema, make_optimizer
@@ -73,3 +77,22 @@ def test_inference_restores_the_params_and_the_ema_only(trained):
     n_params = len(jax.tree.leaves(state.params))
     assert len(skipped) >= 2 * n_params
     assert len(kept) - len(skipped) == len(jax.tree.leaves(ema))
+
+
+@pytest.mark.slow
+def test_validation_during_training_scores_the_ema(trained):
+    # The validation figures logged in training (their loss ranks the checkpoints, and so
+    # picks the one --translate decodes with) are the EMA's, recomputed independently from
+    # the saved average; the raw parameters' are far from them (their nll is lower here).
+    config, workdir = trained
+    _, model, state, _ = restore_for_inference(translate.TASK, workdir)
+    (logged,) = [r for r in read_metrics(workdir) if r["split"] == "validation"]
+    assert logged["step"] == int(state.step) == 3
+    tokenizer = translate.load_tokenizer(config, workdir)
+    pairs = translate.load_split(config, tokenizer, "validation").pairs
+    nll = {
+        which: teacher_forced_nll(model, jax.device_get(params), pairs, config.model_config)[0]
+        for which, params in (("ema", find_params_ema(state.opt_state)), ("raw", state.params))
+    }
+    assert math.isclose(logged["nll"], nll["ema"], rel_tol=1e-5), (logged, nll)
+    assert not math.isclose(logged["nll"], nll["raw"], rel_tol=1e-2), (logged, nll)

@@ -285,6 +285,20 @@ def test_the_lm_stream_cache_equals_the_in_memory_stream(text, level, tmp_path):
     assert {e: mtimes(tmp_path / e) for e in os.listdir(tmp_path)} == before
 
 
+def test_a_vocabulary_past_65536_words_round_trips_through_the_cache(tmp_path):
+    # WikiText-103 has 267,735 words: ids past 65,535 do not fit uint16, and must come back
+    # from the cache exactly as encoded.
+    words = [f"v{i}" for i in range(70_000)]
+    lines = [" ".join(words[i : i + 100]) for i in range(0, len(words), 100)]
+    train = write_lines(tmp_path / "train.txt", lines)
+    config = lm.make_config("text", "tiny", train_text=train, valid_text=train)
+    assert config.model_config.vocab_size == 70_002  # and <eos>, <unk>
+    memory = lm.load_stream(config, "train")
+    cached = lm.load_stream(config, "train", cache_dir=str(tmp_path / "cache"))
+    assert len(memory) == 70_000 + len(lines) and memory.max() == 70_001
+    assert cached.dtype == np.int32 and np.array_equal(cached, memory)
+
+
 def test_a_process_share_of_the_cached_lm_batches_is_its_rows(text, tmp_path):
     config = lm.make_config("text", "tiny", train_text=text[0], valid_text=text[1])
     cached = lm.load_stream(config, "train", cache_dir=str(tmp_path))

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import os
 import signal
+import types
 
 import chex
 import jax
@@ -18,6 +19,8 @@ import optax
 import pytest
 from helpers import file_hashes, train_losses
 
+from train import lm
+from train.core import loop
 from train.core.checkpoint import CheckpointError, Checkpoints
 from train.core.loop import LoopConfig, StopFlag, TrainingDiverged, stop_on_sigterm, train_loop
 from train.core.metrics import MetricsWriter, read_metrics
@@ -61,9 +64,20 @@ def toy_eval(state: TrainState) -> dict[str, float]:
 
 
 def run(
-    workdir, *, steps, nan_at=None, eval_every=0, checkpoint_every=0, keep=3, stop=None, on_log=None
+    workdir,
+    *,
+    steps,
+    nan_at=None,
+    eval_every=0,
+    checkpoint_every=0,
+    keep=3,
+    stop=None,
+    on_log=None,
+    deadline=None,
+    batches=batches_from,
 ):
-    """Init or resume from `workdir`, train to `steps`; returns (LoopResult, Checkpoints)."""
+    """Init or resume from `workdir`, train to `steps` (or the `deadline`); returns
+    (LoopResult, Checkpoints). batches: (start step, nan_at) -> the batch stream."""
     dp = DataParallel("jit")
     tx = optax.sgd(0.1)
     init = TrainState.create(
@@ -81,9 +95,10 @@ def run(
         state,
         dp=dp,
         train_step=step_fn,
-        batches=batches_from(start, nan_at),
+        batches=batches(start, nan_at),
         config=LoopConfig(
             steps=steps,
+            deadline=deadline,
             log_every=1,
             eval_every=eval_every,
             checkpoint_every=checkpoint_every,
@@ -157,6 +172,9 @@ def test_nan_stops_with_a_message_and_keeps_the_last_good_checkpoint(tmp_path):
         run(tmp_path, steps=10, nan_at=4, checkpoint_every=2)  # batch 4 is used by step 5
     ckpt = Checkpoints(str(tmp_path))
     assert ckpt.latest_step() == 4
+    # --minutes sets that deadline, counted from the run's start.
+    minutes = lm.make_config("ptb", "tiny", minutes=2.0)
+    assert LoopConfig.from_run(minutes, start=100.0).deadline == 220.0
     restored, _ = ckpt.restore(
         DataParallel("jit").put_state(
             TrainState.create(
@@ -212,3 +230,25 @@ def test_stop_flag_by_hand_before_any_step_still_runs_one_step(tmp_path):
     flag()
     result, ckpt = run(tmp_path, steps=5, stop=flag)
     assert result.reason == "sigterm" and ckpt.latest_step() == 1
+
+
+def test_a_time_budget_spent_after_some_steps_stops_the_run_after_that_step(tmp_path, monkeypatch):
+    # The loop's clock, moved on one second by each batch drawn (one a step): steps that take
+    # time, deterministically. A budget of 3.5 s runs out during step 4, long before step 10.
+    clock = [0.0]
+    monkeypatch.setattr(loop, "time", types.SimpleNamespace(monotonic=lambda: clock[0]))
+
+    def timed_batches(start, nan_at):
+        for batch in batches_from(start, nan_at):
+            clock[0] += 1.0
+            yield batch
+
+    result, ckpt = run(tmp_path, steps=10, deadline=3.5, batches=timed_batches)
+    assert result.reason == "time" and int(result.state.step) == 4
+    # Step 4 is logged, validated and saved as any last step.
+    assert [s for s, _ in train_losses(tmp_path)] == [1, 2, 3, 4]
+    assert [r["step"] for r in read_metrics(str(tmp_path)) if r["split"] == "validation"] == [4]
+    assert ckpt.latest_step() == 4
+    # --minutes sets that deadline, counted from the run's start.
+    minutes = lm.make_config("ptb", "tiny", minutes=2.0)
+    assert LoopConfig.from_run(minutes, start=100.0).deadline == 220.0

@@ -9,9 +9,13 @@ import flax
 import jax
 import jax.numpy as jnp
 import numpy as np
+import optax
 import pytest
-from helpers import needs_gpu
+from helpers import matmul_sites, needs_gpu
 
+from train.core.state import TrainState
+from train.core.step import make_train_step
+from train.lm.task import make_loss_fn
 from xl_jax import TransformerXL, TransformerXLConfig, init_memory, update_memory
 
 
@@ -227,6 +231,58 @@ def test_float64_under_x64():
         )
         # The float64 probabilities are normalised to float64 precision.
         np.testing.assert_allclose(np.exp(np.asarray(out64)).sum(-1), 1.0, atol=1e-12)
+
+
+# The float32 products of the bf16 policy, by name (the last part of a product's name stack):
+# the attention scores, (a)+(c) in the shared core and (b)+(d) here, and the output logits
+# with their two gradient products accumulate in float32 from bf16 operands; in the backward
+# pass the scores' float32 cotangent is the one float32 operand of their gradient products.
+XL_SCORES = ("bthk,bshk->bhts", "bthk,shk->bhts")
+XL_LOGITS = ("...d,vd->...v", "...v,vd->...d", "...d,...v->dv")
+BF16, F32 = "bfloat16", "float32"
+
+
+def _xl_allowed_dtypes(where: str) -> set[tuple[str, str, str]]:
+    """(lhs, rhs, result) dtypes the bf16 policy allows the product named `where`."""
+    name = where.rsplit("/", 1)[-1]
+    if name in XL_SCORES:
+        return {(BF16, BF16, F32), (F32, BF16, F32)}
+    if name in XL_LOGITS:
+        return {(BF16, BF16, F32)}
+    return {(BF16, BF16, BF16)}
+
+
+@pytest.mark.slow
+def test_bfloat16_multiplies_every_product_in_bf16_but_the_float32_scores_and_logits():
+    # As the Transformer's test: closeness to float32 would also pass a model that computed a
+    # product (one feed-forward layer, say) in float32. Every product of the bf16 forward pass
+    # and of its whole training step (the LM's loss, gradients, optimizer) takes bf16
+    # operands, apart from the named ones above, and there are as many as in float32.
+    cfg32 = TransformerXLConfig.tiny()
+    _, params, tokens = _setup(cfg32, length=9)
+    batch = {"inputs": tokens[:, :8], "targets": tokens[:, 1:]}
+
+    def programs(cfg):
+        model = TransformerXL(cfg)
+        memory = init_memory(cfg, 2)
+
+        def forward(p):
+            return model.apply({"params": p}, batch["inputs"], memory, targets=batch["targets"])
+
+        state = TrainState.create(
+            params=params, tx=optax.adam(1e-3), rng=jax.random.key(0), extra=memory
+        )
+        step = make_train_step(make_loss_fn(model))
+        return matmul_sites(forward, params), matmul_sites(step, state, batch)
+
+    full, half = programs(cfg32), programs(cfg32.replace(dtype="bfloat16"))
+    for full_sites, half_sites in zip(full, half):
+        assert {s[1:3] for s in full_sites} == {(F32, F32)}
+        assert len(half_sites) == len(full_sites)
+        assert [s for s in half_sites if tuple(s[1:]) not in _xl_allowed_dtypes(s[0])] == []
+    # The exceptions name real products (a renamed one would silently allow nothing).
+    names = {s[0].rsplit("/", 1)[-1] for s in half[1]}
+    assert set(XL_SCORES) | set(XL_LOGITS) <= names
 
 
 @pytest.mark.parametrize(

@@ -139,7 +139,10 @@ def test_the_decoding_modes_take_the_decoding_flags():
         (["--greedy", "--length_penalty", "1.0"], "length_penalty, greedy"),
         (["--decode_margin", "3", "--max_output_len", "9"], "decode_margin, max_output_len"),
         (["--max_output_len", "0"], "max_output_len: expected an integer >= 1"),
-        (["--pretrained", "P"], "--translate takes --workdir (a trained run) or --pretrained"),
+        (
+            ["--pretrained", "P"],
+            "--translate needs --workdir (a trained run) or --pretrained, not both",
+        ),
         (["--eval"], "--translate/--translate_file and --eval: one mode at a time"),
     ],
 )

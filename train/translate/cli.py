@@ -186,11 +186,12 @@ def check_modes(parser: argparse.ArgumentParser, args: argparse.Namespace) -> st
     if mode == EVAL and not pretrained:
         parser.error("--eval needs --pretrained (a trained run is evaluated when it ends)")
     if mode in (TRANSLATE, EXPORT):
-        named = " and ".join(f"--{d}" for d in MODE_FLAGS[mode] if d in given)
+        named = [f"--{d}" for d in MODE_FLAGS[mode] if d in given]
+        subject = " and ".join(named) + (" need" if len(named) > 1 else " needs")
         if not (args.workdir or pretrained):
-            parser.error(f"{named} needs --workdir (a trained run) or --pretrained")
+            parser.error(f"{subject} --workdir (a trained run) or --pretrained")
         if args.workdir and pretrained:
-            parser.error(f"{named} takes --workdir (a trained run) or --pretrained, not both")
+            parser.error(f"{subject} --workdir (a trained run) or --pretrained, not both")
     cli.refuse_unused(parser, args, mode, modes())
     if args.ct2_quantization and not args.export_ct2:
         parser.error("--ct2_quantization goes with --export_ct2")

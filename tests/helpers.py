@@ -374,6 +374,34 @@ def save_tokenizer(folder, *, separate=False):
     return hf
 
 
+# ---------------------------------------------------------------------------- decoding
+def record_searches(monkeypatch) -> list[dict]:
+    """Puts stand-ins for transformer_jax.decode's beam_search and greedy_decode, which note
+    what reaches them and return outputs that end at once (EOS only), so a test sees the
+    search's arguments without compiling one -> the list of calls: each the search ('beam' or
+    'greedy'), its keyword arguments, and the source's rows and padded length."""
+    from transformer_jax import decode  # lazy, as the other helpers' imports
+
+    calls: list[dict] = []
+
+    def ended(model, rows: int, max_len: int) -> np.ndarray:
+        return np.full((rows, max_len), model.config.eos_id, np.int32)  # [N, O]
+
+    def beam_search(model, params, src, **kwargs):
+        rows, length = src.shape
+        calls.append(dict(kwargs, search="beam", rows=rows, src_len=length))
+        return ended(model, rows, kwargs["max_len"])[:, None], np.zeros((rows, 1), np.float32)
+
+    def greedy_decode(model, params, src, *, max_len):
+        rows, length = src.shape
+        calls.append(dict(search="greedy", max_len=max_len, rows=rows, src_len=length))
+        return ended(model, rows, max_len)
+
+    monkeypatch.setattr(decode, "beam_search", beam_search)
+    monkeypatch.setattr(decode, "greedy_decode", greedy_decode)
+    return calls
+
+
 # ---------------------------------------------------------------------------- subprocesses
 # Every wait on a subprocess has a deadline that applies whether or not the process prints, and
 # a process is killed and reaped when its `with` block ends: a thread reads its output line by

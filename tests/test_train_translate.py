@@ -22,6 +22,7 @@ from helpers import (
     REPO,
     Running,
     file_hashes,
+    record_searches,
     subprocess_xla_flags,
     teacher_forced_nll,
     train_losses,
@@ -306,6 +307,68 @@ def test_translate_text_decodes_with_the_int8_model_when_asked(straight):
     assert out == translate.translate_pairs(qmodel, qparams, dp, config, tokenizer, pairs)
     with pytest.raises(ValueError, match="quantize"):
         translate.translate_text(str(workdir), sentences, quantize="int4")
+
+
+@pytest.mark.slow
+def test_decoding_flags_reach_the_search_from_a_work_directory(straight, monkeypatch, capsys):
+    """Issue 48: `--workdir W --translate ... --beam_size 1 --length_penalty 2.0` searched
+    with the run's own beam and penalty. Each decoding flag now reaches the search; without
+    them the run's saved settings apply."""
+    from train.translate.cli import main
+
+    config, workdir, _ = straight
+    calls = record_searches(monkeypatch)
+
+    def searched(*flags) -> dict:
+        calls.clear()
+        assert main(["--workdir", str(workdir), "--translate", "Ein Mann.", *flags]) == 0
+        (call,) = calls  # one sentence, one batch
+        return call
+
+    call = searched()  # the run's own: beam 2 (tiny_config), penalty 0.6, margin 8 (tiny)
+    assert (call["search"], call["beam_size"], call["length_penalty"]) == (
+        "beam",
+        config.beam_size,
+        config.length_penalty,
+    )
+    assert call["max_len"] == call["src_len"] + config.decode_margin
+    assert call["rows"] == config.eval_batch_size
+    call = searched("--beam_size", "1", "--length_penalty", "2.0")
+    assert (call["search"], call["beam_size"], call["length_penalty"]) == ("beam", 1, 2.0)
+    call = searched("--greedy")
+    assert (call["search"], call["max_len"]) == ("greedy", call["src_len"] + config.decode_margin)
+    call = searched("--max_output_len", "5")
+    assert (call["beam_size"], call["max_len"]) == (config.beam_size, 5)
+    call = searched("--decode_margin", "3", "--eval_batch_size", "8")
+    assert (call["max_len"], call["rows"]) == (call["src_len"] + 3, 8)
+    assert config.decode_margin != 3 and config.eval_batch_size != 8
+    capsys.readouterr()
+
+
+@pytest.mark.slow
+def test_greedy_from_a_work_directory_is_the_search_of_one_beam(straight, capsys):
+    """--greedy --max_output_len N on a trained run: the library's greedy decoding of each
+    sentence alone with N output positions, and the same lines as --beam_size 1."""
+    from train.translate.cli import main
+
+    _, workdir, _ = straight
+    sentences = ["Ein Mann fährt Fahrrad.", "Zwei Hunde spielen im Schnee."]
+    argv = ["--workdir", str(workdir), "--translate", *sentences, "--max_output_len", "4"]
+    assert main([*argv, "--greedy"]) == 0
+    greedy = capsys.readouterr().out.splitlines()
+    assert main([*argv, "--beam_size", "1"]) == 0
+    assert capsys.readouterr().out.splitlines() == greedy
+    config, model, params, _ = params_for_inference(translate.TASK, str(workdir))
+    tokenizer = translate.load_tokenizer(config, str(workdir))
+    alone = [
+        tokenizer.decode(
+            np.asarray(decode.greedy_decode(model, params, np.array([ids]), max_len=4))[0]
+        )
+        for ids in translate.encode_source(tokenizer, sentences)
+    ]
+    assert greedy == alone
+    # The run's own search (beam 2, outputs up to the bucket + 8) says something else.
+    assert translate.translate_text(str(workdir), sentences) != greedy
 
 
 def test_quantize_goes_with_decoding_only(capsys):

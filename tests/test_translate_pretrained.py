@@ -15,12 +15,13 @@ import sacrebleu
 pytest.importorskip("transformers")
 pytest.importorskip("torch")
 
-from helpers import SOURCE_TEXT, save_marian, save_tokenizer  # noqa: E402
+from helpers import SOURCE_TEXT, record_searches, save_marian, save_tokenizer  # noqa: E402
 
 from train.data.datasets import load_multi30k  # noqa: E402
 from train.translate import cli  # noqa: E402
 from train.translate.pretrained import Pretrained, evaluate_pretrained  # noqa: E402
 from transformer_jax import beam_search, greedy_decode, load_marian  # noqa: E402
+from transformer_jax.marian import marian_generation_defaults  # noqa: E402
 
 
 @pytest.fixture(scope="module")
@@ -33,7 +34,7 @@ def folder(tmp_path_factory):
 
 def test_batched_translation_equals_one_sentence_at_a_time(folder):
     sentences = list(SOURCE_TEXT[:5])
-    pretrained = Pretrained(str(folder), greedy=True, batch_size=2)
+    pretrained = Pretrained(str(folder), greedy=True, eval_batch_size=2)
     batched = pretrained.translate(sentences)
     settings = pretrained.settings
     model, params, tokenizer = load_marian(folder)
@@ -117,6 +118,47 @@ def test_the_command_line_translates_a_file_and_scores_multi30k(folder, tmp_path
         == 0
     )
     assert "test_2016_flickr: BLEU" in capsys.readouterr().out
+
+
+def test_decoding_flags_reach_the_search_from_a_folder(folder, monkeypatch, capsys):
+    """Each decoding flag of --translate reaches the search; without them the folder's
+    generation defaults apply (issue 48)."""
+    calls = record_searches(monkeypatch)
+    shipped = marian_generation_defaults(folder)
+    margin = Pretrained(str(folder)).settings.decode_margin
+
+    def searched(*flags) -> dict:
+        calls.clear()
+        assert cli.main(["--pretrained", str(folder), "--translate", "Hallo.", *flags]) == 0
+        (call,) = calls  # one sentence, one batch
+        return call
+
+    call = searched()
+    assert (call["search"], call["beam_size"], call["length_penalty"]) == (
+        "beam",
+        shipped.beam_size,
+        0.6,
+    )
+    assert call["max_len"] == call["src_len"] + margin and call["rows"] == 64
+    call = searched("--beam_size", "3", "--length_penalty", "2.0", "--eval_batch_size", "8")
+    assert (call["beam_size"], call["length_penalty"], call["rows"]) == (3, 2.0, 8)
+    call = searched("--greedy", "--max_output_len", "5")
+    assert (call["search"], call["max_len"]) == ("greedy", 5)
+    call = searched("--decode_margin", "3")
+    assert call["max_len"] == call["src_len"] + 3 != call["src_len"] + margin
+    # --eval hands the same flags to the folder's evaluation.
+    asked = []
+
+    def evaluate(folder, **kwargs):
+        asked.append(kwargs)
+        return dict(split="test", bleu=0.0, sentences=0, seconds=0.0, hypotheses=[])
+
+    monkeypatch.setattr(cli, "evaluate_pretrained", evaluate)
+    flags = ["--greedy", "--max_output_len", "5", "--eval_batch_size", "8"]
+    assert cli.main(["--pretrained", str(folder), "--eval", *flags]) == 0
+    assert asked[0]["greedy"] and asked[0]["max_output_len"] == 5
+    assert asked[0]["eval_batch_size"] == 8
+    capsys.readouterr()
 
 
 def test_a_folder_without_tokenizer_cannot_translate(tmp_path):

@@ -103,10 +103,13 @@ def add_dataclass_flags(
     prefix: str = "",
     exclude: Iterable[str] = (),
     group_title: str | None = None,
+    helps: Mapping[str, str] | None = None,
 ) -> None:
-    """Adds `--{prefix}{field}` for each field of `cls` (not given -> absent from the args)."""
+    """Adds `--{prefix}{field}` for each field of `cls` (not given -> absent from the args);
+    `helps` gives some fields a sentence of help after their type."""
     target = parser.add_argument_group(group_title) if group_title else parser
     exclude = set(exclude)
+    helps = helps or {}
     for name, hint in field_hints(cls).items():
         if name in exclude:
             continue
@@ -116,7 +119,7 @@ def add_dataclass_flags(
             type=converter(hint),
             default=argparse.SUPPRESS,
             metavar=name.upper(),
-            help=f"({_hint_name(hint)})",
+            help=" ".join(filter(None, (f"({_hint_name(hint)})", helps.get(name)))),
         )
 
 
@@ -171,10 +174,13 @@ def _convert(hint: Any, text: str, flag: str) -> Any:
 
 
 # ------------------------------------------------------------------- entry-point flow
-def task_parser(task: Task, *, description: str) -> argparse.ArgumentParser:
+def task_parser(
+    task: Task, *, description: str, helps: Mapping[str, str] | None = None
+) -> argparse.ArgumentParser:
     """The parser of `task`'s entry point: --workdir, --<choice_flag> (model or dataset),
-    --preset, --dtype, --set, one flag per run field, `--model.FIELD` for every field of any
-    of the task's model configs (text, typed by `resolve`), and the per-process flags."""
+    --preset, --dtype, --set, one flag per run field (`helps`: the help of some), `--model.FIELD`
+    for every field of any of the task's model configs (text, typed by `resolve`), and the
+    per-process flags (`training_flags` names them all but the last)."""
     parser = argparse.ArgumentParser(
         prog=f"python -m train.{task.name}",
         description=description,
@@ -212,11 +218,9 @@ def task_parser(task: Task, *, description: str) -> argparse.ArgumentParser:
         task.config_cls,
         exclude=(task.choice_flag, "preset", "model_config"),
         group_title="run",
+        helps=helps,
     )
-    model_fields: dict[str, Any] = {}
-    for choice in task.choices():
-        for name, hint in field_hints(task.model_config_cls(choice)).items():
-            model_fields.setdefault(name, hint)
+    model_fields = _model_fields(task)
     group = parser.add_argument_group(
         f"model (fields of the chosen --{task.choice_flag}'s model config)"
     )
@@ -230,6 +234,24 @@ def task_parser(task: Task, *, description: str) -> argparse.ArgumentParser:
         )
     add_distributed_flags(parser)
     return parser
+
+
+def _model_fields(task: Task) -> dict[str, Any]:
+    """Every field of any of the task's model configs -> its type hint (the first seen)."""
+    fields: dict[str, Any] = {}
+    for choice in task.choices():
+        for name, hint in field_hints(task.model_config_cls(choice)).items():
+            fields.setdefault(name, hint)
+    return fields
+
+
+def training_flags(task: Task) -> frozenset[str]:
+    """The flags (argparse dests) of `task_parser` that make or resume a run: --workdir, the
+    choice flag, --preset, --dtype, --set, every run field and `model.FIELD`; the per-process
+    flags aside (PER_PROCESS, which every mode takes)."""
+    run = set(field_hints(task.config_cls)) - {"model_config"}
+    model = {f"{MODEL_PREFIX}{name}" for name in _model_fields(task)}
+    return frozenset({"workdir", task.choice_flag, "preset", "dtype", "set", *run, *model})
 
 
 def choice_type(choices: Sequence[str]) -> Callable[[str], str]:
@@ -272,6 +294,35 @@ def add_distributed_flags(parser: argparse.ArgumentParser) -> None:
         default=None,
         help="this process's id, 0..N-1 (default: $JAX_PROCESS_ID or the cluster's)",
     )
+
+
+# The flags that say how one process joins a multi-process command: every mode takes them.
+PER_PROCESS = frozenset({"distributed", "coordinator_address", "num_processes", "process_id"})
+
+
+def given_flags(parser: argparse.ArgumentParser, args: argparse.Namespace) -> list[str]:
+    """The dests of the flags given on the command line: those that are in `args` with a value
+    other than their default (a flag whose default is argparse.SUPPRESS: any value). A flag
+    whose default is a real value cannot be told from its absence when given that value, so
+    the flags `refuse_unused` checks default to None, False, [] or SUPPRESS."""
+    return [dest for dest, value in vars(args).items() if value != parser.get_default(dest)]
+
+
+def refuse_unused(
+    parser: argparse.ArgumentParser,
+    args: argparse.Namespace,
+    mode: str,
+    modes: Mapping[str, Iterable[str]],
+) -> None:
+    """A usage error (exit 2) naming the first given flag that `mode` does not take, so no
+    flag is silently ignored. `modes` maps each mode's name, as a message says it ('training',
+    '--translate'), to the dests of the flags it takes; every mode takes PER_PROCESS."""
+    for dest in given_flags(parser, args):
+        if dest in PER_PROCESS or dest in modes[mode]:
+            continue
+        others = [name for name, takes in modes.items() if dest in takes] or ["no mode"]
+        where = " or ".join(filter(None, (", ".join(others[:-1]), others[-1])))
+        parser.error(f"--{dest} goes with {where}, not with {mode}")
 
 
 def start(args: argparse.Namespace) -> dict[str, Any] | None:

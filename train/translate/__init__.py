@@ -17,7 +17,13 @@ from train.core.task import train_and_evaluate as _run
 from train.translate import registry
 from train.translate.cli import config_from_args
 from train.translate.config import PRESETS, SPLITS, TranslateConfig, make_config
-from train.translate.evaluate import bleu, teacher_forced, translate_pairs, write_translations
+from train.translate.evaluate import (
+    DecodeOptions,
+    bleu,
+    teacher_forced,
+    translate_pairs,
+    write_translations,
+)
 from train.translate.infer import translate_text
 from train.translate.task import (
     TASK,
@@ -42,6 +48,7 @@ def build_model(config: TranslateConfig):
 
 
 __all__ = [
+    "DecodeOptions",
     "PRESETS",
     "SPLITS",
     "Split",

@@ -11,7 +11,7 @@ import jax
 from train.core import cli
 from train.core.task import train_and_evaluate
 from train.translate.config import TranslateConfig
-from train.translate.evaluate import write_lines
+from train.translate.evaluate import DecodeOptions, write_lines
 from train.translate.export import export_ct2, export_marian, load_exportable
 from train.translate.infer import translate_text
 from train.translate.pretrained import Pretrained, evaluate_pretrained
@@ -43,16 +43,74 @@ target.spm, vocab.json). With --translate, --translate_file or --eval it decodes
 is fine-tuned (preset 'finetune': Adam at a constant 5e-5 after a 200-step warm-up), with its
 own tokenizer, and scored before the first step and at the end.
 
+Modes and the flags each takes (any other flag given is an error; every mode takes
+--distributed, --coordinator_address, --num_processes, --process_id):
+  training, resume     every run and model flag (--steps, --beam_size, --model.d_model, --set)
+  --translate SENTENCE.., --translate_file PATH     with --workdir W or --pretrained DIR:
+                       --output, --quantize, and the decoding flags --beam_size, --greedy,
+                       --length_penalty, --decode_margin, --max_output_len, --eval_batch_size
+  --eval               with --pretrained DIR: the same, and --test_split, --eval_sentences,
+                       --data_dir
+  --export_marian DIR, --export_ct2 DIR      with --workdir W or --pretrained DIR:
+                       --ct2_quantization (with --export_ct2)
+A decoding flag not given keeps the run's own setting (W/config.json), or the folder's
+(num_beams; a margin of half its max_length, at most 64; penalty 0.6; 64 sentences a batch).
+Outputs are at most the source's padded length + decode_margin pieces, or --max_output_len.
+
 Evaluation: teacher-forced loss and perplexity on validation and test, then sacreBLEU (cased,
 13a tokenization, on detokenized text) and chrF of beam-search output on each test set,
 written to W/translations/.
 """
 
 
+# The help of the run fields that decoding takes too (the modes above).
+DECODING_HELP = {
+    "beam_size": "beams of the search (in training, of its test evaluation); decoding "
+    "default: the run's own, or the folder's num_beams",
+    "length_penalty": "the search's GNMT length penalty alpha; decoding default: the run's "
+    "own, or 0.6",
+    "decode_margin": "outputs are at most the source's padded length + this many pieces; "
+    "decoding default: the run's own, or half the folder's max_length, at most 64",
+    "eval_batch_size": "sentences decoded together; decoding default: the run's own, or 64",
+}
+# What each mode takes besides cli.PER_PROCESS (argparse dests), and the flags that choose
+# it; without any of those the command trains (or resumes --workdir).
+DECODING = (
+    "beam_size",
+    "length_penalty",
+    "greedy",
+    "decode_margin",
+    "max_output_len",
+    "eval_batch_size",
+    "quantize",
+    "output",
+)
+TRAINING, TRANSLATE, EVAL = "training", "--translate/--translate_file", "--eval"
+EXPORT = "--export_marian/--export_ct2"
+MODE_FLAGS = {
+    TRANSLATE: ("translate", "translate_file"),
+    EVAL: ("eval",),
+    EXPORT: ("export_marian", "export_ct2"),
+}
+ONE_MODEL = ("workdir", "pretrained")  # a decoding or export mode takes one of them
+
+
+def modes() -> dict[str, frozenset[str]]:
+    """Each mode's name -> the flags (argparse dests) it takes, besides cli.PER_PROCESS."""
+    return {
+        TRAINING: cli.training_flags(TASK),
+        TRANSLATE: frozenset({*MODE_FLAGS[TRANSLATE], *ONE_MODEL, *DECODING}),
+        EVAL: frozenset(
+            {*MODE_FLAGS[EVAL], "pretrained", "test_split", "eval_sentences", "data_dir", *DECODING}
+        ),
+        EXPORT: frozenset({*MODE_FLAGS[EXPORT], *ONE_MODEL, "ct2_quantization"}),
+    }
+
+
 def make_parser() -> argparse.ArgumentParser:
     """Every flag of `python -m train.translate` (building it reads no file and starts
     nothing)."""
-    parser = cli.task_parser(TASK, description=DESCRIPTION)
+    parser = cli.task_parser(TASK, description=DESCRIPTION, helps=DECODING_HELP)
     parser.add_argument(
         "--translate",
         nargs="+",
@@ -79,6 +137,20 @@ def make_parser() -> argparse.ArgumentParser:
         help="with --translate, --translate_file or --eval: decode with int8 weights "
         "(transformer_jax.quantize)",
     )
+    parser.add_argument(
+        "--greedy",
+        action="store_true",
+        help="with --translate, --translate_file or --eval: greedy decoding (equal to the "
+        "search of one beam) instead of the beam search",
+    )
+    parser.add_argument(
+        "--max_output_len",
+        type=int,
+        default=None,
+        metavar="N",
+        help="with --translate, --translate_file or --eval: outputs of at most N pieces for "
+        "every sentence (default: the source's padded length + decode_margin)",
+    )
     group = parser.add_argument_group("export (a trained --workdir, or --pretrained)")
     group.add_argument(
         "--export_marian",
@@ -101,25 +173,41 @@ def make_parser() -> argparse.ArgumentParser:
     return parser
 
 
-def check_modes(parser: argparse.ArgumentParser, args: argparse.Namespace) -> None:
-    """The flags that choose what the command does must go together (usage errors)."""
-    inference = bool(args.translate or args.translate_file)
+def check_modes(parser: argparse.ArgumentParser, args: argparse.Namespace) -> str:
+    """The mode the flags ask for -> its name (a key of `modes()`). A usage error (exit 2)
+    when they ask for two, when its model is missing, or when a flag given is one the mode
+    does not take: no flag is silently ignored."""
+    given = set(cli.given_flags(parser, args))
+    chosen = [name for name, flags in MODE_FLAGS.items() if given & set(flags)]
+    if len(chosen) > 1:
+        parser.error(f"{chosen[0]} and {chosen[1]}: one mode at a time (each runs and exits)")
+    mode = chosen[0] if chosen else TRAINING
     pretrained = getattr(args, "pretrained", None)
-    if args.eval and not pretrained:
+    if mode == EVAL and not pretrained:
         parser.error("--eval needs --pretrained (a trained run is evaluated when it ends)")
-    if inference and not (args.workdir or pretrained):
-        parser.error("--translate needs --workdir (a trained run) or --pretrained")
-    export = bool(args.export_marian or args.export_ct2)
-    if export and not (args.workdir or pretrained):
-        parser.error(
-            "--export_marian and --export_ct2 need --workdir (a trained run) or --pretrained"
-        )
-    if export and (inference or args.eval):
-        parser.error("--export_marian / --export_ct2 export and exit: run --translate on its own")
+    if mode in (TRANSLATE, EXPORT):
+        named = [f"--{d}" for d in MODE_FLAGS[mode] if d in given]
+        subject = " and ".join(named) + (" need" if len(named) > 1 else " needs")
+        if not (args.workdir or pretrained):
+            parser.error(f"{subject} --workdir (a trained run) or --pretrained")
+        if args.workdir and pretrained:
+            parser.error(f"{subject} --workdir (a trained run) or --pretrained, not both")
+    cli.refuse_unused(parser, args, mode, modes())
     if args.ct2_quantization and not args.export_ct2:
         parser.error("--ct2_quantization goes with --export_ct2")
-    if args.quantize and not (inference or args.eval):
-        parser.error("--quantize goes with --translate, --translate_file or --eval")
+    try:
+        DecodeOptions(**decode_options(args))
+    except ValueError as e:
+        parser.error(str(e))
+    return mode
+
+
+def decode_options(args: argparse.Namespace) -> dict:
+    """The decoding flags given -> `DecodeOptions` fields (the others keep the run's or the
+    folder's settings)."""
+    names = ("beam_size", "length_penalty", "decode_margin", "max_output_len", "eval_batch_size")
+    options = {name: getattr(args, name) for name in names if getattr(args, name, None) is not None}
+    return {**options, "greedy": True} if args.greedy else options
 
 
 def config_from_args(argv: Sequence[str] | None) -> tuple[TranslateConfig, str, argparse.Namespace]:
@@ -179,18 +267,17 @@ def _export(args: argparse.Namespace, pretrained: str | None) -> int:
 
 
 def _run(parser: argparse.ArgumentParser, args: argparse.Namespace) -> int:
-    check_modes(parser, args)
+    mode = check_modes(parser, args)
     saved = cli.start(args)
     pretrained = getattr(args, "pretrained", None)
-    if pretrained and args.eval:
+    if mode == EVAL:
         result = evaluate_pretrained(
             pretrained,
             split=_given(args, "test_split"),
             data_dir=_given(args, "data_dir"),
             sentences=_given(args, "eval_sentences"),
-            # None: the checkpoint's own generation default
-            beam_size=getattr(args, "beam_size", None),
             quantize=args.quantize,
+            **decode_options(args),
         )
         if jax.process_index() != 0:  # every process decoded its rows; one reports
             return cli.EXIT_OK
@@ -203,19 +290,18 @@ def _run(parser: argparse.ArgumentParser, args: argparse.Namespace) -> int:
             flush=True,
         )
         return cli.EXIT_OK
-    if args.export_marian or args.export_ct2:
+    if mode == EXPORT:
         return _export(args, pretrained)
-    if args.translate or args.translate_file:
+    if mode == TRANSLATE:
         sentences = list(args.translate or [])
         if args.translate_file:
             with open(args.translate_file, encoding="utf-8") as f:
                 sentences += f.read().splitlines()
+        options = decode_options(args)  # each given one wins over the run's or the folder's
         if pretrained:
-            lines = Pretrained(
-                pretrained, beam_size=getattr(args, "beam_size", None), quantize=args.quantize
-            ).translate(sentences)
+            lines = Pretrained(pretrained, quantize=args.quantize, **options).translate(sentences)
         else:
-            lines = translate_text(args.workdir, sentences, quantize=args.quantize)
+            lines = translate_text(args.workdir, sentences, quantize=args.quantize, **options)
         # With several processes each holds every line (decoding gathers them); one writes,
         # or two would race on the same output file.
         if jax.process_index() != 0:

@@ -4,6 +4,8 @@ writes to W/translations/."""
 
 from __future__ import annotations
 
+import dataclasses
+import math
 import os
 from collections.abc import Callable, Mapping, Sequence
 from typing import Any
@@ -39,13 +41,77 @@ def teacher_forced(dp: DataParallel, eval_step: Callable, params: Any, batches) 
     return summarize({k: float(v) for k, v in jax.device_get(total).items()})
 
 
+@dataclasses.dataclass(frozen=True)
+class DecodeOptions:
+    """What a command asks of the search, in place of the settings it decodes with otherwise
+    (a trained run's saved config, or a pretrained folder's defaults); None keeps theirs.
+
+    One rule bounds the output on both paths: at most the source's padded length (its
+    bucket) + decode_margin pieces, or max_output_len pieces for every sentence when given.
+
+    Attributes:
+      beam_size, length_penalty: of the beam search (GNMT's penalty alpha).
+      greedy: greedy decoding, which equals the beam search of one beam.
+      decode_margin: outputs are at most the source's bucket + this many pieces.
+      max_output_len: outputs are at most this many pieces, whatever the source's length.
+      eval_batch_size: sentences decoded together.
+    """
+
+    beam_size: int | None = None
+    length_penalty: float | None = None
+    greedy: bool = False
+    decode_margin: int | None = None
+    max_output_len: int | None = None
+    eval_batch_size: int | None = None
+
+    def __post_init__(self):
+        for name, least in (
+            ("beam_size", 1),
+            ("max_output_len", 1),
+            ("eval_batch_size", 1),
+            ("decode_margin", 0),
+        ):
+            value = getattr(self, name)
+            if value is not None and (not isinstance(value, int) or value < least):
+                raise ValueError(f"{name}: expected an integer >= {least}, got {value!r}")
+        if self.length_penalty is not None and not math.isfinite(self.length_penalty):
+            raise ValueError(f"length_penalty: expected a finite number, got {self.length_penalty}")
+        # Each pair below would have one of its two settings ignored: refused instead.
+        if self.greedy and self.beam_size is not None:
+            raise ValueError(
+                "beam_size, greedy: greedy decoding is the search of one beam; give one"
+            )
+        if self.greedy and self.length_penalty is not None:
+            raise ValueError("length_penalty, greedy: greedy decoding ranks no beams by length")
+        if self.decode_margin is not None and self.max_output_len is not None:
+            raise ValueError(
+                "decode_margin, max_output_len: the output's bound is one or the other; give one"
+            )
+
+    def over(self, settings):
+        """`settings` (a TranslateConfig or `train.translate.pretrained.DecodeSettings`) with
+        the options given in place of its own (validated again)."""
+        fields = ("beam_size", "length_penalty", "decode_margin", "eval_batch_size")
+        given = {name: getattr(self, name) for name in fields if getattr(self, name) is not None}
+        return dataclasses.replace(settings, **given)
+
+
 def translate_pairs(
-    model, params, dp: DataParallel, config, tokenizer, pairs, *, greedy: bool = False
+    model,
+    params,
+    dp: DataParallel,
+    config,
+    tokenizer,
+    pairs,
+    *,
+    greedy: bool = False,
+    max_output_len: int | None = None,
 ) -> list[str]:
     """Beam search (or greedy decoding) over `pairs` (their sources), in order ->
     detokenized hypotheses. `config` supplies eval_batch_size, buckets, decode_margin,
     beam_size, length_penalty and model_config's special ids (a TranslateConfig, or
-    `train.translate.pretrained.DecodeSettings`)."""
+    `train.translate.pretrained.DecodeSettings`). Outputs are at most max_output_len pieces
+    when given, else the batch's padded source length + decode_margin."""
     out: list[str] = [""] * len(pairs)
     params = dp.replicate(params)  # fsdp-split weights: gathered once, not in every step
     # Decoded shortest source first, so no batch runs as long as its longest sentence. Only
@@ -60,7 +126,7 @@ def translate_pairs(
     )
     for batch in batches:
         src = batch["src"]
-        max_len = src.shape[1] + config.decode_margin
+        max_len = max_output_len or src.shape[1] + config.decode_margin
         if greedy:
             best = decode.greedy_decode(
                 model, params, dp.put_global(src), max_len=max_len

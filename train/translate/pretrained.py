@@ -16,7 +16,7 @@ from typing import Any
 
 from train.core.parallel import DataParallel
 from train.translate.config import SPLITS
-from train.translate.evaluate import bleu, translate_pairs
+from train.translate.evaluate import DecodeOptions, bleu, translate_pairs
 from transformer_jax.marian import load_marian, marian_generation_defaults
 from transformer_jax.quantize import quantized
 
@@ -25,8 +25,8 @@ from transformer_jax.quantize import quantized
 class DecodeSettings:
     """What `translate_pairs` reads of a run config, for a model that was not trained here.
 
-    Outputs are at most (source bucket length + decode_margin) pieces; sources are cut to
-    the checkpoint's max_length."""
+    Outputs are at most (source bucket length + decode_margin) pieces, as a trained run's;
+    sources are cut to the checkpoint's max_length."""
 
     model_config: Any
     beam_size: int = 4
@@ -37,18 +37,14 @@ class DecodeSettings:
 
 
 class Pretrained:
-    """A loaded folder: model, params, tokenizer and its decoding settings."""
+    """A loaded folder: model, params, tokenizer and its decoding settings.
 
-    def __init__(
-        self,
-        folder: str,
-        *,
-        beam_size: int | None = None,
-        greedy: bool = False,
-        length_penalty: float = 0.6,
-        batch_size: int = 64,
-        quantize: str | None = None,
-    ):
+    `options` are `DecodeOptions` fields; those not given are the folder's generation defaults
+    (`marian_generation_defaults`: beam_size its num_beams, decode_margin half its
+    max_length, at most 64) and DecodeSettings' (length_penalty 0.6, eval_batch_size 64)."""
+
+    def __init__(self, folder: str, *, quantize: str | None = None, **options):
+        self.options = DecodeOptions(**options)  # a bad option fails before the folder is read
         self.model, self.params, self.tokenizer = load_marian(folder)
         if quantize:  # the int8 form decodes in its place (transformer_jax.quantize)
             self.model, self.params = quantized(self.model, self.params, quantize)
@@ -59,15 +55,13 @@ class Pretrained:
             )
         shipped = marian_generation_defaults(folder)
         limit = min(shipped.max_len, self.model.config.max_len)
-        self.greedy = greedy
-        self.settings = DecodeSettings(
+        own = DecodeSettings(
             model_config=self.model.config,
-            beam_size=beam_size or shipped.beam_size,
-            length_penalty=length_penalty,
-            eval_batch_size=batch_size,
+            beam_size=shipped.beam_size,
             decode_margin=max(1, min(64, limit // 2)),
             buckets=tuple(b for b in DecodeSettings.buckets if b < limit) + (limit,),
         )
+        self.settings = self.options.over(own)
         self.dp = DataParallel("jit")
 
     def translate(self, sentences: Sequence[str]) -> list[str]:
@@ -82,7 +76,8 @@ class Pretrained:
             self.settings,
             self.tokenizer,
             pairs,
-            greedy=self.greedy,
+            greedy=self.options.greedy,
+            max_output_len=self.options.max_output_len,
         )
 
 

@@ -52,25 +52,13 @@ _MASK_VALUE = -0.7 * float(np.finfo(np.float32).max)
 # gave wrong gradients on an H200 (benchmarks/h200_2026-11-28/), the reads of the scratch
 # block presumably issued ahead of the writes they must follow.
 TRITON_OPTIONS = {"num_warps": 4, "num_stages": 1}
-BACKWARD_TRITON_OPTIONS: dict = {}  # overrides of TRITON_OPTIONS for the backward kernels
 MAX_BLOCK = 64
-VOLATILE_SCRATCH = False  # read the scratch block with volatile loads on a GPU
 
 
-def _triton_params(backward: bool = False):
+def _triton_params():
     from jax.experimental.pallas import triton as plgpu
 
-    options = {**TRITON_OPTIONS, **(BACKWARD_TRITON_OPTIONS if backward else {})}
-    return plgpu.CompilerParams(**options)
-
-
-def _gather(ref, rows, cols, interpret: bool):
-    """ref[rows, cols] with index arrays, from a block this program wrote."""
-    if VOLATILE_SCRATCH and not interpret:
-        from jax.experimental.pallas import triton as plgpu
-
-        return plgpu.load(ref.at[rows, cols], volatile=True)
-    return ref[rows, cols]
+    return plgpu.CompilerParams(**TRITON_OPTIONS)
 
 
 def _barrier(interpret: bool) -> None:
@@ -168,7 +156,7 @@ class _Tile:
         b = jnp.arange(self.bk, dtype=jnp.int32)[None, :]
         # Row a of the tile holds distances for R rows c0 .. c0 + N - 1; key b of it needs row
         # c0 + (bq - 1 - a) + b: the rel-shift, as a gathered read.
-        shifted = _gather(scratch_ref, a, (self.bq - 1 - a) + b, self.interpret)  # [bq, bk]
+        shifted = scratch_ref[a, (self.bq - 1 - a) + b]  # [bq, bk]
         _barrier(self.interpret)
         s = (content + shifted) * self.scale
         mask = self.mask(i0 + a, j0 + b, kstart)
@@ -190,8 +178,7 @@ class _Tile:
         e = jnp.arange(self.n, dtype=jnp.int32)[None, :]
         src = e - (self.bq - 1 - a)
         inside = (src >= 0) & (src < self.bk)
-        gathered = _gather(scratch_ref, a, jnp.clip(src, 0, self.bk - 1), self.interpret)
-        out = jnp.where(inside, gathered, 0.0)
+        out = jnp.where(inside, scratch_ref[a, jnp.clip(src, 0, self.bk - 1)], 0.0)
         _barrier(self.interpret)
         return out
 
@@ -302,14 +289,7 @@ def _dq_kernel(
         ds_rows = tile.unskew(ds, scratch_ref)  # [bq, N]
         dqv = dqv + jnp.dot(ds_rows.astype(rs.dtype), rs, preferred_element_type=jnp.float32)
         dr = jnp.dot(ds_rows.T.astype(qv.dtype), qv, preferred_element_type=jnp.float32)
-        rows = pl.ds(j0, tile.n)
-        if VOLATILE_SCRATCH and not tile.interpret:
-            from jax.experimental.pallas import triton as plgpu
-
-            previous = plgpu.load(dr_ref.at[rows, :], volatile=True)
-        else:
-            previous = dr_ref[rows, :]
-        dr_ref[rows, :] = previous + dr
+        dr_ref[pl.ds(j0, tile.n), :] = dr_ref[pl.ds(j0, tile.n), :] + dr
         _barrier(tile.interpret)
         return dqu, dqv
 

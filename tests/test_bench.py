@@ -528,9 +528,41 @@ def _tiny_bench_config() -> BenchConfig:
     )
 
 
+def test_padded_transformer_rows_count_only_their_real_tokens():
+    config = _tiny_bench_config()
+    full = transformer_train_setup(config)
+    assert full.real_tokens == 4 * 8 and full.flops.tokens == 4 * 8
+    assert not any((v == config.transformer.pad_id).any() for v in full.batch.values())
+    bench = transformer_train_setup(config.replace(transformer_min_len=3))
+    pad = config.transformer.pad_id
+    assert bench.flops.tokens == 4 * 8  # the padded positions still cost their FLOPs
+    assert bench.real_tokens == int((bench.batch["tgt_out"] != pad).sum()) < 4 * 8
+    for name, rows in bench.batch.items():
+        real = rows != pad
+        lengths = real.sum(axis=1)
+        assert lengths.min() >= 3, name
+        # Each row: its real tokens first, then only padding.
+        np.testing.assert_array_equal(real, np.arange(8) < lengths[:, None], err_msg=name)
+    np.testing.assert_array_equal(bench.batch["tgt_in"] != pad, bench.batch["tgt_out"] != pad)
+    with pytest.raises(ValueError, match="transformer_min_len"):
+        config.replace(transformer_min_len=9)
+
+
+def test_xl_attention_impl_and_row_lengths_reach_the_bench_config():
+    config = config_from_options(
+        parse_options(["--xl_attention_impl", "pallas", "--transformer_min_len", "5"])
+    )
+    assert {c.attention_impl for _, c, _ in config.xl} == {"pallas"}
+    assert config.xl_eval.attention_impl == "pallas"
+    assert config.transformer.attention_impl == "auto"  # the kernels are Transformer-XL's
+    assert config.transformer_min_len == 5
+    with pytest.raises(SystemExit):
+        parse_options(["--attention_impl", "pallas"])  # not an option of every model
+
+
 @pytest.mark.slow
 def test_run_writes_every_training_figure_and_the_xl_eval_table(tmp_path):
-    config = _tiny_bench_config()
+    config = _tiny_bench_config().replace(transformer_min_len=3)
     results = run_benchmarks(
         config,
         sections=("train_transformer", "train_xl_enwik8", "xl_eval"),
@@ -563,6 +595,17 @@ def test_run_writes_every_training_figure_and_the_xl_eval_table(tmp_path):
         assert sum(r["profile"]["categories"].values()) == pytest.approx(1.0)
     assert saved["train"][0]["tokens_per_step"] == 4 * 8
     assert saved["train"][1]["tokens_per_step"] == 2 * 8
+    # Real tokens: the Transformer's padded rows count less; the XL stream has no padding.
+    transformer, xl = saved["train"]
+    assert transformer["real_tokens_per_step"] == transformer_train_setup(config).real_tokens
+    assert transformer["real_tokens_per_step"] < transformer["tokens_per_step"]
+    assert xl["real_tokens_per_step"] == xl["tokens_per_step"]
+    for r in saved["train"]:
+        share = r["real_tokens_per_step"] / r["tokens_per_step"]
+        assert r["real_tokens_per_s"] == pytest.approx(r["tokens_per_s"] * share)
+        assert r["real_mfu_vs_measured_bf16"] == pytest.approx(r["mfu_vs_measured_bf16"] * share)
+    report = (tmp_path / "bench.md").read_text()
+    assert f"{transformer['real_tokens_per_step']:,} of 32 positions a step" in report
     assert [r["attn_len"] for r in saved["xl_eval"]] == [8, 16]
     for r in saved["xl_eval"]:
         assert r["speedup"] == pytest.approx(r["vanilla_s_per_token"] / r["xl_s_per_token"])

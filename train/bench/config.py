@@ -39,6 +39,9 @@ class BenchConfig:
       matmul_size, matmul_repeats: the square product that measures the matrix rate.
       transformer, transformer_batch, transformer_len: the Transformer training step, on
         [batch, len] sources and targets.
+      transformer_min_len: 0: every row of those batches is len tokens long; else each source
+        and target row's length is drawn from [min, len] and the rest padded, so the step's
+        real (non-pad) tokens fall below its padded ones (the bench reports both).
       xl: (name, config, batch) per Transformer-XL training benchmark; segment and memory
         lengths are the config's tgt_len and mem_len.
       decode_sizes: (name, config) of each model the decode section compares the engines on
@@ -103,6 +106,7 @@ class BenchConfig:
     torch_warmup: int
     torch_compile: bool
     # The data section is a CPU measure of the same size in both presets (issue 24's goals).
+    transformer_min_len: int = 0
     data_pairs: int = 1_000_000
     data_lm_tokens: int = 100_000_000
     data_loader_seconds: float = 5.0
@@ -132,6 +136,11 @@ class BenchConfig:
         ):
             if getattr(self, name) < 1:
                 raise ValueError(f"{name}: must be >= 1, got {getattr(self, name)}")
+        if not 0 <= self.transformer_min_len <= self.transformer_len:
+            raise ValueError(
+                f"transformer_min_len: must be in [0, transformer_len={self.transformer_len}], "
+                f"got {self.transformer_min_len}"
+            )
         for name in ("warmup", "decode_margin", "decode_length_penalty", "torch_warmup"):
             if getattr(self, name) < 0:
                 raise ValueError(f"{name}: must be >= 0, got {getattr(self, name)}")

@@ -16,7 +16,7 @@ import jax
 from train.bench.config import DEFAULT_SECTIONS, SECTIONS, BenchConfig
 from train.core import cli
 from transformer_jax.attention import IMPLEMENTATIONS
-from xl_jax.config import REMAT_MODES
+from xl_jax.config import ATTENTION_IMPLS, REMAT_MODES
 
 
 @dataclasses.dataclass(frozen=True)
@@ -44,6 +44,10 @@ class BenchOptions:
       profile: profile 3 more steps of each training bench and summarize where time went.
       profile_dir: keep the traces there (None: summarized, then deleted).
       attention_impl: attention_impl of every model ('': the configs' 'auto').
+      xl_attention_impl: attention_impl of the Transformer-XL models alone, after
+        attention_impl: 'pallas' is theirs (xl_jax.fused_attention).
+      transformer_min_len: the Transformer bench's shortest row (None: the preset's, full
+        rows); shorter rows are padded (see BenchConfig).
       xl_remat: remat mode of the Transformer-XL training benches, cpu_vs_torch's included
         ('': the configs').
       append: merge into OUT/bench.json (same device): the sections run now replace theirs.
@@ -70,6 +74,8 @@ class BenchOptions:
     profile_dir: str | None = None
     # Plain strings, '' for "the configs'": an Optional flag would read `--xl_remat none` as None.
     attention_impl: str = ""
+    xl_attention_impl: str = ""
+    transformer_min_len: int | None = None
     xl_remat: str = ""
     append: bool = False
     torch_steps: int | None = None
@@ -84,6 +90,7 @@ class BenchOptions:
         choices = {
             "dtype": ("auto", "float32", "bfloat16"),
             "attention_impl": IMPLEMENTATIONS,
+            "xl_attention_impl": ATTENTION_IMPLS,
             "xl_remat": REMAT_MODES,
         }  # '' (the configs') passes
         for name, allowed in choices.items():
@@ -170,6 +177,12 @@ def config_from_options(options: BenchOptions) -> BenchConfig:
             decode_sizes=tuple((n, c.replace(attention_impl=impl)) for n, c in sizes),
             xl_eval=config.xl_eval.replace(attention_impl=impl),
         )
+    if options.xl_attention_impl:
+        impl = options.xl_attention_impl
+        xl = [(n, c.replace(attention_impl=impl), b) for n, c, b in xl]
+        changes["xl_eval"] = changes.get("xl_eval", config.xl_eval).replace(attention_impl=impl)
+    if options.transformer_min_len is not None:
+        changes["transformer_min_len"] = options.transformer_min_len
     changes.setdefault("decode_sizes", sizes)
     changes["xl"] = tuple(xl)
     return config.replace(**changes)

@@ -91,6 +91,20 @@ def to_markdown(results: Mapping[str, Any]) -> str:
                 + (f"{_pct(r.get('mfu_vs_measured_float32'))} | " if f32 else "")
                 + f"{_pct(r.get('mfu_vs_nominal_bf16'))} |"
             )
+        padded = [
+            r
+            for r in train
+            if r.get("real_tokens_per_step", r["tokens_per_step"]) < r["tokens_per_step"]
+        ]
+        if padded:
+            lines += ["", "Real (non-pad) tokens, where the batch has padding:", ""]
+            lines += [
+                f"- {r['name']}: {r['real_tokens_per_step']:,} of {r['tokens_per_step']:,} "
+                f"positions a step, {r['real_tokens_per_s']:,.0f} real tokens/s, MFU on them "
+                f"{_pct(r.get('real_mfu_vs_measured_bf16'))} (measured bf16), "
+                f"{_pct(r.get('real_mfu_vs_nominal_bf16'))} (datasheet bf16)"
+                for r in padded
+            ]
         lines += [
             "",
             "FLOP formulas (matrix products only; MFU divides the model FLOPs, the XLA "

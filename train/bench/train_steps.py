@@ -42,6 +42,8 @@ class TrainBench:
     init_state: () -> the fresh TrainState (jitted straight onto the device by the bench;
       `jax.eval_shape`-able, so a test can trace the paper sizes without allocating them).
     batch: host arrays of the one batch every timed step reads.
+    real_tokens: the positions of that batch the loss counts (not padding); `flops.tokens`
+      counts them all.
     """
 
     name: str
@@ -50,16 +52,29 @@ class TrainBench:
     batch: Mapping[str, np.ndarray]
     flops: FlopCount
     info: Mapping[str, Any]
+    real_tokens: int
 
 
 def transformer_train_setup(config: BenchConfig) -> TrainBench:
-    """The Transformer training step on random [B, L] sources and targets (no padding), Adam on
-    the Noam schedule, label smoothing 0.1: `train.translate`'s loss."""
+    """The Transformer training step on random [B, L] sources and targets, Adam on the Noam
+    schedule, label smoothing 0.1: `train.translate`'s loss. Rows are full unless
+    `config.transformer_min_len` draws shorter ones (padded at the end)."""
 
     cfg, b, length = config.transformer, config.transformer_batch, config.transformer_len
     model = Transformer(cfg)
     rng = np.random.default_rng(0)
-    tokens = lambda: rng.integers(3, cfg.tgt_vocab_size, (b, length), dtype=np.int32)  # noqa
+
+    def tokens(lengths=None):
+        ids = rng.integers(3, cfg.tgt_vocab_size, (b, length), dtype=np.int32)
+        if lengths is None:
+            return ids
+        return np.where(np.arange(length) < lengths[:, None], ids, cfg.pad_id).astype(np.int32)
+
+    src_len = tgt_len = None
+    if config.transformer_min_len:
+        src_len = rng.integers(config.transformer_min_len, length + 1, b)
+        tgt_len = rng.integers(config.transformer_min_len, length + 1, b)
+    batch = {"src": tokens(src_len), "tgt_in": tokens(tgt_len), "tgt_out": tokens(tgt_len)}
 
     def init_state() -> TrainState:
         dummy = jnp.ones((1, 8), jnp.int32)
@@ -73,7 +88,7 @@ def transformer_train_setup(config: BenchConfig) -> TrainBench:
         name="transformer_base" if cfg.d_model == 512 else "transformer (quick)",
         loss_fn=translate_loss_fn(model, smoothing=0.1, pad_id=cfg.pad_id),
         init_state=init_state,
-        batch={"src": tokens(), "tgt_in": tokens(), "tgt_out": tokens()},
+        batch=batch,
         flops=transformer_flops(cfg, batch=b, src_len=length, tgt_len=length),
         info=dict(
             batch=b,
@@ -82,6 +97,7 @@ def transformer_train_setup(config: BenchConfig) -> TrainBench:
             dtype=config.dtype,
             attention_impl=cfg.attention_impl,
         ),
+        real_tokens=int(np.sum(batch["tgt_out"] != cfg.pad_id)),
     )
 
 
@@ -121,6 +137,7 @@ def xl_train_setup(
             remat=cfg.remat,
             attention_impl=cfg.attention_impl,
         ),
+        real_tokens=b * cfg.tgt_len,  # a stream: every position is a token
     )
 
 
@@ -138,7 +155,9 @@ def bench_train_step(
     rates: measured matrix rates by dtype name ('bfloat16', 'float32'), for the MFU figures.
     Returns every raw figure: compile_s, step times, tokens_per_s, memory, the analytic FLOPs
     next to XLA's and the jaxpr's, MFU, the last step's loss (to show it is finite) and, with
-    `profile_dir`, where the time of 3 more (traced) steps went.
+    `profile_dir`, where the time of 3 more (traced) steps went. tokens_per_s and the MFU
+    count every position of the batch; the real_* figures only its real (non-pad) tokens,
+    with the model FLOPs scaled by the real share.
     """
     device = jax.local_devices()[0]
     dp = DataParallel("jit", devices=[device])
@@ -173,6 +192,7 @@ def bench_train_step(
     median = statistics.median(times)
     flops = bench.flops
     model_flops = flops.training()
+    real_flops = model_flops * bench.real_tokens / flops.tokens
     xla = xla_flops(compiled)
     # Traced again without jit: the matmuls the program contains (a fused attention kernel, as
     # cuDNN's on a GPU, is a custom call: its products are missing from this count).
@@ -191,6 +211,8 @@ def bench_train_step(
         "step_s_min": min(times),
         "step_times_s": times,
         "tokens_per_s": flops.tokens / median,
+        "real_tokens_per_step": bench.real_tokens,
+        "real_tokens_per_s": bench.real_tokens / median,
         "memory": compiled_memory(compiled),
         "device_peak_bytes": device_peak_bytes(device),
         "flops": flops.as_dict(),
@@ -208,6 +230,8 @@ def bench_train_step(
         "mfu_vs_measured_bf16": utilisation(model_flops, median, rates.get("bfloat16")),
         "mfu_vs_measured_float32": utilisation(model_flops, median, rates.get("float32")),
         "mfu_vs_nominal_bf16": utilisation(model_flops, median, nominal_peak),
+        "real_mfu_vs_measured_bf16": utilisation(real_flops, median, rates.get("bfloat16")),
+        "real_mfu_vs_nominal_bf16": utilisation(real_flops, median, nominal_peak),
         "final_loss": loss,
         "profile": profile,
     }

@@ -10,6 +10,7 @@ takes back what it wrote, and a config.json alone is no run to resume.
 
 from __future__ import annotations
 
+import fcntl
 import json
 import os
 import subprocess
@@ -23,6 +24,7 @@ from train.core import cli
 from train.core.checkpoint import CONFIG_FILE, has_checkpoint, save_run_config
 from train.core.config import config_to_dict
 from train.core.metrics import read_metrics
+from train.core.workdir import LOCK_FILE, WorkdirError, WorkdirLock
 from train.data.datasets import DatasetError, load_ptb
 from train.lm import cli as lm_cli
 
@@ -136,6 +138,25 @@ def test_a_start_refused_before_its_first_checkpoint_leaves_the_workdir_as_it_fo
     assert code == cli.EXIT_OK, out.err
     assert "resuming" not in out.out and "training from step 0 to 1" in out.out
     assert has_checkpoint(str(workdir)) and (workdir / "notes.txt").exists()
+
+
+def test_a_lock_file_removed_before_it_was_locked_is_made_again(tmp_path, monkeypatch):
+    """A start that fails removes the .lock it made. A run that opened that file just before
+    must not lock it (a file nobody else sees, and two runs would share W): it locks a new
+    one at the path."""
+    real, calls = fcntl.flock, []
+
+    def flock(fd, operation):
+        if not calls:  # the failed start removes the file between this open and this flock
+            os.remove(tmp_path / LOCK_FILE)
+        calls.append(fd)
+        return real(fd, operation)
+
+    monkeypatch.setattr(fcntl, "flock", flock)
+    with WorkdirLock(str(tmp_path)):
+        assert len(calls) == 2 and os.path.exists(tmp_path / LOCK_FILE)
+        with pytest.raises(WorkdirError, match="is in use by another run"):
+            WorkdirLock(str(tmp_path)).__enter__()
 
 
 @pytest.mark.slow

@@ -67,14 +67,7 @@ def local_dir(workdir: str) -> str:
 def entries_below(root) -> set[str]:
     """The name, relative to `root` (local or remote), of every file and directory below it
     (a link to a directory is listed, not followed); empty when `root` does not exist."""
-    root = epath.Path(root)
-    if not root.exists():
-        return set()
-    out = set()
-    for parent, dirs, files in root.walk():
-        prefix = str(parent)[len(str(root)) :].lstrip("/")
-        out.update(f"{prefix}/{name}" if prefix else name for name in dirs + files)
-    return out
+    return {name for name, _, _ in _walk(root, follow_links=False)}
 
 
 def remove_added(root, before: set[str]) -> list[str]:
@@ -84,9 +77,9 @@ def remove_added(root, before: set[str]) -> list[str]:
     root = epath.Path(root)
     removed = []
     for name in sorted(entries_below(root) - before):  # a directory before what it holds
-        path = root / name
         if any(name.startswith(f"{gone}/") for gone in removed):
             continue
+        path = root / name
         if path.is_dir() and not os.path.islink(path):
             path.rmtree()
         else:
@@ -98,6 +91,16 @@ def remove_added(root, before: set[str]) -> list[str]:
 def files_below(root, *, skip: tuple[str, ...] = ()):
     """(name relative to `root`, epath.Path) of every file below `root` (local or remote),
     leaving out the top-level entries named in `skip`."""
+    for name, path, is_dir in _walk(root, skip=skip):
+        if not is_dir:
+            yield name, path
+
+
+def _walk(root, *, skip: tuple[str, ...] = (), follow_links: bool = True):
+    """(name relative to `root`, epath.Path, whether a directory) of every entry below `root`,
+    each directory before what it holds, leaving out the top-level entries named in `skip`.
+    Names are cut from `iterdir`'s paths (root / name), which keep the root's form; the paths
+    `walk` yields need not (the tests' gs:// stand-in yields local ones)."""
     root = epath.Path(root)
     if not root.exists():
         return
@@ -107,10 +110,10 @@ def files_below(root, *, skip: tuple[str, ...] = ()):
             name = str(child)[len(str(root)) :].lstrip("/")
             if name.split("/")[0] in skip:
                 continue
-            if child.is_dir():
+            is_dir = child.is_dir() and (follow_links or not os.path.islink(child))
+            if is_dir:
                 pending.append(child)
-            else:
-                yield name, child
+            yield name, child, is_dir
 
 
 def pull(workdir: str) -> int:

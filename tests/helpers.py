@@ -116,6 +116,21 @@ def mtimes(directory) -> dict[str, int]:
     }
 
 
+def tree_of(directory) -> dict[str, bytes | None]:
+    """{path relative to `directory`: a file's bytes, or None for a directory} of everything
+    below it: equal before and after when nothing there was added, removed or changed."""
+    out = {}
+    for root, dirs, files in os.walk(directory):
+        for name in dirs + files:
+            path = os.path.join(root, name)
+            if name in dirs:
+                out[os.path.relpath(path, directory)] = None
+            else:
+                with open(path, "rb") as f:
+                    out[os.path.relpath(path, directory)] = f.read()
+    return out
+
+
 def file_hashes(directory) -> dict[str, str]:
     """{path relative to `directory`: sha256} of every file below it."""
     out = {}

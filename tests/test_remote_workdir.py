@@ -16,11 +16,13 @@ import os
 import pytest
 from etils import epath
 from etils.epath import testing as epath_testing
-from helpers import tiny_lm_config, train_losses
+from helpers import made_up_corpus, tiny_lm_config, train_losses, tree_of, write_lines
 
 from train import lm
 from train.core import checkpoint as checkpoint_module
+from train.core import cli
 from train.core import workdir as workdir_module
+from train.lm import cli as lm_cli
 
 BACKEND_CALLS = (
     "open",
@@ -99,6 +101,26 @@ def test_a_bucket_workdir_holds_the_run_and_resumes_on_a_fresh_machine(
     assert sorted(p.name for p in (run / "checksums").iterdir()) == sorted(
         p.name for p in (straight / "checksums").iterdir()
     )
+
+
+def test_a_refused_start_on_a_bucket_takes_back_what_it_pushed(bucket, tmp_path, capsys):
+    """config.json goes up as the run starts: a start refused later (an empty validation
+    file, found while the data is prepared) removes it from the bucket as from the mirror,
+    or the next start would resume the refused one."""
+    uri = "gs://runs-bucket/refused"
+    epath.Path(uri).mkdir(parents=True)
+    epath.Path(f"{uri}/notes.txt").write_text("the user's own file")
+    train = write_lines(tmp_path / "train.txt", made_up_corpus(300, 0)[0])
+    valid = write_lines(tmp_path / "valid.txt", [])
+    code = lm_cli.main(
+        [
+            *("--preset", "tiny", "--workdir", uri, "--steps", "1"),
+            *("--train_text", train, "--valid_text", valid, "--plots", "false"),
+        ]
+    )
+    assert code == cli.EXIT_USAGE, capsys.readouterr().err
+    assert tree_of(bucket / "runs-bucket" / "refused") == {"notes.txt": b"the user's own file"}
+    assert tree_of(workdir_module.local_dir(uri)) == {}
 
 
 def test_the_mirror_sends_only_what_changed(bucket, tmp_path):

@@ -1,6 +1,8 @@
 """Translation on the user's own parallel files: reading them (plain and gzipped, every bad
 input refused with a message naming the file and line), training and evaluating on them with
-several test sets, exact resume, and files that changed behind a resumed run."""
+several test sets, outputs named by the run's languages (or src and tgt), a refused start that
+leaves the work directory as it was, exact resume, and files that changed behind a resumed
+run."""
 
 from __future__ import annotations
 
@@ -11,10 +13,11 @@ import shutil
 
 import pytest
 import sacrebleu
-from helpers import made_up_corpus, write_lines
+from helpers import made_up_corpus, tree_of, write_lines
 
 from train import translate
 from train.core import cli
+from train.core.checkpoint import Checkpoints
 from train.core.metrics import read_metrics
 from train.core.task import saved_config
 from train.data.text_files import DataError, read_parallel, set_name
@@ -42,11 +45,11 @@ def files(tmp_path_factory):
 
 
 def file_config(files, tmp_path, **overrides):
-    fields = {**dict(vocab_size=300, steps=6, log_every=3, checkpoint_every=3), **overrides}
-    return translate.make_config(
-        "transformer",
-        "tiny",
-        **fields,
+    fields = dict(
+        vocab_size=300,
+        steps=6,
+        log_every=3,
+        checkpoint_every=3,
         src_lang="xx",
         tgt_lang="yy",
         train_src=files["train"][0],
@@ -59,6 +62,7 @@ def file_config(files, tmp_path, **overrides):
         plots=False,
         progress=False,
     )
+    return translate.make_config("transformer", "tiny", **{**fields, **overrides})
 
 
 # ----------------------------------------------------------------------------- reading
@@ -149,6 +153,65 @@ def test_a_run_on_files_scores_each_test_set_under_its_name(straight, files):
     splits = {r["split"] for r in read_metrics(str(workdir))}
     assert {"train", "validation", "news", "talks"} <= splits
     assert final["test_bleu"] == final["test_news_bleu"]  # the first set is the run's test
+
+
+@pytest.mark.slow
+def test_a_run_on_files_without_languages_names_its_outputs_src_and_tgt(files, tmp_path):
+    """Nothing says what language made-up files are: their outputs are not named de and en.
+    Multi30k's stay named by its languages."""
+    talks_src, talks_tgt = files["talks"]
+    config = file_config(
+        files,
+        tmp_path,
+        steps=1,
+        src_lang=None,
+        tgt_lang=None,
+        test_src=(talks_src,),
+        test_tgt=(talks_tgt,),
+    )
+    workdir = tmp_path / "run"
+    translate.train_and_evaluate(config, str(workdir))
+    outputs = workdir / "translations"
+    written = sorted(os.listdir(outputs))
+    assert written == ["talks.reference.tgt", "talks.source.src", "talks.step1.tgt"]
+    assert (outputs / "talks.source.src").read_text() == open(talks_src).read()
+    assert (outputs / "talks.reference.tgt").read_text() == open(talks_tgt).read()
+    assert translate.make_config("transformer", "tiny").output_languages() == ("de", "en")
+
+
+@pytest.mark.slow
+def test_a_start_refused_for_bad_files_leaves_the_workdir_as_it_found_it(files, tmp_path, capsys):
+    """Parallel files of 300 and 299 lines are refused while the data is prepared, after the
+    start wrote config.json and the files' sha256 (data.json). The refused start takes back
+    what it wrote, and nothing of the user's, so the same command with the file fixed trains
+    as a new run (it was refused: the files were not those 'this run started with'), and
+    says nothing of settings changed since the refused start."""
+    src, tgt = made_up_corpus(300, 0)
+    train_src = write_lines(tmp_path / "a.src", src)
+    train_tgt = write_lines(tmp_path / "a.tgt", tgt[:-1])
+    workdir = tmp_path / "run"
+    (workdir / "checkpoints").mkdir(parents=True)  # the user's own, empty: it stays
+    (workdir / "notes.txt").write_text("the user's own file")
+    args = [
+        *("--preset", "tiny", "--workdir", str(workdir), "--vocab_size", "300"),
+        *("--train_src", train_src, "--train_tgt", train_tgt),
+        *("--valid_src", files["valid"][0], "--valid_tgt", files["valid"][1]),
+        *("--plots", "false", "--progress", "false"),
+    ]
+    before = tree_of(workdir)
+    code = translate_cli.main([*args, "--steps", "3"])
+    err = capsys.readouterr().err
+    assert code == cli.EXIT_USAGE, err
+    assert f"{train_src} has 300 lines" in err and f"{train_tgt} has 299" in err
+    assert tree_of(workdir) == before
+
+    write_lines(train_tgt, tgt)
+    code = translate_cli.main([*args, "--steps", "2"])
+    out = capsys.readouterr()
+    assert code == cli.EXIT_OK, out.err
+    assert "resuming" not in out.out and "training from step 0 to 2" in out.out
+    assert Checkpoints(str(workdir)).all_steps() == [2]
+    assert (workdir / "notes.txt").read_text() == "the user's own file"
 
 
 @pytest.mark.slow

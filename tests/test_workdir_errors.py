@@ -4,35 +4,31 @@ exit 1, found before data preparation, and nothing on disk changed.
 The cases: a config.json cut short, one that holds a JSON list, a damaged TFDS
 dataset_info.json, and a checkpoint directory that cannot be written. They run the command's
 `main` in this process (the errors come before any training), through the same flow as
-`python -m train.lm`.
+`python -m train.lm`. Then what a work directory without a checkpoint is: a start refused there
+takes back what it wrote, and a config.json alone is no run to resume.
 """
 
 from __future__ import annotations
 
+import fcntl
 import json
 import os
 import subprocess
 import sys
 
 import pytest
-from helpers import FRESH_LM, REPO, TIMEOUT
+from helpers import FRESH_LM, REPO, TIMEOUT, made_up_corpus, tiny_lm_config, tree_of, write_lines
 
+from train import lm
 from train.core import cli
-from train.core.checkpoint import CONFIG_FILE
+from train.core.checkpoint import CONFIG_FILE, has_checkpoint, save_run_config
+from train.core.config import config_to_dict
+from train.core.metrics import read_metrics
+from train.core.workdir import LOCK_FILE, WorkdirError, WorkdirLock
 from train.data.datasets import DatasetError, load_ptb
 from train.lm import cli as lm_cli
 
 FRESH = FRESH_LM
-
-
-def files_of(directory) -> dict[str, bytes]:
-    out = {}
-    for root, _, names in os.walk(directory):
-        for name in names:
-            path = os.path.join(root, name)
-            with open(path, "rb") as f:
-                out[os.path.relpath(path, directory)] = f.read()
-    return out
 
 
 def assert_one_line_error(code, captured, *needles):
@@ -55,10 +51,10 @@ def test_a_damaged_config_json_is_one_line_naming_it(tmp_path, capsys, content, 
     workdir = tmp_path / "run"
     workdir.mkdir()
     (workdir / CONFIG_FILE).write_text(content)
-    before = files_of(workdir)
+    before = tree_of(workdir)
     code = lm_cli.main(["--workdir", str(workdir)])
     assert_one_line_error(code, capsys.readouterr(), str(workdir / CONFIG_FILE), problem)
-    after = files_of(workdir)
+    after = tree_of(workdir)
     after.pop(cli.ERROR_LOG, None)  # the traceback of the error, for whoever debugs it
     assert after == before
 
@@ -111,6 +107,72 @@ def test_an_unwritable_checkpoint_directory_is_refused_before_the_run(tmp_path, 
     )
     assert not (tmp_path / "tfds").exists()  # nothing prepared
     assert not (workdir / CONFIG_FILE).exists()
+
+
+@pytest.mark.slow
+def test_a_start_refused_before_its_first_checkpoint_leaves_the_workdir_as_it_found_it(
+    tmp_path, capsys
+):
+    """An empty validation file is found while the data is prepared, after the start wrote
+    config.json and the training text's sha256 (data.json): the refused start takes back all
+    it wrote, and nothing of the user's; the corrected command then trains as a new run."""
+    workdir = tmp_path / "run"
+    (workdir / "checkpoints").mkdir(parents=True)  # the user's own, empty: it stays
+    (workdir / "notes.txt").write_text("the user's own file")
+    train = write_lines(tmp_path / "train.txt", made_up_corpus(300, 0)[0])
+    valid = write_lines(tmp_path / "valid.txt", [])
+    args = [
+        *("--preset", "tiny", "--workdir", str(workdir), "--steps", "1"),
+        *("--train_text", train, "--valid_text", valid, "--plots", "false"),
+    ]
+    before = tree_of(workdir)
+    code = lm_cli.main(args)
+    err = capsys.readouterr().err
+    assert code == cli.EXIT_USAGE, err
+    assert f"{valid}: the file is empty" in err
+    assert tree_of(workdir) == before
+
+    write_lines(valid, made_up_corpus(30, 1)[0])
+    code = lm_cli.main(args)
+    out = capsys.readouterr()
+    assert code == cli.EXIT_OK, out.err
+    assert "resuming" not in out.out and "training from step 0 to 1" in out.out
+    assert has_checkpoint(str(workdir)) and (workdir / "notes.txt").exists()
+
+
+def test_a_lock_file_removed_before_it_was_locked_is_made_again(tmp_path, monkeypatch):
+    """A start that fails removes the .lock it made. A run that opened that file just before
+    must not lock it (a file nobody else sees, and two runs would share W): it locks a new
+    one at the path."""
+    real, calls = fcntl.flock, []
+
+    def flock(fd, operation):
+        if not calls:  # the failed start removes the file between this open and this flock
+            os.remove(tmp_path / LOCK_FILE)
+        calls.append(fd)
+        return real(fd, operation)
+
+    monkeypatch.setattr(fcntl, "flock", flock)
+    with WorkdirLock(str(tmp_path)):
+        assert len(calls) == 2 and os.path.exists(tmp_path / LOCK_FILE)
+        with pytest.raises(WorkdirError, match="is in use by another run"):
+            WorkdirLock(str(tmp_path)).__enter__()
+
+
+@pytest.mark.slow
+def test_changed_settings_are_reported_only_when_a_checkpoint_is_resumed(
+    tmp_path, capsys, data_dir
+):
+    """A config.json without a checkpoint (a start killed before its first) is no run to
+    resume: a start there with other steps trains from step 0 and says nothing changed."""
+    workdir = str(tmp_path / "run")
+    save_run_config(workdir, config_to_dict(tiny_lm_config(data_dir, steps=3)))
+    lm.train_and_evaluate(tiny_lm_config(data_dir, steps=1), workdir)
+    assert "resuming with changed settings" not in capsys.readouterr().out
+    lm.train_and_evaluate(tiny_lm_config(data_dir, steps=2), workdir)
+    assert "resuming with changed settings: steps: 1 -> 2" in capsys.readouterr().out
+    resumes = [(r["step"], r["changed"]) for r in read_metrics(workdir) if r["split"] == "resume"]
+    assert resumes == [(1, ["steps: 1 -> 2"])]
 
 
 def test_a_config_json_that_is_not_a_run_config_is_one_line(tmp_path, capsys):

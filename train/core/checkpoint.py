@@ -61,6 +61,13 @@ def checkpoint_dir(workdir: str) -> str:
     return os.path.abspath(os.path.join(workdir, CHECKPOINT_DIR))
 
 
+def has_checkpoint(workdir: str) -> bool:
+    """Whether W/checkpoints holds a saved step (read without making the directory). orbax
+    names a finished save by its step; one being written has a temporary name."""
+    directory = epath.Path(checkpoint_dir(workdir))
+    return directory.is_dir() and any(p.name.isdigit() for p in directory.iterdir())
+
+
 class Checkpoints:
     """orbax CheckpointManager over W/checkpoints: keep the last `keep` and the best by
     `val_loss` (lowest). Saves are synchronous: the train step donates the state's buffers right

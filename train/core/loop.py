@@ -206,7 +206,13 @@ def divergence_message(
         "--on_nonfinite skip to go on without such steps."
     )
     if last is None:
-        where = "no checkpoint was saved"
+        # The start then takes back what it wrote in W (train.core.task): there is no run
+        # to resume, only the command to give again.
+        where = "no checkpoint was saved, so the work directory is left as it was"
+        advice = (
+            "Start again with a lower --learning_rate, or --on_nonfinite skip to go on "
+            "without such steps."
+        )
     elif last == step - 1:
         # The state this step started from: a step's batch and rng depend only on its number,
         # so a resume from it computes the same non-finite step whatever the rate. The advice

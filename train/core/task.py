@@ -12,9 +12,11 @@ signal handlers, W/config.json, the checkpoints and the metrics writer each have
 
 from __future__ import annotations
 
+import contextlib
 import functools
 import json
 import os
+import sys
 import time
 from collections.abc import Callable, Iterator, Mapping, Sequence
 from typing import Any, Protocol
@@ -32,6 +34,7 @@ from train.core.checkpoint import (
     Checkpoints,
     check_run_config,
     checkpoint_dir,
+    has_checkpoint,
     load_run_config,
     save_run_config,
 )
@@ -45,7 +48,17 @@ from train.core.parallel import (
 )
 from train.core.state import TrainState, count_params
 from train.core.step import LossFn
-from train.core.workdir import WorkdirError, WorkdirLock, is_remote, local_dir, pull, push
+from train.core.workdir import (
+    LOCK_FILE,
+    WorkdirError,
+    WorkdirLock,
+    entries_below,
+    is_remote,
+    local_dir,
+    pull,
+    push,
+    remove_added,
+)
 from transformer_jax.optim import OptimizerConfig, find_params_ema, make_optimizer
 
 PyTree = Any
@@ -339,7 +352,12 @@ def train_and_evaluate(task: Task, config: RunConfig, workdir: str) -> dict[str,
     check_same_on_every_process(
         workdir if is_remote(workdir) else os.path.abspath(workdir), "--workdir"
     )
-    with stop_on_signals() as stop, WorkdirLock(workdir):
+    # A start that fails before the run's first checkpoint takes back what it wrote in W.
+    with (
+        stop_on_signals() as stop,
+        WorkdirLock(workdir) as lock,
+        taken_back_unless_saved(workdir, made_lock=lock.made_file),
+    ):
         log = printer()
         run_config = config_to_dict(config)
         changed = check_workdir(task, workdir, run_config, config.MAY_CHANGE)
@@ -472,13 +490,44 @@ def train_and_evaluate(task: Task, config: RunConfig, workdir: str) -> dict[str,
         return final
 
 
+@contextlib.contextmanager
+def taken_back_unless_saved(workdir: str, *, made_lock: bool) -> Iterator[None]:
+    """A start that fails (an error, a second Ctrl-C) while `workdir` holds no checkpoint
+    leaves it as it found it: what the start added below it is removed (config.json,
+    data.json, the tokenizer and token cache, metrics, an empty checkpoints/, W/.lock when
+    `made_lock`), on a remote W in the bucket and the mirror, and nothing that was there
+    before. W itself stays, for W/error.log.
+
+    A work directory belongs to a run only once it holds a checkpoint: a start refused for
+    bad data must not leave a config.json and the data's sha256 that refuse the corrected
+    command. A run with a checkpoint (resumed, or saved during this start) loses nothing.
+    Process 0 writes W's files, so it alone takes them back."""
+    if jax.process_index() != 0 or has_checkpoint(workdir):
+        yield
+        return
+    before = {root: entries_below(root) for root in {local_dir(workdir), workdir}}
+    if made_lock:
+        before[local_dir(workdir)].discard(LOCK_FILE)
+    try:
+        yield
+    except BaseException:
+        if not has_checkpoint(workdir):
+            for root, entries in before.items():
+                try:
+                    remove_added(root, entries)
+                except OSError as e:  # the error that stopped the run is the one to report
+                    print(f"could not remove what this start wrote in {root}: {e}", file=sys.stderr)
+        raise
+
+
 def check_workdir(
     task: Task, workdir: str, run_config: Mapping[str, Any], may_change: tuple[str, ...]
 ) -> list[str]:
     """Whether `workdir` can take this run, before anything is written or prepared: the run
     it holds (if any) is this one, past one process every process was given the same run,
     and its checkpoint directory can be written. Pulls a remote W's files into the mirror.
-    -> the may-change fields the run changes ('field: saved -> given')."""
+    -> the may-change fields the run changes ('field: saved -> given'), when it resumes a
+    checkpoint (a run that starts from step 0 changes nothing it has used)."""
     if jax.process_count() > 1:  # a flag missing on one host: an error on every host, not a hang
         check_same_on_every_process(
             json.dumps(run_config, sort_keys=True), "the run's settings (flags)"
@@ -493,7 +542,7 @@ def check_workdir(
     if not is_remote(workdir) and jax.process_index() == 0:
         _check_writable(checkpoint_dir(workdir))
     pull(workdir)  # a remote W: its files (tokenizer, metrics, checksums) into the mirror
-    return changed
+    return changed if has_checkpoint(workdir) else []
 
 
 def _check_writable(directory: str) -> None:

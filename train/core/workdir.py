@@ -15,7 +15,9 @@ One run per work directory: an advisory lock that a killed run cannot leave stuc
 `WorkdirLock(W)` takes an exclusive `flock` on W/.lock for the run's lifetime and writes who holds
 it (pid, host, start time) into the file (emptied again at the end). The kernel drops a flock when
 its process dies, however it dies, so a kill -9 never leaves the directory locked; a second run on W
-is refused with a message naming the holder. Process 0 locks for all processes of a multi-process
+is refused with a message naming the holder. A start that fails before its first checkpoint
+removes the file if it made it (`train.core.task`); a run that opened it just before then locks
+the file at the path instead. Process 0 locks for all processes of a multi-process
 run; a remote work directory has no flock: its local mirror is locked instead.
 """
 
@@ -62,9 +64,43 @@ def local_dir(workdir: str) -> str:
     return os.path.join(root, f"{uri.rsplit('/', 1)[-1]}-{tag}{process}")
 
 
+def entries_below(root) -> set[str]:
+    """The name, relative to `root` (local or remote), of every file and directory below it
+    (a link to a directory is listed, not followed); empty when `root` does not exist."""
+    return {name for name, _, _ in _walk(root, follow_links=False)}
+
+
+def remove_added(root, before: set[str]) -> list[str]:
+    """Removes what is below `root` (local or remote) now and is not in `before` (its
+    `entries_below` at an earlier time): a new file, a new directory with all it holds.
+    Nothing named in `before` is touched. -> the names removed."""
+    root = epath.Path(root)
+    removed = []
+    for name in sorted(entries_below(root) - before):  # a directory before what it holds
+        if any(name.startswith(f"{gone}/") for gone in removed):
+            continue
+        path = root / name
+        if path.is_dir() and not os.path.islink(path):
+            path.rmtree()
+        else:
+            path.unlink()
+        removed.append(name)
+    return removed
+
+
 def files_below(root, *, skip: tuple[str, ...] = ()):
     """(name relative to `root`, epath.Path) of every file below `root` (local or remote),
     leaving out the top-level entries named in `skip`."""
+    for name, path, is_dir in _walk(root, skip=skip):
+        if not is_dir:
+            yield name, path
+
+
+def _walk(root, *, skip: tuple[str, ...] = (), follow_links: bool = True):
+    """(name relative to `root`, epath.Path, whether a directory) of every entry below `root`,
+    each directory before what it holds, leaving out the top-level entries named in `skip`.
+    Names are cut from `iterdir`'s paths (root / name), which keep the root's form; the paths
+    `walk` yields need not (the tests' gs:// stand-in yields local ones)."""
     root = epath.Path(root)
     if not root.exists():
         return
@@ -74,10 +110,10 @@ def files_below(root, *, skip: tuple[str, ...] = ()):
             name = str(child)[len(str(root)) :].lstrip("/")
             if name.split("/")[0] in skip:
                 continue
-            if child.is_dir():
+            is_dir = child.is_dir() and (follow_links or not os.path.islink(child))
+            if is_dir:
                 pending.append(child)
-            else:
-                yield name, child
+            yield name, child, is_dir
 
 
 def pull(workdir: str) -> int:
@@ -145,13 +181,38 @@ class WorkdirLock:
         workdir = local_dir(workdir)
         self.workdir = workdir
         self.path = os.path.join(workdir, LOCK_FILE)
+        self.made_file = False  # whether this lock made W/.lock (a start that fails removes it)
         self._fd: int | None = None
 
     def __enter__(self) -> WorkdirLock:
         if jax.process_index() != 0:
             return self
+        fd = self._lock()
+        while not _same_file(fd, self.path):
+            # A start that failed removed the file after we opened it (and before we locked
+            # it): that lock is one nobody else sees. Lock the file now at the path.
+            os.close(fd)
+            fd = self._lock()
+        os.ftruncate(fd, 0)
+        os.write(
+            fd,
+            json.dumps(
+                {
+                    "pid": os.getpid(),
+                    "host": socket.gethostname(),
+                    "since": time.strftime("%Y-%m-%d %H:%M:%S"),
+                }
+            ).encode(),
+        )
+        self._fd = fd
+        return self
+
+    def _lock(self) -> int:
+        """Opens (or makes) W/.lock and takes its flock -> the descriptor; a WorkdirError when
+        W cannot be written or another run holds it."""
         try:
             os.makedirs(self.workdir, exist_ok=True)
+            self.made_file = not os.path.exists(self.path)
             fd = os.open(self.path, os.O_RDWR | os.O_CREAT, 0o644)
         except OSError as e:
             raise WorkdirError(
@@ -168,27 +229,23 @@ class WorkdirLock:
                 "it to finish or stop it (SIGTERM saves a checkpoint), or use another "
                 "--workdir"
             ) from None
-        os.ftruncate(fd, 0)
-        os.write(
-            fd,
-            json.dumps(
-                {
-                    "pid": os.getpid(),
-                    "host": socket.gethostname(),
-                    "since": time.strftime("%Y-%m-%d %H:%M:%S"),
-                }
-            ).encode(),
-        )
-        self._fd = fd
-        return self
+        return fd
 
     def __exit__(self, *exc) -> None:
         if self._fd is not None:
-            # Emptied, not deleted: deleting would let a run that opened it before the unlink
-            # lock a file nobody else sees. The flock goes with the close.
+            # Emptied, not deleted: it stays for the next run (only a failed start that made
+            # it removes it, see __enter__). The flock goes with the close.
             os.ftruncate(self._fd, 0)
             os.close(self._fd)
             self._fd = None
+
+
+def _same_file(fd: int, path: str) -> bool:
+    """Whether the open file `fd` is the one at `path` (not one removed since it was opened)."""
+    try:
+        return os.path.samestat(os.fstat(fd), os.stat(path))
+    except FileNotFoundError:
+        return False
 
 
 def _read_holder(fd: int) -> str:

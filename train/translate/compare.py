@@ -130,16 +130,19 @@ def _read_lines(path: str) -> list[str]:
 
 def greedy_bleu(model_dir: str, config: TranslateConfig, step: int) -> float:
     """Greedy decoding of the test sentences translate evaluated (its W/translations/ files),
-    with the checkpoint of `step`; writes <split>.step<N>.greedy.en next to the beam output
-    and returns the corpus sacreBLEU."""
+    with the checkpoint of `step`; writes <split>.step<N>.greedy.<tgt_lang> next to the beam
+    output and returns the corpus sacreBLEU."""
     directory = os.path.join(model_dir, "translations")
     split = config.test_split
-    sources = _read_lines(os.path.join(directory, f"{split}.source.de"))
-    references = _read_lines(os.path.join(directory, f"{split}.reference.en"))
+    src_lang, tgt_lang = config.output_languages()
+    sources = _read_lines(os.path.join(directory, f"{split}.source.{src_lang}"))
+    references = _read_lines(os.path.join(directory, f"{split}.reference.{tgt_lang}"))
     hypotheses = translate_text(model_dir, sources, step=step, greedy=True)
     if jax.process_index() == 0:
         with open(
-            os.path.join(directory, f"{split}.step{step}.greedy.en"), "w", encoding="utf-8"
+            os.path.join(directory, f"{split}.step{step}.greedy.{tgt_lang}"),
+            "w",
+            encoding="utf-8",
         ) as f:
             f.writelines(h.replace("\n", " ") + "\n" for h in hypotheses)
     return bleu(hypotheses, references)

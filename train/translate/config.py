@@ -87,8 +87,9 @@ class TranslateConfig(RunConfig):
         split trains a joint SentencePiece model of vocab_size pieces and the model, its
         validation split validates, its test split is the test set ('<NAME>.test').
       src_lang, tgt_lang: the direction. On Multi30k 'de' -> 'en' (the default) or 'en' ->
-        'de'; on a TFDS dataset two of its language features; with files, labels for the
-        log.
+        'de'; on a TFDS dataset two of its language features (default 'de', 'en'); with
+        files, the suffixes of the run's outputs in W/translations/ (none given: 'src' and
+        'tgt', see `output_languages`).
       train_src, train_tgt: parallel text files to train on instead of Multi30k (UTF-8, one
         sentence a line, optionally gzipped: train.data.text_files); a joint SentencePiece
         model of vocab_size pieces is trained on them. valid_src, valid_tgt: the validation
@@ -126,8 +127,9 @@ class TranslateConfig(RunConfig):
     teacher_forcing: float = 1.0
     teacher_forcing_schedule: str = "constant"
     teacher_forcing_k: float = 1000.0
-    src_lang: str = "de"
-    tgt_lang: str = "en"
+    # None: the data source's default, set in __post_init__ (a run on files has none).
+    src_lang: str | None = None
+    tgt_lang: str | None = None
     train_src: str | None = None
     train_tgt: str | None = None
     valid_src: str | None = None
@@ -157,6 +159,9 @@ class TranslateConfig(RunConfig):
 
     def __post_init__(self):
         super().__post_init__()
+        if self.data_source() != "files":  # Multi30k, and a TFDS dataset, read de -> en
+            object.__setattr__(self, "src_lang", self.src_lang or "de")
+            object.__setattr__(self, "tgt_lang", self.tgt_lang or "en")
         if self.optimizer not in OPTIMIZERS:
             raise ValueError(f"optimizer: expected one of {OPTIMIZERS}, got {self.optimizer!r}")
         if self.optimizer == "noam" and not hasattr(self.model_config, "d_model"):
@@ -268,6 +273,12 @@ class TranslateConfig(RunConfig):
         if self.train_src is not None:
             return "files"
         return "tfds" if is_tfds(self.dataset) else "multi30k"
+
+    def output_languages(self) -> tuple[str, str]:
+        """The suffixes of the source and target files of W/translations/
+        (<split>.source.SRC, <split>.reference.TGT, <split>.step<N>.TGT): the run's languages,
+        or 'src' and 'tgt' for files given none (nothing says what language they are)."""
+        return self.src_lang or "src", self.tgt_lang or "tgt"
 
     def uses_files(self) -> bool:
         """Whether the run trains on the user's files."""

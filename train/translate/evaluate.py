@@ -174,12 +174,13 @@ def write_translations(
     sources: Sequence[str],
     references: Sequence[str],
     hypotheses: Sequence[str],
-    src_lang: str = "de",
-    tgt_lang: str = "en",
+    src_lang: str,
+    tgt_lang: str,
 ) -> str:
     """W/translations/<split>.step<N>.<tgt_lang> (one hypothesis a line, in test order); also
-    the source and reference next to it once. Process 0 writes; every process returns the
-    path."""
+    the source and reference next to it once, <split>.source.<src_lang> and
+    <split>.reference.<tgt_lang> (the languages: `TranslateConfig.output_languages`).
+    Process 0 writes; every process returns the path."""
     directory = os.path.join(workdir, "translations")
     path = os.path.join(directory, f"{split}.step{step}.{tgt_lang}")
     if jax.process_index() == 0:

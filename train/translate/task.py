@@ -516,6 +516,7 @@ class TranslationData:
         t_eval = time.monotonic()
         teacher = teacher_forced(dp, eval_step, params, self._eval_batches(test, dp))
         hypotheses = translate_pairs(model, params, dp, config, self.tokenizer, test.pairs)
+        src_lang, tgt_lang = config.output_languages()
         path = write_translations(
             workdir,
             test.name,
@@ -523,8 +524,8 @@ class TranslationData:
             sources=test.sources,
             references=test.references,
             hypotheses=hypotheses,
-            src_lang=config.src_lang,
-            tgt_lang=config.tgt_lang,
+            src_lang=src_lang,
+            tgt_lang=tgt_lang,
         )
         record = {
             "loss": teacher["loss"],

@@ -78,12 +78,12 @@ def data_dir(tmp_path_factory):
     Multi30k prepared once, before any run reads it: runs only read it, so subprocesses never
     build a dataset concurrently. A test that damages a dataset copies it first."""
     # Lazy: importing TFDS takes seconds, and most test modules never need it.
-    from train.data.datasets import load_multi30k, load_ptb
+    from train.data.datasets import Multi30k, Ptb
 
     path = tmp_path_factory.mktemp("tfds")
     for level in ("word", "char"):
-        load_ptb(level, "train", data_dir=path)
-    load_multi30k("train", data_dir=path)
+        Ptb(config=level, data_dir=path).download_and_prepare()
+    Multi30k(data_dir=path).download_and_prepare()
     return path
 
 

@@ -97,6 +97,23 @@ def test_ptb_token_counts_and_order(data_dir, level):
     assert len(source) == 3_370
 
 
+def test_without_a_prepared_copy_the_loaders_read_the_shipped_files(data_dir, tmp_path):
+    """No TFDS generation step on a fresh machine: the same lists as the prepared copy's, and
+    nothing written to the empty data directory."""
+    empty = tmp_path / "tfds"
+    for split in MULTI30K_LINES:
+        assert load_multi30k(split, data_dir=empty) == load_multi30k(split, data_dir=data_dir)
+    for level in ("word", "char"):
+        for split in ("train", "valid", "test"):
+            got = load_ptb(level, split, data_dir=empty)
+            assert got == load_ptb(level, split, data_dir=data_dir), (level, split)
+    assert not empty.exists()
+    with pytest.raises(ValueError, match="no split 'valid'"):
+        load_multi30k("valid", data_dir=empty)
+    with pytest.raises(ValueError, match="no split 'dev'"):
+        load_ptb("word", "dev", data_dir=empty)
+
+
 def test_loaders_reject_unknown_names(data_dir):
     with pytest.raises(ValueError, match="no split 'valid'"):
         load_multi30k("valid", data_dir=data_dir)

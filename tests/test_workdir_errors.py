@@ -25,7 +25,7 @@ from train.core.checkpoint import CONFIG_FILE, has_checkpoint, save_run_config
 from train.core.config import config_to_dict
 from train.core.metrics import read_metrics
 from train.core.workdir import LOCK_FILE, WorkdirError, WorkdirLock
-from train.data.datasets import DatasetError, load_ptb
+from train.data.datasets import DatasetError, Ptb, load_ptb
 from train.lm import cli as lm_cli
 
 FRESH = FRESH_LM
@@ -61,7 +61,7 @@ def test_a_damaged_config_json_is_one_line_naming_it(tmp_path, capsys, content, 
 
 def test_a_damaged_dataset_info_json_names_the_prepared_directory(tmp_path, capsys):
     data_dir = tmp_path / "tfds"
-    load_ptb("word", "valid", data_dir=data_dir)  # prepared
+    Ptb(config="word", data_dir=data_dir).download_and_prepare()
     (info,) = (data_dir / "ptb" / "word").glob("*/dataset_info.json")
     info.write_text('{"name": "ptb", cut short')
     with pytest.raises(DatasetError, match="the prepared dataset .*ptb/word cannot be read"):

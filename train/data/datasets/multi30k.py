@@ -14,6 +14,8 @@ Written in the `array_record` file format, which needs no TensorFlow; read it ba
 
 from __future__ import annotations
 
+from collections.abc import Mapping
+
 import tensorflow_datasets as tfds
 from etils import epath
 
@@ -69,6 +71,27 @@ _CITATION = """\
 """
 
 
+def split_pairs(lines: Mapping[str, list[str]], split: str) -> list[tuple[str, str]]:
+    """A split's (de, en) pairs from its files' lines ({file name: lines}), which must pair up."""
+    stem = SPLITS[split]
+    de, en = lines[f"{stem}.de.gz"], lines[f"{stem}.en.gz"]
+    if len(de) != len(en):
+        raise sources.DatasetSourceError(
+            f"multi30k split {split!r}: {stem}.de.gz has {len(de)} lines but "
+            f"{stem}.en.gz has {len(en)}; line i of one must translate line i of the other"
+        )
+    return list(zip(de, en))
+
+
+def shipped_pairs(split: str) -> list[tuple[str, str]]:
+    """A split read straight from the package's files (checksums verified), no TFDS copy: what
+    the prepared dataset holds, in the same order."""
+    stem = SPLITS[split]
+    files = [f for f in SOURCE_FILES if f.name in (f"{stem}.de.gz", f"{stem}.en.gz")]
+    lines = sources.read_sources(files, source=sources.SHIPPED, dataset="multi30k")
+    return split_pairs(lines, split)
+
+
 class Multi30k(sources.SourceBuilder):
     """Multi30k task 1 de-en sentence pairs (raw, cased), in file order."""
 
@@ -95,15 +118,7 @@ class Multi30k(sources.SourceBuilder):
         # Everything is read and checked before any example is written, so a bad file fails
         # preparation up front and leaves no half-written dataset behind.
         lines = self._read_sources(SOURCE_FILES, dataset="multi30k", dl_manager=dl_manager)
-        pairs = {}
-        for split, stem in SPLITS.items():
-            de, en = lines[f"{stem}.de.gz"], lines[f"{stem}.en.gz"]
-            if len(de) != len(en):
-                raise sources.DatasetSourceError(
-                    f"multi30k split {split!r}: {stem}.de.gz has {len(de)} lines but "
-                    f"{stem}.en.gz has {len(en)}; line i of one must translate line i of the other"
-                )
-            pairs[split] = list(zip(de, en))
+        pairs = {split: split_pairs(lines, split) for split in SPLITS}
         return {split: self._generate_examples(split_pairs) for split, split_pairs in pairs.items()}
 
     def _generate_examples(self, pairs: list[tuple[str, str]]):

@@ -65,3 +65,29 @@ def test_a_folder_that_cannot_be_made_is_a_warning_naming_it(no_cache_set, tmp_p
     with pytest.warns(UserWarning, match=f"cannot make {blocker}/xla.*{CACHE_ENV}"):
         assert enable_compilation_cache({CACHE_ENV: str(blocker / "xla")}) is None
     assert jax.config.jax_compilation_cache_dir is None
+
+
+def test_the_tally_counts_what_the_persistent_cache_saved():
+    """A program new to the suite's cache is a miss; compiled again after JAX's in-memory
+    caches are emptied, it is read back: a hit. Outside the block nothing is counted."""
+    import os
+
+    salt = int.from_bytes(os.urandom(3), "little")  # a program no earlier run has cached
+    x = jax.numpy.arange(4.0)
+
+    def compile_once():
+        return jax.jit(lambda v: v * 3.0 + salt).lower(x).compile()
+
+    with compile_cache.CacheTally() as first:
+        compile_once()
+    assert (first.hits, first.misses) == (0, 1)
+    assert first.describe().startswith("; 0 of 1 program(s) from the persistent")
+    jax.clear_caches()
+    with compile_cache.CacheTally() as second:
+        compile_once()
+    assert (second.hits, second.misses) == (1, 0)
+    assert "1 of 1 program(s) from the persistent compilation cache" in second.describe()
+    jax.clear_caches()
+    compile_once()  # after the block: not counted
+    assert (second.hits, second.misses) == (1, 0)
+    assert compile_cache.CacheTally().describe() == ""

@@ -179,7 +179,7 @@ def test_a_resumed_run_keeps_its_length_and_repeats_the_uninterrupted_run_exactl
     # Resumed on a machine twice as fast with a fresh minute: it would fit more steps, but the
     # length is the checkpoint's.
     second, lines = run(tmp_path / "resumed", FakeClock(), step_seconds=0.25, minutes=1.01)
-    assert any("chosen when the run started: 121 steps" in x for x in lines)
+    assert any("the schedule length this run chose: 121 steps" in x for x in lines)
     assert int(second.state.step) == 121 and second.reason == "steps"
     a, b = train_losses(tmp_path / "straight"), train_losses(tmp_path / "resumed")
     assert [s for s, _ in a] == list(range(1, 122))

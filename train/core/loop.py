@@ -420,7 +420,7 @@ def train_loop(
         chosen = schedule_length(state)
         if chosen:
             steps = chosen
-            log(f"the schedule's length, chosen when the run started: {chosen:,} steps")
+            log(f"resumed with the schedule length this run chose: {chosen:,} steps")
         elif config.deadline is None:
             state = with_schedule_length(dp, state, config.steps)
             log(f"no time budget: schedule set to the run's {config.steps:,} steps")

@@ -235,6 +235,7 @@ def test_a_given_step_count_is_fixed_and_builds_the_optimizer_it_always_did():
     assert jax.tree.structure(adam) == jax.tree.structure(expected)
 
 
+@pytest.mark.slow
 def test_a_fitted_run_without_a_budget_is_the_fixed_run_of_its_steps(lm_straight, tmp_path):
     config, workdir, _ = lm_straight  # 6 steps, the cosine over 6
     fitted = tiny_lm_config(config.data_dir, decay_steps=0, fit_to_budget=True)

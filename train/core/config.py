@@ -56,12 +56,12 @@ class RunConfig:
       minutes: also stop when this much wall time has passed since the start, data
         preparation included (0 = no limit); evaluation follows.
       fit_to_budget: with a time budget (minutes), the run chooses its steps itself: it times
-        its first steps after compiling (and a validation and a save, when it makes them
-        within the budget), sets its length to the steps that fit the time left, and its
-        learning-rate schedule decays over them (`train.core.budget`). The length is kept in
-        the optimizer state, so a resumed run keeps it (a resumed run's steps does not move
-        it; minutes still stops it). Without a budget the length is `steps`. A preset that
-        sets it trains a given `steps` as a fixed count instead (`preset_run_fields`).
+        its first steps after compiling (and a validation, when it validates within the
+        budget), sets its length to the steps that fit the time left, and its learning-rate
+        schedule decays over them (`train.core.budget`). The length is kept in the optimizer
+        state, so a resumed run keeps it (a resumed run's steps does not move it; minutes
+        still stops it). Without a budget the length is `steps`. A preset that sets it trains
+        a given `steps` as a fixed count instead (`preset_run_fields`).
       seed: parameters, dropout and batch order all derive from it.
       parallel: 'jit' (Mesh + NamedSharding) or 'pmap'. distributed: initialise JAX's
         distributed runtime first (several processes).

@@ -19,6 +19,7 @@ import threading
 import time
 
 import jax
+import jax.numpy as jnp
 import numpy as np
 import pytest
 from jax.extend import core as jax_core
@@ -43,6 +44,15 @@ needs_gpu = pytest.mark.skipif(
 
 
 # ---------------------------------------------------------------------------- tiny runs
+def toy_loss(params, batch, *, rng, extra, deterministic):
+    """The loop tests' toy regression: squared error of x @ w + b against y, with a random
+    per-row keep mask from the step rng (like dropout), so exact resume needs the step rng."""
+    err = (batch["x"] @ params["w"] + params["b"] - batch["y"]) ** 2  # [B]
+    if not deterministic:
+        err = err * jax.random.bernoulli(rng, 0.75, err.shape)
+    return err.sum(), {"n_tokens": jnp.float32(err.shape[0])}, extra
+
+
 # A fresh tiny LM command line, with a fixed cosine horizon (decay_steps), so runs given
 # different --steps follow the same trajectory and their metrics compare exactly; progress:
 # a line per log interval (stderr is no terminal).

@@ -17,7 +17,7 @@ import jax.numpy as jnp
 import numpy as np
 import optax
 import pytest
-from helpers import file_hashes, train_losses
+from helpers import file_hashes, toy_loss, train_losses
 
 from train import lm
 from train.core import loop
@@ -29,14 +29,6 @@ from train.core.state import TrainState
 
 D = 4
 ROWS = 8  # divisible by the 8 test devices
-
-
-def toy_loss(params, batch, *, rng, extra, deterministic):
-    """Squared error with a random per-row keep mask from the step rng (like dropout)."""
-    err = (batch["x"] @ params["w"] + params["b"] - batch["y"]) ** 2  # [B]
-    if not deterministic:
-        err = err * jax.random.bernoulli(rng, 0.75, err.shape)
-    return err.sum(), {"n_tokens": jnp.float32(err.shape[0])}, extra
 
 
 def toy_batch(step: int, nan_at: int | None = None) -> dict[str, np.ndarray]:

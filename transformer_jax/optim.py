@@ -2,6 +2,12 @@
 Transformer-XL's linear warm-up + cosine), Adam, global-norm clipping and `params_ema`, an
 exponential moving average of the parameters kept in the optimizer state, all behind one
 `make_optimizer(OptimizerConfig)`.
+
+A schedule's length may be chosen while a run trains (`horizon_in_state`): a run fitted to a time
+budget learns how many steps fit only after it has timed a few, and its optimizer is compiled
+before that. Its length is then a value of the optimizer state, not a constant of the program:
+set once with `set_schedule_horizon`, checkpointed with the state, so a resumed run decays over
+the same steps.
 """
 
 from __future__ import annotations
@@ -11,6 +17,7 @@ from typing import Any, NamedTuple
 
 import jax
 import jax.numpy as jnp
+import numpy as np
 import optax
 
 SCHEDULES = ("noam", "constant", "cosine")
@@ -33,6 +40,10 @@ class OptimizerConfig:
       decay_steps, min_learning_rate: the cosine horizon and floor.
       clip_norm: clip the gradient to this global norm first (None: no clipping).
       ema_decay: keep an average of the parameters at this decay (0: none); see `params_ema`.
+      horizon_in_state: the schedule's length is not decay_steps but a value of the optimizer
+        state (`ScheduleState.horizon`), which the run sets once it knows it
+        (`set_schedule_horizon`); 0 until then, when the schedule does not decay. Only
+        'cosine' reads it; the others keep it for the run, which stops there.
     """
 
     schedule: str = "constant"
@@ -44,6 +55,7 @@ class OptimizerConfig:
     min_learning_rate: float = 0.0
     clip_norm: float | None = None
     ema_decay: float = 0.0
+    horizon_in_state: bool = False
 
     def __post_init__(self):
         if self.schedule not in SCHEDULES:
@@ -59,7 +71,7 @@ class OptimizerConfig:
             raise ValueError(
                 f"learning_rate: must be a finite number > 0, got {self.learning_rate}"
             )
-        if self.schedule == "cosine" and self.decay_steps <= 0:
+        if self.schedule == "cosine" and self.decay_steps <= 0 and not self.horizon_in_state:
             raise ValueError(f"decay_steps: the cosine horizon must be > 0, got {self.decay_steps}")
         if self.warmup_steps < 0 or self.min_learning_rate < 0:
             raise ValueError("warmup_steps and min_learning_rate: must be >= 0")
@@ -93,11 +105,19 @@ def warmup_cosine_schedule(
 ) -> optax.Schedule:
     """The Transformer-XL reference's schedule with 1-based step t: lr * t / warmup while
     t < warmup, then min_lr + (lr - min_lr) * (1 + cos(pi * t / decay_steps)) / 2, t capped
-    at decay_steps."""
-    lr, floor, total = learning_rate, min_learning_rate, max(decay_steps, 1)
+    at decay_steps.
 
-    def schedule(count):
+    Its `horizon` argument, when given (an int32 scalar: `ScheduleState.horizon`), stands for
+    decay_steps; 0 means the length is not chosen yet, and the cosine stays at its start (an
+    endless horizon)."""
+    lr, floor, fixed = learning_rate, min_learning_rate, max(decay_steps, 1)
+
+    def schedule(count, horizon=None):
         t = jnp.asarray(count, jnp.float32) + 1.0
+        if horizon is None:
+            total = fixed
+        else:
+            total = jnp.where(horizon > 0, jnp.asarray(horizon, jnp.float32), jnp.inf)
         cosine = floor + (lr - floor) * 0.5 * (
             1.0 + jnp.cos(jnp.pi * jnp.minimum(t, total) / total)
         )
@@ -120,18 +140,24 @@ def warmup_constant_schedule(learning_rate: float, *, warmup_steps: int) -> opta
 
 
 def make_schedule(config: OptimizerConfig) -> optax.Schedule:
+    """-> schedule(count), or with config.horizon_in_state schedule(count, horizon): the
+    horizon is read by 'cosine' and ignored by the others."""
     if config.schedule == "noam":
-        return noam_schedule(config.d_model, config.warmup_steps, config.lr_factor)
-    if config.schedule == "cosine":
+        schedule = noam_schedule(config.d_model, config.warmup_steps, config.lr_factor)
+    elif config.schedule == "cosine":
         return warmup_cosine_schedule(
             config.learning_rate,
             warmup_steps=config.warmup_steps,
             decay_steps=config.decay_steps,
             min_learning_rate=config.min_learning_rate,
         )
-    if config.warmup_steps:
-        return warmup_constant_schedule(config.learning_rate, warmup_steps=config.warmup_steps)
-    return optax.constant_schedule(config.learning_rate)
+    elif config.warmup_steps:
+        schedule = warmup_constant_schedule(config.learning_rate, warmup_steps=config.warmup_steps)
+    else:
+        schedule = optax.constant_schedule(config.learning_rate)
+    if not config.horizon_in_state:
+        return schedule
+    return lambda count, horizon=None: schedule(count)
 
 
 def make_optimizer(config: OptimizerConfig) -> tuple[optax.GradientTransformation, optax.Schedule]:
@@ -139,19 +165,73 @@ def make_optimizer(config: OptimizerConfig) -> tuple[optax.GradientTransformatio
     `clip_by_global_norm`, whose update takes the gradient's norm from a caller that has it.
 
     A single transformation is returned unchained, so the optimizer state's tree (and with it
-    every checkpoint) is the same as that transformation's own.
+    every checkpoint) is the same as that transformation's own. With horizon_in_state, Adam's
+    rate is scaled by `scale_by_schedule_with_horizon` instead of optax's `scale_by_schedule`:
+    the same arithmetic, with the schedule's length in its state.
     """
     schedule = make_schedule(config)
-    if config.schedule == "noam":
-        adam = optax.adam(schedule, b1=0.9, b2=0.98, eps=1e-9)
+    betas = dict(b1=0.9, b2=0.98, eps=1e-9) if config.schedule == "noam" else {}
+    if config.horizon_in_state:
+        adam = optax.chain(optax.scale_by_adam(**betas), scale_by_schedule_with_horizon(schedule))
     else:
-        adam = optax.adam(schedule)
+        adam = optax.adam(schedule, **betas)
     parts = [adam]
     if config.clip_norm is not None:
         parts.insert(0, clip_by_global_norm(config.clip_norm))
     if config.ema_decay:
         parts.append(params_ema(config.ema_decay))  # last: it averages the updated params
     return (parts[0] if len(parts) == 1 else optax.chain(*parts)), schedule
+
+
+class ScheduleState(NamedTuple):
+    """count: int32 scalar, updates seen (optax's ScaleByScheduleState.count); horizon: int32
+    scalar, the schedule's length in steps, 0 until the run chooses it."""
+
+    count: jax.Array
+    horizon: jax.Array
+
+
+def scale_by_schedule_with_horizon(schedule) -> optax.GradientTransformation:
+    """optax's `scale_by_learning_rate(schedule)` (updates times -schedule(count)) for a
+    schedule(count, horizon) whose horizon is kept in the state (`ScheduleState`): a program
+    compiled before the horizon is known reads it at every step."""
+
+    def init(params):
+        del params
+        return ScheduleState(count=jnp.zeros([], jnp.int32), horizon=jnp.zeros([], jnp.int32))
+
+    def update(updates, state, params=None):
+        del params
+        step_size = -1 * schedule(state.count, state.horizon)
+        updates = jax.tree.map(lambda g: jnp.array(step_size, dtype=g.dtype) * g, updates)
+        return updates, state._replace(count=optax.safe_increment(state.count))
+
+    return optax.GradientTransformation(init, update)
+
+
+def find_schedule_horizon(opt_state: Any) -> jax.Array | None:
+    """The `ScheduleState.horizon` in `opt_state` (a chain's tuple of states, searched depth
+    first), or None: the schedule's length is fixed (not horizon_in_state)."""
+    found = _find_state(opt_state, ScheduleState)
+    return None if found is None else found.horizon
+
+
+def set_schedule_horizon(opt_state: Any, steps: int) -> Any:
+    """`opt_state` with its `ScheduleState.horizon` set to `steps` (host values; the caller
+    places them). ValueError when it has none."""
+    if find_schedule_horizon(opt_state) is None:
+        raise ValueError("set_schedule_horizon: the optimizer state keeps no schedule horizon")
+
+    def replace(node):
+        if isinstance(node, ScheduleState):
+            return node._replace(horizon=np.asarray(steps, np.int32))
+        if isinstance(node, tuple) and not hasattr(node, "_fields"):
+            return tuple(replace(x) for x in node)
+        if isinstance(node, list):
+            return [replace(x) for x in node]
+        return node
+
+    return replace(opt_state)
 
 
 def clip_by_global_norm(max_norm: float) -> optax.GradientTransformationExtraArgs:
@@ -222,11 +302,18 @@ def params_ema(decay: float) -> optax.GradientTransformation:
 def find_params_ema(opt_state: Any) -> Any | None:
     """The averaged parameters of the first `params_ema` found in `opt_state` (a chain's tuple
     of states, searched depth first), or None when there is none."""
-    if isinstance(opt_state, ParamsEmaState):
-        return opt_state.ema
+    found = _find_state(opt_state, ParamsEmaState)
+    return None if found is None else found.ema
+
+
+def _find_state(opt_state: Any, kind: type) -> Any | None:
+    """The first state of type `kind` in `opt_state` (a chain's tuple of states, searched
+    depth first), or None."""
+    if isinstance(opt_state, kind):
+        return opt_state
     if isinstance(opt_state, (tuple, list)):
         for inner in opt_state:
-            found = find_params_ema(inner)
+            found = _find_state(inner, kind)
             if found is not None:
                 return found
     return None

@@ -51,9 +51,17 @@ class RunConfig:
     Attributes:
       preset: the named recipe this config started from (each task lists its own).
       model_config: the model's frozen config.
-      steps: stop after this many optimizer steps (a resumed run may change it).
+      steps: stop after this many optimizer steps (a resumed run may change it). With
+        fit_to_budget, the run's length when it has no time budget (minutes 0).
       minutes: also stop when this much wall time has passed since the start, data
         preparation included (0 = no limit); evaluation follows.
+      fit_to_budget: with a time budget (minutes), the run chooses its steps itself: it times
+        its first steps after compiling (and a validation, when it validates within the
+        budget), sets its length to the steps that fit the time left, and its learning-rate
+        schedule decays over them (`train.core.budget`). The length is kept in the optimizer
+        state, so a resumed run keeps it (a resumed run's steps does not move it; minutes
+        still stops it). Without a budget the length is `steps`. A preset that sets it trains
+        a given `steps` as a fixed count instead (`preset_run_fields`).
       seed: parameters, dropout and batch order all derive from it.
       parallel: 'jit' (Mesh + NamedSharding) or 'pmap'. distributed: initialise JAX's
         distributed runtime first (several processes).
@@ -101,6 +109,8 @@ class RunConfig:
     plots: bool = True
     on_nonfinite: str = "stop"
     compile_ahead: bool = True
+    # Not a may-change field: it adds the schedule's length to the optimizer state's tree.
+    fit_to_budget: bool = False
 
     # Fields a resumed run may change: they do not alter the training trajectory. A task
     # adds its own (evaluation settings) with `RunConfig.MAY_CHANGE + (...)`.
@@ -141,6 +151,16 @@ class RunConfig:
         check_choice("on_nonfinite", self.on_nonfinite, NONFINITE_POLICIES)
         if not (math.isfinite(self.minutes) and self.minutes >= 0):
             raise ValueError(f"minutes: must be a finite number >= 0, got {self.minutes}")
+
+
+def preset_run_fields(preset: Mapping[str, Any], overrides: Mapping[str, Any]) -> dict[str, Any]:
+    """A preset's run fields with the caller's `overrides` on top. A `steps` given without
+    `fit_to_budget` is a fixed count: it turns off a preset's fitting to its time budget, so
+    `--steps N` trains N steps on the schedule they name, as before presets fitted."""
+    fields = {**preset, **overrides}
+    if "steps" in overrides and "fit_to_budget" not in overrides:
+        fields["fit_to_budget"] = False
+    return fields
 
 
 def _check(name: str, value: Any, *, minimum: int) -> None:

@@ -18,6 +18,13 @@ A resumed run reproduces an uninterrupted one exactly when the batches depend on
 Logged training lines average over `log_every` steps counted from step 0; the metrics of an
 interval cut short by a signal travel in the checkpoint, so the resumed run's line for that
 interval is the one an uninterrupted run writes.
+
+A run fitted to its time budget (`fit_to_budget`) chooses its length once: it times
+`fit_measure` steps after the first `fit_skip` (whose first executions load programs and fill
+the data pipeline), and a validation when it makes them within its budget, then sets its
+schedule's length to the steps that fit the time left (`train.core.budget`). The length is
+written into the optimizer state, so every later checkpoint holds it and a resumed run keeps
+it; a run stopped before it chose measures again when resumed.
 """
 
 from __future__ import annotations
@@ -36,11 +43,13 @@ import numpy as np
 from jax.experimental import multihost_utils
 from tqdm.auto import tqdm
 
+from train.core.budget import StepCosts, describe, fitted_steps
 from train.core.checkpoint import BEST_METRIC, Checkpoints
 from train.core.config import NONFINITE_POLICIES, check_choice
 from train.core.metrics import MetricsWriter, summarize_interval
 from train.core.parallel import DataParallel
 from train.core.state import TrainState
+from transformer_jax.optim import find_schedule_horizon, set_schedule_horizon
 
 if TYPE_CHECKING:  # only for the annotation: the run config imports nothing from here
     from train.core.config import RunConfig
@@ -58,6 +67,10 @@ class LoopConfig:
     new step starts (None: no time limit). eval_every / checkpoint_every: 0 = only at the end.
     nonfinite: 'stop' (raise TrainingDiverged) or 'skip' (go on without that update).
     agree_every: past one process, how often (in steps) the processes agree on stopping.
+    fit_to_budget: the state's optimizer keeps its schedule's length (horizon_in_state), and
+      the loop chooses it: from the deadline, after timing fit_measure steps that follow the
+      first fit_skip of this run; `steps` without a deadline. A length already chosen (a
+      resumed run's) is kept, and is where the loop stops.
     """
 
     steps: int
@@ -68,6 +81,9 @@ class LoopConfig:
     progress: bool = True
     nonfinite: str = "stop"
     agree_every: int = 10
+    fit_to_budget: bool = False
+    fit_skip: int = 10
+    fit_measure: int = 50
 
     @classmethod
     def from_run(cls, run: RunConfig, *, start: float) -> LoopConfig:
@@ -81,6 +97,7 @@ class LoopConfig:
             checkpoint_every=run.checkpoint_every,
             progress=run.progress,
             nonfinite=run.on_nonfinite,
+            fit_to_budget=run.fit_to_budget,
         )
 
     def __post_init__(self):
@@ -94,6 +111,11 @@ class LoopConfig:
             if getattr(self, name) < 0:
                 raise ValueError(f"{name}: must be >= 0, got {getattr(self, name)}")
         check_choice("on_nonfinite", self.nonfinite, NONFINITE_POLICIES)
+        if self.fit_skip < 0 or self.fit_measure < 1:
+            raise ValueError(
+                f"fit_skip, fit_measure: must be >= 0 and >= 1, got {self.fit_skip}, "
+                f"{self.fit_measure}"
+            )
 
 
 @dataclasses.dataclass
@@ -168,11 +190,18 @@ class Agreement:
         self.multi = jax.process_count() > 1
 
     def should_stop(
-        self, step: int, *, flag: StopFlag, deadline: float | None, force: bool = False
+        self,
+        step: int,
+        *,
+        flag: StopFlag,
+        deadline: float | None,
+        now: float,
+        force: bool = False,
     ) -> str | None:
-        """'sigterm' | 'sigint' | 'time' | None, the same on every process. force: gather now
-        whatever the step (every process must pass it at the same step)."""
-        late = deadline is not None and time.monotonic() >= deadline
+        """'sigterm' | 'sigint' | 'time' | None, the same on every process. now: the clock's
+        time, deadline's units. force: gather now whatever the step (every process must pass it
+        at the same step)."""
+        late = deadline is not None and now >= deadline
         if not self.multi:
             return flag.reason if flag.requested else ("time" if late else None)
         if _preemption_sync_point(step):
@@ -185,6 +214,13 @@ class Agreement:
         if votes[:, 0].any():
             return "sigterm"
         return "time" if votes[:, 1].any() else None
+
+    def same_everywhere(self, value: int) -> int:
+        """Process 0's `value` on every process (each measures its own clock, and a run's
+        length must be one)."""
+        if not self.multi:
+            return value
+        return int(multihost_utils.broadcast_one_to_all(np.int64(value)))
 
 
 def _preemption_sync_point(step: int) -> bool:
@@ -284,33 +320,40 @@ class Reporter:
         writer: MetricsWriter,
         *,
         step: int,
+        steps: int | None,
         elapsed: float,
         log: Callable[[str], None],
         on_log=None,
+        clock: Callable[[], float] = time.monotonic,
     ):
         # A bar on a terminal; elsewhere (CI, nohup, a log file) its carriage-return stream
         # would flood the log, so a plain line per logging interval instead.
         self.interactive = config.progress and sys.stderr.isatty()
         self.lines = config.progress and not self.interactive
-        self.steps = config.steps
+        self.steps = steps  # None: not chosen yet (fit_to_budget)
         self.bar = tqdm(
-            total=config.steps,
+            total=steps,
             initial=step,
             dynamic_ncols=True,
             desc="train",
             disable=not self.interactive or jax.process_index() != 0,
         )
-        self.writer, self.log, self.on_log = writer, log, on_log
+        self.writer, self.log, self.on_log, self.clock = writer, log, on_log, clock
         self.earlier = elapsed  # training seconds of the runs before this one
-        self.started = self.last = time.monotonic()
+        self.started = self.last = clock()
 
     def elapsed(self) -> float:
         """Training seconds, summed over resumed runs."""
-        return self.earlier + (time.monotonic() - self.started)
+        return self.earlier + (self.clock() - self.started)
+
+    def set_steps(self, steps: int) -> None:
+        """The run's length, once chosen."""
+        self.steps = self.bar.total = steps
+        self.bar.refresh()
 
     def train(self, step: int, host: list[dict[str, float]], skipped: int) -> None:
         """One 'train' line for an interval's (finite) steps."""
-        now = time.monotonic()
+        now = self.clock()
         if not host:  # every step of the interval was skipped
             return
         line = summarize_interval(host)
@@ -327,7 +370,7 @@ class Reporter:
         )
         if self.lines:
             self.log(
-                f"step {step}/{self.steps}: loss {line['loss']:.4f}, lr "
+                f"step {step}/{self.steps or '?'}: loss {line['loss']:.4f}, lr "
                 f"{line.get('lr', 0):.3g}, {line['tokens_per_sec']:.0f} tokens/s, "
                 f"{line['elapsed']:.0f}s"
             )
@@ -360,8 +403,10 @@ def train_loop(
     on_log: Callable[[dict[str, Any]], None] | None = None,
     log: Callable[[str], None] | None = None,
     carried: list[dict[str, float]] | None = None,
+    clock: Callable[[], float] = time.monotonic,
 ) -> LoopResult:
-    """Runs `train_step` from state.step to config.steps.
+    """Runs `train_step` from state.step to config.steps (with fit_to_budget, to the length
+    the state's schedule holds or the loop chooses).
 
     state: in `dp`'s step layout. batches: yields the batch of step state.step, then the
       next, ... (host arrays; past one process, this process's `dp.local_rows` of each global
@@ -369,16 +414,36 @@ def train_loop(
       every eval_every steps and at the end, logged as split 'validation'; its 'loss' ranks
       the checkpoints for the best one. elapsed: training seconds of earlier runs (from the
       checkpoint meta). carried: host metrics of the steps of the current logging interval
-      that an interrupted run had done (from the checkpoint meta).
+      that an interrupted run had done (from the checkpoint meta). clock: seconds, in the
+      units of config.deadline (time.monotonic; a test's fake clock).
     """
     stop = stop or StopFlag()
+    log = log or printer()
     agreement = Agreement(config.agree_every)
     step = start_step = int(jax.device_get(state.step).reshape(-1)[0])  # pmap: one per device
+    steps, measure = config.steps, None
+    if config.fit_to_budget:
+        chosen = schedule_length(state)
+        if chosen:
+            steps = chosen
+            log(f"resumed with the schedule length this run chose: {chosen:,} steps")
+        elif config.deadline is None:
+            state = with_schedule_length(dp, state, config.steps)
+            log(f"no time budget: schedule set to the run's {config.steps:,} steps")
+        else:
+            steps, measure = None, BudgetMeasure(start_step, config, clock)
     interval = Interval(dp, carried)
     report = Reporter(
-        config, writer, step=step, elapsed=elapsed, log=log or printer(), on_log=on_log
+        config,
+        writer,
+        step=step,
+        steps=steps,
+        elapsed=elapsed,
+        log=log,
+        on_log=on_log,
+        clock=clock,
     )
-    last_eval = None
+    last_eval, evaluated_at = None, None
 
     def log_interval():
         if interval:
@@ -391,30 +456,44 @@ def train_loop(
         meta = {"elapsed": report.elapsed()}
         if unfinished:
             meta["interval_metrics"] = unfinished
+        t0 = clock()
         checkpoints.save(
             dp.get_state(state),
             meta=meta,
             metrics=None if validation is None else {BEST_METRIC: validation["loss"]},
         )
+        if measure:
+            measure.outside += clock() - t0
 
     def validate():
+        nonlocal evaluated_at
+        t0 = clock()
         figures = evaluate(dp.get_state(state))
         report.validation(step, figures)
+        evaluated_at = step
+        if measure:
+            measure.validation = clock() - t0
+            measure.outside += measure.validation
         return figures
+
+    def more_to_do() -> bool:
+        return steps is None or step < steps
 
     try:
         # The time budget may be spent before the first step (data preparation counts).
         reason = None
-        if step < config.steps:
+        if more_to_do():
             reason = agreement.should_stop(
-                step, flag=StopFlag(), deadline=config.deadline, force=True
+                step, flag=StopFlag(), deadline=config.deadline, now=clock(), force=True
             )
-        while reason is None and step < config.steps:
+        while reason is None and more_to_do():
+            if measure and step == measure.start:
+                measure.begin(state)
             state, metrics = train_step(state, dp.put_batch(next(batches)))
             step += 1
             interval.add(metrics)
             report.bar.update(1)
-            reason = agreement.should_stop(step, flag=stop, deadline=config.deadline)
+            reason = agreement.should_stop(step, flag=stop, deadline=config.deadline, now=clock())
             if reason in SIGNAL_REASONS.values():
                 break
             # 'time' ends the loop after this step is logged, evaluated and saved as usual.
@@ -427,6 +506,15 @@ def train_loop(
             elif config.checkpoint_every and step % config.checkpoint_every == 0:
                 log_interval()
                 save()
+            if measure and step == measure.end and reason is None:
+                # A validation within the budget costs steps: time one now if none was.
+                if evaluate and config.eval_every and measure.validation is None:
+                    last_eval = validate()
+                steps = measure.choose(state, config, agreement)
+                state = with_schedule_length(dp, state, steps)
+                report.set_steps(steps)
+                log(measure.message)
+                measure = None
         reason = reason or "steps"
         progressed = step > start_step or (checkpoints and checkpoints.latest_step() is None)
         if reason in SIGNAL_REASONS.values():
@@ -439,8 +527,7 @@ def train_loop(
                 save(unfinished=unfinished)
         else:
             log_interval()
-            evaluated_here = config.eval_every and step % config.eval_every == 0
-            if evaluate and step > start_step and (last_eval is None or not evaluated_here):
+            if evaluate and step > start_step and evaluated_at != step:
                 last_eval = validate()
             if progressed:
                 save(last_eval)  # a final validation at this step ranks it
@@ -453,6 +540,68 @@ def train_loop(
         last_eval=last_eval,
         skipped=interval.skipped,
     )
+
+
+# ----------------------------------------------------------------------------- budget
+class BudgetMeasure:
+    """What a run fitted to its budget times before it chooses its length: the steps from
+    `start` to `end`, less the time validations and saves took among them (`outside`), and
+    the last validation's seconds (`validation`, None until one ran)."""
+
+    def __init__(self, first_step: int, config: LoopConfig, clock: Callable[[], float]):
+        self.start = first_step + config.fit_skip
+        self.end = self.start + config.fit_measure
+        self.clock = clock
+        self.began = 0.0
+        self.outside = 0.0
+        self.validation: float | None = None
+        self.message = ""
+
+    def begin(self, state: TrainState) -> None:
+        # The steps dispatched so far must have run: the clock starts on an idle device.
+        jax.block_until_ready(state)
+        self.began = self.clock()
+        self.outside = 0.0
+
+    def choose(self, state: TrainState, config: LoopConfig, agreement: Agreement) -> int:
+        """The run's length, the same on every process (process 0's measurement)."""
+        jax.block_until_ready(state)
+        now = self.clock()
+        costs = StepCosts(
+            step=max(now - self.began - self.outside, 0.0) / (self.end - self.start),
+            measured=self.end - self.start,
+            validation=self.validation or 0.0,
+        )
+        total = agreement.same_everywhere(
+            fitted_steps(
+                step=self.end,
+                seconds_left=config.deadline - now,
+                costs=costs,
+                eval_every=config.eval_every,
+            )
+        )
+        self.message = describe(
+            seconds_left=config.deadline - now,
+            costs=costs,
+            eval_every=config.eval_every,
+            total=total,
+        )
+        return total
+
+
+def schedule_length(state: TrainState) -> int | None:
+    """The schedule length the state's optimizer keeps (0: not chosen yet), or None when it
+    keeps none (a fixed schedule)."""
+    horizon = find_schedule_horizon(state.opt_state)
+    if horizon is None:
+        return None
+    return int(np.ravel(jax.device_get(horizon))[0])  # pmap: one per device
+
+
+def with_schedule_length(dp: DataParallel, state: TrainState, steps: int) -> TrainState:
+    """`state` (in `dp`'s step layout) with its schedule's length set to `steps`."""
+    state = dp.get_state(state)
+    return dp.put_state(state.replace(opt_state=set_schedule_horizon(state.opt_state, steps)))
 
 
 def printer() -> Callable[[str], None]:

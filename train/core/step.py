@@ -27,6 +27,7 @@ import optax
 from jax import lax
 
 from train.core.state import TrainState
+from transformer_jax.optim import find_schedule_horizon
 
 PyTree = Any
 Array = jax.Array
@@ -39,7 +40,8 @@ def make_train_step(
     """-> train_step(state, batch) -> (state, metrics).
 
     metrics: the summed `sums` plus 'loss_sum', 'grad_norm' (of the normalised gradient, before
-    clipping), 'lr' (the rate this step used) and 'nonfinite' (1.0 when the loss or the
+    clipping), 'lr' (the rate this step used: lr_schedule(step), or lr_schedule(step, horizon)
+    when the optimizer state keeps the schedule's length) and 'nonfinite' (1.0 when the loss or the
     gradient was NaN or infinite, or the gradient's norm overflowed: that update was not
     applied); all scalars, left on device.
     axis_name: set under `pmap`: gradients and sums are psummed over that axis.
@@ -95,7 +97,10 @@ def make_train_step(
             sums, grad_norm=grad_norm, nonfinite=jnp.float32(1.0) - finite.astype(jnp.float32)
         )
         if lr_schedule is not None:
-            metrics["lr"] = jnp.asarray(lr_schedule(state.step), jnp.float32)
+            # A schedule whose length the run chose reads it from the optimizer state.
+            horizon = find_schedule_horizon(state.opt_state)
+            lr = lr_schedule(state.step) if horizon is None else lr_schedule(state.step, horizon)
+            metrics["lr"] = jnp.asarray(lr, jnp.float32)
         return new_state, metrics
 
     return train_step

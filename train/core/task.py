@@ -417,7 +417,8 @@ def train_and_evaluate(task: Task, config: RunConfig, workdir: str) -> dict[str,
                 )
             dstate = dp.put_state(state)
             train_step = dp.compile_train_step(loss_fn, dstate, lr_schedule=schedule)
-            if config.compile_ahead and step < config.steps:
+            # A run fitted to its budget may train past `steps` (its length without one).
+            if config.compile_ahead and (step < config.steps or config.fit_to_budget):
                 t0 = time.monotonic()
                 ahead = dp.compile_ahead(train_step, dstate, data.example_batches(dp.local_rows))
                 if ahead:
@@ -427,7 +428,12 @@ def train_and_evaluate(task: Task, config: RunConfig, workdir: str) -> dict[str,
                     )
             loop = LoopConfig.from_run(config, start=start)
             log(
-                f"training from step {step} to {config.steps}"
+                f"training from step {step} to "
+                + (
+                    "the steps that fit the time budget"
+                    if config.fit_to_budget and loop.deadline
+                    else f"{config.steps}"
+                )
                 + (f" or until {_wall_clock(loop.deadline)}" if loop.deadline else "")
                 + "; SIGTERM saves a checkpoint and stops"
             )

@@ -8,7 +8,7 @@ import dataclasses
 from collections.abc import Mapping
 from typing import Any, ClassVar
 
-from train.core.config import RunConfig, check_finite, check_positive
+from train.core.config import RunConfig, check_finite, check_positive, preset_run_fields
 from train.data.tfds_source import is_tfds, tfds_name
 from train.lm.text import BYTE_VOCAB, training_vocab
 from transformer_jax.optim import OptimizerConfig
@@ -52,7 +52,8 @@ class LMConfig(RunConfig):
       batch_size: rows of the training stream: the GLOBAL batch, split over every device of
         every process (divisible by the device count).
       decay_steps: the length of the cosine decay (the reference's max_step); part of the
-        training recipe, so fixed for a run (0: equal to steps when the config is made).
+        training recipe, so fixed for a run (0: equal to steps when the config is made; with
+        fit_to_budget it stays 0: the decay is over the steps the run chooses).
       learning_rate, warmup_steps, min_learning_rate: Adam with linear warm-up over
         warmup_steps, then cosine from learning_rate to min_learning_rate at decay_steps.
       clip_norm: global gradient-norm clipping (the reference: 0.25).
@@ -124,7 +125,13 @@ class LMConfig(RunConfig):
         )
         check_finite(self, ("learning_rate", "clip_norm"), positive=True)
         check_finite(self, ("min_learning_rate",), positive=False)
-        if self.decay_steps == 0:
+        if self.fit_to_budget and self.decay_steps:
+            raise ValueError(
+                f"decay_steps: a run that fits its steps to its budget decays over the steps it "
+                f"chooses; leave decay_steps 0 (got {self.decay_steps}), or give fixed steps "
+                "with --fit_to_budget false"
+            )
+        if self.decay_steps == 0 and not self.fit_to_budget:
             object.__setattr__(self, "decay_steps", max(self.steps, 1))
         if self.model_config.same_length and self.eval_mem_len == 0:
             raise ValueError("eval_mem_len: same_length needs a memory")
@@ -207,6 +214,7 @@ class LMConfig(RunConfig):
             decay_steps=self.decay_steps,
             min_learning_rate=self.min_learning_rate,
             clip_norm=self.clip_norm,
+            horizon_in_state=self.fit_to_budget,
         )
 
 
@@ -301,12 +309,14 @@ PRESETS: dict[str, dict[str, Any]] = {
         eval_mem_len=32,
         eval_tokens=2000,
     ),
-    # The CPU default: stops at `minutes`. Batch 16 (more updates), lr 1e-3 (2e-3 diverged),
-    # a cosine horizon about twice the steps that fit (the rate is ~half its peak at the stop).
+    # The CPU default: batch 16 (more updates), lr 1e-3 (2e-3 diverged), the cosine over the
+    # steps that fit its 8 minutes on the machine it runs on (fit_to_budget; 3,500 without a
+    # budget), so it neither stops early on a fast machine nor mid-decay on a slow one.
     "cpu": dict(
         batch_size=16,
         steps=3500,
         minutes=8.0,
+        fit_to_budget=True,
         learning_rate=1e-3,
         warmup_steps=100,
         log_every=50,
@@ -316,11 +326,13 @@ PRESETS: dict[str, dict[str, Any]] = {
         eval_mem_len=140,
     ),
     # One GPU, one ten-minute command: 7.5 minutes of training, Adam 5e-4 after a 1,000-step
-    # warm-up, cosine over about the steps that fit, then evaluation.
+    # warm-up, cosine over the steps that fit on the GPU it runs on (fit_to_budget; 12,000
+    # without a budget), then evaluation.
     "gpu": dict(
         batch_size=32,
         steps=12_000,
         minutes=7.5,
+        fit_to_budget=True,
         learning_rate=5e-4,
         warmup_steps=1000,
         log_every=200,
@@ -406,7 +418,7 @@ def make_config(
     check_dataset(dataset)
     if preset not in PRESETS:
         raise ValueError(f"preset: expected one of {sorted(PRESETS)}, got {preset!r}")
-    run = {**PRESETS[preset], **run_overrides}
+    run = preset_run_fields(PRESETS[preset], run_overrides)
     if dataset == "text" or is_tfds(dataset):
         level = run.get("level", LMConfig.level)
         vocab_size = text_vocab_size(run, dataset)

@@ -14,7 +14,7 @@ from collections.abc import Mapping
 from pathlib import Path
 from typing import Any, ClassVar
 
-from train.core.config import RunConfig, check_finite, check_positive
+from train.core.config import RunConfig, check_finite, check_positive, preset_run_fields
 from train.data.tfds_source import is_tfds, tfds_name
 from train.translate import registry
 from transformer_jax.optim import OptimizerConfig
@@ -304,6 +304,7 @@ class TranslateConfig(RunConfig):
                 lr_factor=self.lr_factor,
                 clip_norm=self.clip_norm,
                 ema_decay=self.ema_decay,
+                horizon_in_state=self.fit_to_budget,
             )
         return OptimizerConfig(
             schedule="constant",
@@ -311,6 +312,7 @@ class TranslateConfig(RunConfig):
             warmup_steps=self.adam_warmup_steps,
             clip_norm=self.clip_norm,
             ema_decay=self.ema_decay,
+            horizon_in_state=self.fit_to_budget,
         )
 
 
@@ -365,12 +367,15 @@ PRESETS: dict[str, dict[str, Any]] = {
     # evaluation 18.7 and 17.0 s against 23.9 s. Later passes are 6-9% slower; the
     # translations are the same (2-core AMD EPYC family 25, 2026-11-28;
     # benchmarks/decode_2026-11-28/).
+    # Its constant rate has no length to fit: fit_to_budget sets where it stops (the steps
+    # that fit the 8 minutes) and shows them in the log and the progress bar.
     "cpu": dict(
         vocab_size=4000,
         tokens_per_batch=512,
         buckets=(12, 16, 20, 24, 32, 48, 64),
         steps=100_000,
         minutes=8.0,
+        fit_to_budget=True,
         optimizer="adam",
         learning_rate=1e-3,
         clip_norm=1.0,
@@ -381,13 +386,15 @@ PRESETS: dict[str, dict[str, Any]] = {
         eval_batch_size=256,
     ),
     # One GPU, one ten-minute command: 7 minutes of training in bf16, then evaluation. Few
-    # buckets (each shape compiles in tens of seconds), 8k-token batches, Noam.
+    # buckets (each shape compiles in tens of seconds), 8k-token batches, Noam (whose decay
+    # has no end: fit_to_budget sets where the run stops, as on the CPU).
     "gpu": dict(
         vocab_size=8000,
         tokens_per_batch=8192,
         buckets=(16, 32, 64),
         steps=100_000,
         minutes=7.0,
+        fit_to_budget=True,
         warmup_steps=2000,
         lr_factor=1.0,
         clip_norm=1.0,
@@ -455,7 +462,7 @@ def make_config(
     if preset not in PRESETS:  # the one list of run presets; the registry sizes each model
         raise ValueError(f"preset: expected one of {sorted(PRESETS)}, got {preset!r}")
     spec = registry.get(model)
-    fields = {**spec.run_defaults, **PRESETS[preset], **run_overrides}
+    fields = preset_run_fields({**spec.run_defaults, **PRESETS[preset]}, run_overrides)
     bad = {"model", "preset", "model_config"} & set(run_overrides)
     if bad:
         raise ValueError(

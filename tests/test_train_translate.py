@@ -202,6 +202,14 @@ def test_compiling_ahead_trains_exactly_like_the_lazy_step(
     epoch = {(b["src"].shape, b["tgt_in"].shape) for b in data.batcher.batches_for_epoch(0)}
     assert shapes == len(epoch) >= 2
     assert f"compiled the train step for {shapes} batch shape(s) ahead" in out
+    # The suite's persistent cache (conftest.py) takes every compilation: the log says what
+    # it saved, each shape's program a hit or a miss.
+    cached = re.search(
+        r"batch shape\(s\) ahead in [\d.]+s; (\d+) of (\d+) program\(s\) from the "
+        r"persistent compilation cache \([\d.]+s of compiling saved\)",
+        out,
+    )
+    assert cached and int(cached.group(2)) >= shapes, out
     assert "compiled the train step for" not in lazy_out
     # No shape was compiled again lazily: the count the trainer logs is the batcher's.
     assert f"the train step compiled {shapes} batch shape(s)" in out

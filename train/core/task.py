@@ -38,6 +38,7 @@ from train.core.checkpoint import (
     load_run_config,
     save_run_config,
 )
+from train.core.compile_cache import CacheTally
 from train.core.config import RunConfig, config_from_dict, config_to_dict
 from train.core.loop import LoopConfig, LoopResult, printer, stop_on_signals, train_loop
 from train.core.metrics import MetricsWriter
@@ -420,11 +421,13 @@ def train_and_evaluate(task: Task, config: RunConfig, workdir: str) -> dict[str,
             # A run fitted to its budget may train past `steps` (its length without one).
             if config.compile_ahead and (step < config.steps or config.fit_to_budget):
                 t0 = time.monotonic()
-                ahead = dp.compile_ahead(train_step, dstate, data.example_batches(dp.local_rows))
+                with CacheTally() as cache:
+                    batches = data.example_batches(dp.local_rows)
+                    ahead = dp.compile_ahead(train_step, dstate, batches)
                 if ahead:
                     log(
                         f"compiled the train step for {ahead} batch shape(s) ahead in "
-                        f"{time.monotonic() - t0:.1f}s"
+                        f"{time.monotonic() - t0:.1f}s{cache.describe()}"
                     )
             loop = LoopConfig.from_run(config, start=start)
             log(

@@ -358,7 +358,9 @@ def search_beam(
       step_fn: (tokens [B*W], cache, index) -> (logits [B*W, V], cache); batch-major rows,
         beam w of example b at row b * W + w.
       cache: initial state with leading axis B (NOT repeated per beam; this repeats it).
-      batch_size: B.  beam_size: W.  max_len: O.
+      batch_size: B.
+      beam_size: W.
+      max_len: O.
       length_penalty_alpha: alpha of the GNMT length penalty; 0 ranks by total log-prob.
       best_only: stop as soon as no example's best finished hypothesis can be beaten any more
         (see `_best_is_final`). Beam 0 (tokens and score) is then exactly what the full search

@@ -47,6 +47,9 @@ extensions = [
     "sphinx.ext.autosummary",
     "sphinx.ext.napoleon",
     "sphinx.ext.mathjax",
+    # MathJax 3 served with the site (copied into _static/mathjax/), not from a CDN, so the
+    # formulas render offline; the package is only MathJax's files and a 10-line extension.
+    "sphinx-mathjax-offline",
     "sphinx.ext.viewcode",
     "colab",
 ]

@@ -7,6 +7,7 @@ beside it, without outputs, for Colab (`python docs/sync_notebooks.py` rewrites 
 """
 
 import os
+import re
 import sys
 from pathlib import Path
 
@@ -43,8 +44,12 @@ REPOSITORY = "https://github.com/attention-jax/attention-jax"
 extensions = [
     "myst_nb",
     "sphinx.ext.autodoc",
+    "sphinx.ext.autosummary",
     "sphinx.ext.napoleon",
     "sphinx.ext.mathjax",
+    # MathJax 3 served with the site (copied into _static/mathjax/), not from a CDN, so the
+    # formulas render offline; the package is only MathJax's files and a 10-line extension.
+    "sphinx-mathjax-offline",
     "sphinx.ext.viewcode",
     "colab",
 ]
@@ -52,6 +57,7 @@ extensions = [
 exclude_patterns = [
     "_build",
     "_generated",
+    "_templates",
     "**.ipynb",
     "**.ipynb_checkpoints",
     "README.md",
@@ -63,6 +69,10 @@ default_role = "code"
 autodoc_member_order = "bysource"
 autodoc_typehints = "none"  # the shapes in the docstrings say more than the annotations
 autodoc_default_options = {"members": True, "show-inheritance": False}
+# One page per module: the API pages list their modules in `autosummary` tables, and
+# autosummary writes each module's page (api/generated/, from _templates/autosummary/module.rst).
+autosummary_generate = True
+templates_path = ["_templates"]
 napoleon_google_docstring = True
 napoleon_numpy_docstring = False
 
@@ -95,5 +105,42 @@ def _skip_class_aliases(app, what, name, obj, skip, options):
     return None
 
 
+def _skip_flax_module_members(app, what, name, obj, skip, options):
+    """Leave out what every Flax module has and none documents: `setup` without a docstring of
+    its own (autodoc would repeat `nn.Module.setup`'s on each), and the `parent` and `name`
+    fields that Flax adds to every module's dataclass."""
+    if what != "class" and what != "module":
+        return None
+    if name == "setup" and callable(obj) and not (obj.__doc__ or "").strip():
+        return True
+    if name == "setup" and (obj.__doc__ or "") == _flax_setup_doc():
+        return True
+    if name in ("parent", "name") and type(obj).__name__ in ("_Sentinel", "NoneType", "Field"):
+        return True
+    return None
+
+
+def _flax_setup_doc():
+    import flax.linen as nn
+
+    return nn.Module.setup.__doc__
+
+
+# Flax's dataclass transform appends `parent` and `name` to every module's constructor; they are
+# how Flax nests modules, not arguments a user passes, so the signatures leave them out.
+_FLAX_FIELDS = re.compile(
+    r"(,\s*)?parent(: [^=]*)?=\s*<flax\.linen\.module\._Sentinel object[^>]*>"
+    r"(,\s*name(: [^=]*)?\s*=\s*None)?"
+)
+
+
+def _drop_flax_fields(app, what, name, obj, options, signature, return_annotation):
+    if signature and "_Sentinel" in signature:
+        signature = _FLAX_FIELDS.sub("", signature)
+    return signature, return_annotation
+
+
 def setup(app):
     app.connect("autodoc-skip-member", _skip_class_aliases)
+    app.connect("autodoc-skip-member", _skip_flax_module_members)
+    app.connect("autodoc-process-signature", _drop_flax_fields)

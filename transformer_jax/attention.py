@@ -141,8 +141,7 @@ def attend(
     )
     if heads_first:
         # Mixed into [B, H, T, K], then moved: written straight to [B, T, H, K], XLA:CPU
-        # made it a slower batched product (a decoding step's cross-attention with 4 beams as
-        # T: 2.1 ms against 0.9 ms a layer, 2-core Xeon model 207, 2026-11-27).
+        # made it a slower batched product (`benchmarks/decode_2026-11-27b/`).
         out = jnp.einsum("bhts,bhsk->bhtk", weights.astype(value.dtype), value).swapaxes(1, 2)
     else:
         out = jnp.einsum("bhts,bshk->bthk", weights.astype(value.dtype), value)
@@ -288,8 +287,8 @@ def beam_attention(
     h = key.shape[1]
     query = query.swapaxes(1, 2)  # [B, H, W, K]
     # The cache's C * W entries are the rows of each (B, H) product and the W queries its
-    # columns. The other way round (W = 4 rows) XLA:CPU's batched products ran 2.8x slower:
-    # 5.4 against 1.96 ms at B 128, H 4, C 32, K 64 (2-core Xeon model 207, 2026-11-27).
+    # columns. The other way round (W = 4 rows) XLA:CPU's batched products ran 2.8x slower
+    # (`benchmarks/decode_2026-11-27b/`).
     every = jnp.einsum("bhnk,bhwk->bhnw", key, query, preferred_element_type=acc)
     every = every.reshape(b, h, c, w, w)  # [B, H, C, W (slot), W (beam)]
     pick = ancestry.swapaxes(1, 2)[:, None, :, None, :]  # [B, 1, C, 1, W]

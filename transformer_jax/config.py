@@ -35,7 +35,9 @@ class TransformerConfig:
     Attributes:
       src_vocab_size, tgt_vocab_size: V of each side. The default 37000 is the paper's shared
         WMT14 En-De BPE vocabulary.
-      d_model: D.  n_heads: H (K = D / H).  d_ff: inner width of the position-wise FFN.
+      d_model: D, the model width.
+      n_heads: H, the attention heads (K = D / H).
+      d_ff: inner width of the position-wise FFN.
       activation: the FFN's nonlinearity: "relu" (the paper), "gelu" (exact, erf-based) or
         "swish" / "silu" (x * sigmoid(x), OPUS-MT's Marian models).
       n_encoder_layers, n_decoder_layers: stack depths (N in the paper).

@@ -68,8 +68,8 @@ def _allowed_log_probs(logits: Array, *, pad_id: int, bos_id: int) -> Array:
 def _argmax(x: Array) -> Array:
     """[R, V] -> [R] int32: `jnp.argmax(x, axis=-1)` (the first maximum; a NaN counts as the
     maximum, as there) as two plain reductions, a max and a min over the indices that reach
-    it. XLA:CPU runs argmax's paired (value, index) reduction unvectorised: 5.0 against 2.4 ms
-    for [512, 4000] (2-core Xeon model 207, 2026-11-27), a tenth of a greedy step."""
+    it. XLA:CPU runs argmax's paired (value, index) reduction unvectorised, at about twice the
+    time (`benchmarks/decode_2026-11-27b/`)."""
     best = jnp.max(x, axis=-1, keepdims=True)
     index = lax.broadcasted_iota(jnp.int32, x.shape, x.ndim - 1)
     hit = (x == best) | jnp.isnan(x)
@@ -117,10 +117,8 @@ def _beam_candidates(
     candidate ahead of all of its own), and only those k * `_TOP_K_CHUNK` candidates are
     scored, by the very same arithmetic. A row's logits are read twice (chunk maxima, then
     the softmax sum). Before, the scores of all [B, W * V] candidates were written twice
-    (for the chunk maxima and for the gather, each behind a padding copy, 15 ms apiece):
-    a beam step at B 32, W 4 of the OPUS-MT-sized model (V 58,101) is 1.13-1.22x faster for
-    it, at the `cpu` preset's size (V 4,000) level (2-core Xeon model 207, 2026-11-27; two
-    runs of 5 interleaved rounds of 16 steps).
+    (for the chunk maxima and for the gather, each behind a padding copy): a beam step of
+    the OPUS-MT-sized model is faster for it (`benchmarks/decode_2026-11-27c/`).
     """
     b, w = log_prob.shape
     v = logits.shape[-1]
@@ -175,9 +173,9 @@ def _beam_candidates(
 
 def _top_k_order(order: Array, k: int) -> Array:
     """`lax.top_k(order, k)[1]` of [R, N] int32 with N >= k, as k rounds of a max and the
-    first index that reaches it, each pick then set to the int32 minimum: at [32, 500] and
-    k 4, 73 against 2,660 us (XLA:CPU's TopK sorts the row, and sorts int32 far slower than
-    float32; 2-core Xeon model 207, 2026-11-27). At least k entries must be above the int32
+    first index that reaches it, each pick then set to the int32 minimum: XLA:CPU's TopK
+    sorts the row, and sorts int32 far slower (`benchmarks/decode_2026-11-27c/`). At least k
+    entries must be above the int32
     minimum (a pick becomes it, and may be picked again after those)."""
     n = order.shape[-1]
     index = lax.broadcasted_iota(jnp.int32, order.shape, order.ndim - 1)
@@ -360,7 +358,9 @@ def search_beam(
       step_fn: (tokens [B*W], cache, index) -> (logits [B*W, V], cache); batch-major rows,
         beam w of example b at row b * W + w.
       cache: initial state with leading axis B (NOT repeated per beam; this repeats it).
-      batch_size: B.  beam_size: W.  max_len: O.
+      batch_size: B.
+      beam_size: W.
+      max_len: O.
       length_penalty_alpha: alpha of the GNMT length penalty; 0 ranks by total log-prob.
       best_only: stop as soon as no example's best finished hypothesis can be beaten any more
         (see `_best_is_final`). Beam 0 (tokens and score) is then exactly what the full search
@@ -694,16 +694,9 @@ def _keep_rows(state, keep: Array):
 # Every program a search compiles (a test counts their compilations).
 _PROGRAMS = (_whole_search, _start, _advance, _grow_state, _keep_rows)
 
-# Steps between two looks at which sentences have ended. A look costs a round trip to the host
-# (about 1 ms on a 2-core Xeon: a search dispatch and a wait), and each batch size a search
-# shrinks to compiles programs of its own. On the CPU main job's evaluation (the 4,000-step
-# model, 1,000 sentences in batches of 128, beam 4; model-207 Xeon, 2026-11-27, 3 interleaved
-# passes), looking every 4 steps and shrinking to a half (rather than every 16 steps, at the
-# stage ends, to a quarter): 7.8 s a pass against 9.8 s, but 56 programs compiled against 34
-# (first pass with nothing cached 113 s against 58 s; the commands' persistent compilation
-# cache pays that once a machine). Every 4 steps to a quarter: 8.3 s, 49 programs. On the
-# bench's 32 random sentences (`train.bench --only decode`): 1.30x (the `cpu` preset's size)
-# and 1.49x (OPUS-MT's) a beam-search batch; every 2 steps was no better overall.
+# Steps between two looks at which sentences have ended. A look costs a round trip to the host,
+# and each batch size a search shrinks to compiles programs of its own; every 4 steps, shrinking
+# to a half, was the fastest of the settings tried (`benchmarks/decode_2026-11-27c/`).
 _CHECK_EVERY = 4
 
 
@@ -712,11 +705,7 @@ _CHECK_EVERY = 4
 # batch size compiles programs of its own, and which sizes a search reaches depends on when its
 # sentences end, so on the model: a newly trained model met programs that no earlier run on the
 # machine had put in the persistent compilation cache, all of them the last few sentences' sizes of
-# 1 to 8. On the CPU main job's evaluation (1,000 sentences in batches of 128, beam 4; AMD EPYC
-# family 25, 2026-11-27), a pass over a new model's translations in a fresh process, with the cache
-# holding what the previous model's pass compiled, took 35.7-42.0 s without the floor and 23.3 s
-# with it, the steady passes unchanged (5.9-7.4 s); the job's evaluation 35.0 s before, 23.9 s after
-# (benchmarks/decode_2026-11-27d/). The bench's batch of 32 (floor 2) was no slower.
+# 1 to 8. The floor takes those off a new model's first pass (benchmarks/decode_2026-11-27d/).
 _FLOOR_FRACTION = 16
 
 
@@ -778,11 +767,9 @@ def _gathered(kept, outputs, sentence, ready, batch: int) -> list[np.ndarray]:
 
 # On a GPU, dropping finished sentences made a batch slower, not faster: the rows it saves
 # were worth less than what it costs there, a sync with the host every few steps (the device
-# idles while the host looks) and programs compiled for each batch size. The bench's
-# OPUS-MT-sized random model, batch 32, one NVIDIA H200, 2026-11-27, same tokens both ways:
-# greedy 50 ms a batch dropping against 19 ms as one program, beam 4 78 against 32 ms; the
-# first call 16 against 6 s and 31 against 11 s (benchmarks/h200_2026-11-27/). On a CPU a
-# step costs about its rows, and dropping wins (`_CHECK_EVERY`).
+# idles while the host looks) and programs compiled for each batch size
+# (benchmarks/h200_2026-11-27/). On a CPU a step costs about its rows, and dropping wins
+# (`_CHECK_EVERY`).
 def _drops_by_default(platforms) -> bool:
     """Whether a search drops finished sentences when drop_finished is None: only when every
     device it runs on (`platforms`, their `jax.Device.platform`) is a CPU."""

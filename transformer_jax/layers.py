@@ -53,10 +53,9 @@ def dense_product(x: Array, kernel: Array) -> Array:
     Autodiff's gradient contracts over the leading axes of x [B, T, I] and g [B, T, O], and
     XLA's CPU backend then copied g into a transposed layout for each Dense of a training step
     (58 such copies in the 64 x 32 Transformer step of `train.bench --only cpu_vs_torch`).
-    The flattened form has none of those copies. Against autodiff's, in one process, the step
-    ran 1.06x as fast at 64 x 32 and 1.05x at 32 x 16 (the Transformer-XL's FFN: 1.02x; 2-core
-    Xeon, cpu model 207, 2026-11-27; `benchmarks/cpu_vs_torch_2026-11-27_intel207/`). The two
-    gradients are the same sums in another order.
+    The flattened form has none of those copies, so the CPU training step is faster
+    (`benchmarks/cpu_vs_torch_2026-11-27_intel207/`). The two gradients are the same sums in
+    another order.
 
     A custom VJP is opaque to `jax.checkpoint`'s dot policies (`dots_saveable`,
     `dots_with_no_batch_dims_saveable`): under them its product is recomputed in the backward

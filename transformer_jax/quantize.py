@@ -14,8 +14,7 @@ token), to int8 with scale max|x| / 127, when the product runs; the int8 x int8 
 accumulates exactly in int32 and is scaled back to float32 by both scales. This is how
 CTranslate2 computes its int8 models. Dequantizing the weights to float32 for a float product
 would keep the activations exact, but on XLA:CPU it measured slower than the float32 model
-itself (2.7 against 2.2 ms for [128, 256] x [256, 4000] on a 2-core Xeon, model 207,
-2026-11-26), where the int8 product took 0.43 ms.
+itself, and the int8 product far faster (`benchmarks/decode_2026-11-26/`).
 
 Shapes: N rows, I inputs, O outputs, V vocabulary, D model width.
 """

@@ -212,9 +212,9 @@ def _project_arm(loss_fn, init_state: Callable[[], TrainState], batches, cpu):
         # The executable's HLO says what each op of the trace runs.
         summary = profile_summary(trace_dir, steps=PROFILED_STEPS, hlo_text=program_hlo())
         if summary:
-            # The traced steps take their own time (12% more or 11% less than the median in
-            # one run, 2026-11-28), so the busy time is read against it: against the median,
-            # a 32 x 16 run read 2.8x the step on two threads, more than they can be busy.
+            # The traced steps take their own time, so the busy time is read against it:
+            # against the median it read more than two threads can be busy
+            # (benchmarks/cpu_vs_torch_2026-11-28c_amd25/).
             summary["wall_us_per_step"] = traced_s / PROFILED_STEPS * 1e6
         return summary
 

@@ -10,9 +10,8 @@ left out.
 
 What the floor answers: how fast the step could be if everything around its products cost
 nothing. Eager PyTorch's whole step over the jax floor bounds the speed ratio the project can
-reach on a machine; on the 2-core AMD EPYC of cpu family 25 it was 1.19-1.25 at the Transformer's
-64 x 32, where the two frameworks' products were equally fast
-(`benchmarks/cpu_vs_torch_2026-11-28f_amd25/`). Each floor's products are counted from its
+reach on a machine (`benchmarks/cpu_vs_torch_2026-11-28f_amd25/`). Each floor's products are
+counted from its
 optimized HLO beside the step's (`hlo_products`), so a floor that no longer mirrors its model
 shows in the report.
 

@@ -52,8 +52,8 @@ def summarize_trace_events(
     hlo_text: the profiled program's optimized HLO (`compiled.as_text()`). With it, an op is
     also categorised by what its called computation runs. That matters on a CPU, where the
     trace names only the op: XLA:CPU hands its matrix products to YNNPACK as `ynn_fusion.N`
-    (jax 0.10), and without the HLO they read as elementwise work. On the 64 x 32 Transformer
-    step (2-core Xeon model 207, 2026-11-26) that mislabelled 62% of the busy time.
+    (jax 0.10), and without the HLO they read as elementwise work, most of a CPU step's busy
+    time mislabelled (`benchmarks/cpu_vs_torch_2026-11-26_intel207_profile/`).
     """
     kinds = hlo_op_kinds(hlo_text) if hlo_text else {}
     procs, threads = {}, {}
@@ -142,10 +142,8 @@ def pool_work_outside_ops(
     outside its own ops is credited to the ops that other pool threads run meanwhile (split
     evenly), else to UNATTRIBUTED. The trace does not say whose task a region runs, so a
     contraction's tasks that overlap another op are credited to that op: the busy total is
-    exact, the split between ops an estimate. On the 64 x 32 Transformer step of `train.bench
-    --only cpu_vs_torch` (2-core AMD EPYC, cpu family 25, 2026-11-28) the pool's work outside
-    op events was 42% of its busy time (401 of 957 ms of thread time a step), 83 ms of it
-    while no op event ran."""
+    exact, the split between ops an estimate. On a CPU training step the pool's work outside
+    op events was a large share of its busy time (`benchmarks/cpu_vs_torch_2026-11-28b_amd25/`)."""
     pool = {key for key, name in threads.items() if POOL_THREAD in name}
     marks = []  # (time, order, thread, change): order puts ends before starts at one time
     for e in events:

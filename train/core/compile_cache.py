@@ -1,10 +1,9 @@
 """The commands' persistent compilation cache: a program compiled once on a machine loads from
 disk in later runs instead of compiling again.
 
-Compiling is much of a short command's time. For example, `--translate_file` of 100 sentences
-with the CPU main job's model took 8.9 s cold and 6.0 s with the cache warm (2-core Intel Xeon,
-cpu model 207, 2026-11-26). A decode shape costs 4-12 s to compile on a CPU and 13-28 s on an
-H100 (`benchmarks/h100_2026-11-26/`). Training programs are cached the same way, so a
+Compiling is much of a short command's time, on a CPU and on a GPU
+(`benchmarks/decode_2026-11-26/`, `benchmarks/h100_2026-11-26/`). Training programs are
+cached the same way, so a
 time-budgeted run on a machine that compiled them before gets more steps.
 
 The commands (`train.translate`, `train.lm`) turn it on in `train.core.cli.start`; importing

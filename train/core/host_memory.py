@@ -5,22 +5,20 @@ XLA:CPU allocates the temporaries of each execution as one block, with `posix_me
 of its worker threads. For the 64 x 32 Transformer step of `python -m train.bench --only
 cpu_vs_torch`, the block is 367 MB. glibc serves a block that large from a new `mmap` and
 returns it with `munmap` when the step ends. A worker thread's arena cannot hold more than
-64 MB, so no malloc threshold changes this. Every step therefore faults in all its pages again:
-94,700 page faults and 200 ms of kernel time per step of about 600 ms, and the first write to
-each page lands inside a matrix product (2-core Xeon, cpu model 207, 2026-11-27; PyTorch's
-step, for comparison, has 10,000 faults and 20 ms).
+64 MB, so no malloc threshold changes this. Every step therefore faults in all its pages again,
+a third of a step's time in the kernel, and the first write to each page lands inside a matrix
+product (`benchmarks/cpu_vs_torch_2026-11-27_intel207/`).
 
 `keep_host_memory()` tells glibc to serve every thread from the main heap (`M_ARENA_MAX` 1),
 never from `mmap` (`M_MMAP_MAX` 0), and to keep freed memory rather than give it back
-(`M_TRIM_THRESHOLD`). The block is then reused from step to step: 0 page faults and 3 ms of
-kernel time per step. The numbers a step computes do not change.
+(`M_TRIM_THRESHOLD`). The block is then reused from step to step, with no page faults. The
+numbers a step computes do not change.
 
 The costs:
 - the process keeps its peak host memory until it exits, and a freed block with a small
   allocation next to it can be too short for the next request, so the heap grows by a few
-  blocks before it settles. At 64 x 32, max RSS was 1.20 GB with glibc's defaults, 1.35 GB
-  kept, and 1.70 GB kept with another busy process on the machine; each was stable after
-  step 9 (`benchmarks/cpu_vs_torch_2026-11-27_intel207/`);
+  blocks before it settles, then stays stable
+  (`benchmarks/cpu_vs_torch_2026-11-27_intel207/`);
 - all threads share one malloc arena. glibc's per-thread caches still serve small
   allocations without its lock.
 

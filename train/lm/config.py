@@ -27,8 +27,8 @@ LARGE_VOCAB, LARGE_VOCAB_CUTOFFS = 50_000, (20_000, 40_000, 200_000)
 # text only (see LMConfig._check_recipe).
 PAPER_MODELS: dict[str, tuple[str, dict[str, Any]]] = {
     "wt103_base": ("wt103_base", {}),
-    # Unrolled layers: 44 instead of 62 ms a step on an H100 at batch 22, 6 GiB of memory
-    # (benchmarks/README.md).
+    # Unrolled layers: faster a step on a GPU, and the memory fits
+    # (benchmarks/h100_2026-11-22_session3/).
     "enwik8_base": ("enwik8_base", dict(remat="none")),
 }
 # enwik8's recipe is a character-level one: bytes as the paper, or characters (text8).

@@ -362,11 +362,8 @@ PRESETS: dict[str, dict[str, Any]] = {
     # sweep. Evaluation in batches of 256, not 128: test_2016_flickr's 1,000 sentences then
     # pad to 3 buckets rather than 5, and the beam search that drops finished sentences
     # compiles 44 programs rather than 63. On a process's first pass each is traced, lowered
-    # and loaded even from the persistent cache (an `_advance` about a third of a second),
-    # and the job evaluates once: the first pass took 16.6-17.6 s against 20.0-21.1 s, the job's
-    # evaluation 18.7 and 17.0 s against 23.9 s. Later passes are 6-9% slower; the
-    # translations are the same (2-core AMD EPYC family 25, 2026-11-28;
-    # benchmarks/decode_2026-11-28/).
+    # and loaded even from the persistent cache, and the job evaluates once, so its
+    # evaluation is shorter; the translations are the same (benchmarks/decode_2026-11-28/).
     # Its constant rate has no length to fit, so no fit_to_budget: it trains until its 8
     # minutes are spent (a length measured early would stop it short when the machine speeds
     # up later).

@@ -374,9 +374,9 @@ class TranslationData:
         """The split's pairs in evaluation batches. Sorted by length (the default), a batch
         pads to the bucket of pairs of about its own length: in the split's own order nearly
         every 128-row batch of test_2016_flickr held one long pair and padded to 48 or 64
-        positions, and the teacher-forced pass over it took 3.6-4.0 s of the CPU main job's
-        evaluation, against 1.7-1.8 s sorted (2-core AMD EPYC family 25, 2026-11-27). The
-        sums are the same pairs', added in another order (test ppl 7.254 both ways)."""
+        positions, and the teacher-forced pass took twice as long
+        (`benchmarks/decode_2026-11-27_amd25/`). The sums are the same pairs', added in
+        another order."""
         return eval_batches(
             split.pairs,
             batch_size=self.eval_rows,

@@ -25,7 +25,7 @@ What the export holds (model.bin, config.json and the vocabulary JSON files):
     EOS. `ct2_tokens` turns our [B, S] source ids (which carry the EOS) into such pieces.
   * Decoding starts from the piece of `bos_id` ('<pad>' for Marian-style models) at position
     0, as ours does. pad and bos get an output bias of -65504 (float16's lowest), so they are
-    never emitted and the log-probs are renormalised over the rest: `transformer_jax.decode`'s
+    never emitted and the log-probs are renormalised over the rest: `transformer_jax.search`'s
     rule, with no `suppress_sequences` to pass.
   * Position table: `positions_rows(config)` rows, shared by the encoder and the decoder:
     max_len for learned positions (the table itself; a longer source, or max_decoding_length
@@ -333,7 +333,7 @@ def _spec(ct2, config: TransformerConfig, w: Mapping[str, np.ndarray]):
     else:
         decoder.projection.weight = w["output/kernel"].T
         bias = w["output/bias"]
-    # decode.py never emits pad or bos (-inf before its softmax): a bias no logit overcomes,
+    # Our searches never emit pad or bos (-inf before the softmax): a bias no logit overcomes,
     # and the lowest value a float16 export can hold, keeps them out here too.
     bias = bias.copy()
     bias[[config.pad_id, config.bos_id]] = _NEVER

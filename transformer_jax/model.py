@@ -353,7 +353,7 @@ class Transformer(nn.Module):
         """The cache of `init_decode_cache(src, max_len=C)` -> the same state with room for
         `max_len` >= C positions (the new ones empty): what `init_decode_cache(src,
         max_len=max_len)` and the same steps would hold. The searches start with a short cache
-        and grow it (`transformer_jax.decode.cache_stages`), so that a step attends to, and a
+        and grow it (`transformer_jax.search.cache_stages`), so that a step attends to, and a
         beam reorders, about as many positions as are written, not the longest output's."""
         self._check_length(max_len, "max_len")
         grow = max_len - cache["tgt_valid"].shape[1]

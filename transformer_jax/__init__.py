@@ -43,10 +43,10 @@ from transformer_jax.marian import (
 )
 from transformer_jax.marian_export import marian_fields, marian_state, save_marian
 from transformer_jax.marian_tokenizer import MarianTokenizer
-from transformer_jax.model import Transformer
+from transformer_jax.model import Transformer, quantized
 from transformer_jax.optim import OptimizerConfig, make_optimizer, noam_schedule, params_ema
 from transformer_jax.positional import PositionalEncoding, sinusoidal_positions, sinusoids_at
-from transformer_jax.quantize import quantize_params, quantized
+from transformer_jax.quantize import quantize_params
 from transformer_jax.search import cache_stages, search_beam, search_greedy
 from transformer_jax.seq2seq import (
     BahdanauSeq2Seq,

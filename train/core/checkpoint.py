@@ -17,7 +17,6 @@ overwritten to get past it.
 
 from __future__ import annotations
 
-import hashlib
 import json
 import logging
 import os
@@ -31,6 +30,7 @@ from orbax.checkpoint.checkpoint_managers import preservation_policy as ocp_keep
 
 from train.core.state import TrainState
 from train.core.workdir import files_below, is_remote, local_dir, push
+from transformer_jax.files import file_sha256
 
 CONFIG_FILE = "config.json"
 CHECKPOINT_DIR = "checkpoints"
@@ -141,14 +141,7 @@ class Checkpoints:
         return os.path.join(local_dir(self.workdir), CHECKSUM_DIR, f"{step}.json")
 
     def _file_hashes(self, step: int) -> dict[str, str]:
-        out = {}
-        for name, path in files_below(self.path(step)):
-            digest = hashlib.sha256()
-            with path.open("rb") as f:
-                for chunk in iter(lambda: f.read(1 << 20), b""):
-                    digest.update(chunk)
-            out[name] = digest.hexdigest()
-        return out
+        return {name: file_sha256(path).hexdigest() for name, path in files_below(self.path(step))}
 
     def _write_checksums(self, step: int) -> None:
         path = self.checksum_path(step)

@@ -14,13 +14,14 @@ import os
 
 import tensorflow_datasets as tfds
 
+from train.core.config import InputError
 from train.data.datasets.multi30k import Multi30k
 from train.data.datasets.ptb import Ptb
 from train.data.datasets.sources import DatasetSourceError
 from train.data.text_files import error_cause
 
 
-class DatasetError(RuntimeError):
+class DatasetError(InputError, RuntimeError):
     """A prepared dataset on disk is damaged (it can be deleted and rebuilt)."""
 
 

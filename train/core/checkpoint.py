@@ -40,13 +40,15 @@ BEST_METRIC = "val_loss"
 
 class _QuietUnrankedSaves(logging.Filter):
     """orbax warns on every save without metrics when a best_fn is set; ours are deliberate
-    (SIGTERM and periodic saves between evaluations)."""
+    (SIGTERM and periodic saves between evaluations). Installed on the absl logger by the
+    first `Checkpoints` (importing this module changes no logger)."""
 
     def filter(self, record: logging.LogRecord) -> bool:
         return "did not provide metrics" not in record.getMessage()
 
 
-logging.getLogger("absl").addFilter(_QuietUnrankedSaves())
+# One instance, so that every Checkpoints installs the same filter: addFilter keeps one copy.
+_QUIET_UNRANKED_SAVES = _QuietUnrankedSaves()
 
 
 class CheckpointError(RuntimeError):
@@ -69,6 +71,7 @@ class Checkpoints:
     def __init__(self, workdir: str, *, keep: int = 3):
         if keep < 1:
             raise ValueError(f"keep_checkpoints: must be >= 1, got {keep}")
+        logging.getLogger("absl").addFilter(_QUIET_UNRANKED_SAVES)
         # Remote (gs://...): orbax writes there itself; the checksums and the config live in
         # the local mirror and go up with `push` after each save.
         self.workdir = workdir

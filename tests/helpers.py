@@ -110,6 +110,14 @@ def made_up_corpus(n, seed):
     return src, [" ".join(w.upper() for w in reversed(s.split())) for s in src]
 
 
+# ---------------------------------------------------------------------------- batches
+def epoch_batches(batcher, epoch: int):
+    """The `num_batches` batches of a `TokenBatcher`'s `epoch`, in training order (built
+    lazily), read from its epoch plan rather than from `iterate`, which tests compare with."""
+    for L, rows in batcher._epoch_plan(epoch):
+        yield batcher._gather(L, rows)
+
+
 # ---------------------------------------------------------------------------- work directories
 
 

@@ -10,6 +10,7 @@ import itertools
 
 import numpy as np
 import pytest
+from helpers import epoch_batches
 
 from train.data.batching import TokenBatcher, eval_batches, pair_length
 
@@ -56,7 +57,7 @@ def test_shapes_budget_and_shape_set(batcher, pairs):
     assert batcher.shape_set() == [((200 // L) // 4 * 4, L) for L in used]
     assert len(batcher.shape_set()) <= len(BUCKETS)
     for epoch in (0, 1):
-        batches = list(batcher.batches_for_epoch(epoch))
+        batches = list(epoch_batches(batcher, epoch))
         assert len(batches) == batcher.num_batches
         for batch in batches:
             assert set(batch) == {"src", "tgt_in", "tgt_out"}
@@ -73,7 +74,7 @@ def test_each_epoch_holds_every_fitting_pair_once_padded_by_hand(batcher, pairs)
     assert batcher.num_examples == len(pairs) - len(too_long)
     for epoch in (0, 5):
         seen = []
-        for batch in batcher.batches_for_epoch(epoch):
+        for batch in epoch_batches(batcher, epoch):
             length = batch["src"].shape[1]
             for r in range(batch["src"].shape[0]):
                 if batch["src"][r, 0] == PAD:  # a fill row: nothing but padding
@@ -89,12 +90,12 @@ def test_each_epoch_holds_every_fitting_pair_once_padded_by_hand(batcher, pairs)
 
 def test_same_seed_and_epoch_give_the_same_batches(pairs, batcher):
     twin = TokenBatcher(pairs, tokens_per_batch=200, buckets=BUCKETS, num_devices=4, seed=3)
-    for a, b in zip(batcher.batches_for_epoch(2), twin.batches_for_epoch(2), strict=True):
+    for a, b in zip(epoch_batches(batcher, 2), epoch_batches(twin, 2), strict=True):
         for key in a:
             np.testing.assert_array_equal(a[key], b[key])
 
     def first_tokens(b: TokenBatcher, epoch: int) -> list[list[int]]:
-        return [batch["src"][:, 0].tolist() for batch in b.batches_for_epoch(epoch)]
+        return [batch["src"][:, 0].tolist() for batch in epoch_batches(b, epoch)]
 
     assert first_tokens(batcher, 0) != first_tokens(batcher, 1)  # reshuffled per epoch
     other_seed = TokenBatcher(pairs, tokens_per_batch=200, buckets=BUCKETS, num_devices=4, seed=4)
@@ -104,7 +105,7 @@ def test_same_seed_and_epoch_give_the_same_batches(pairs, batcher):
 def test_iterate_resumes_exactly_where_an_uninterrupted_run_is(batcher):
     n = batcher.num_batches
     uninterrupted = list(itertools.islice(batcher.iterate(), 2 * n + 5))
-    epochs = list(batcher.batches_for_epoch(0)) + list(batcher.batches_for_epoch(1))
+    epochs = list(epoch_batches(batcher, 0)) + list(epoch_batches(batcher, 1))
     for a, b in zip(uninterrupted, epochs):
         np.testing.assert_array_equal(a["src"], b["src"])
     for start in (1, n - 2, n, n + 7, 2 * n):

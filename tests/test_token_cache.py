@@ -39,10 +39,18 @@ def tokenizer(files, tmp_path_factory):
     )
 
 
-def cache(files, tokenizer, root, **options):
-    return token_cache.parallel_cache(
-        *files, tokenizer, str(root), train_sha256=files_sha256(*files), **options
+def cache(files, tokenizer, root, *, skip_empty=False):
+    """`pairs_cache` of the two parallel files `files`."""
+    source = token_cache.file_pairs(
+        *files, train_sha256=files_sha256(*files), skip_empty=skip_empty
     )
+    return token_cache.pairs_cache(source, tokenizer, str(root))
+
+
+def sample_sentences(src_path, tgt_path, *, sample, seed=0):
+    """The tokenizer's sample (`sample_pairs`) of two parallel files, read as the task reads
+    them (`iter_parallel`)."""
+    return token_cache.sample_pairs(iter_parallel(src_path, tgt_path), sample=sample, seed=seed)
 
 
 def only_entry(root):
@@ -222,15 +230,15 @@ def test_a_process_reads_only_the_tokens_of_its_own_rows(files, tokenizer, tmp_p
 def test_the_tokenizer_sample_is_at_most_spm_sample_sentences_in_file_order(files):
     pairs, _ = read_parallel(*files)
     everything = [s for pair in pairs for s in pair]
-    assert token_cache.sample_sentences(*files, sample=600) == (everything, 300)
-    assert token_cache.sample_sentences(*files, sample=10_000)[0] == everything
-    sample, count = token_cache.sample_sentences(*files, sample=41)
+    assert sample_sentences(*files, sample=600) == (everything, 300)
+    assert sample_sentences(*files, sample=10_000)[0] == everything
+    sample, count = sample_sentences(*files, sample=41)
     assert count == 300 and len(sample) == 40
     index = {pair: i for i, pair in enumerate(pairs)}
     positions = [index[(s, t)] for s, t in zip(sample[::2], sample[1::2])]  # whole pairs
     assert positions == sorted(positions) and len(set(positions)) == 20
-    assert token_cache.sample_sentences(*files, sample=41) == (sample, count)  # seeded
-    assert token_cache.sample_sentences(*files, sample=41, seed=1)[0] != sample
+    assert sample_sentences(*files, sample=41) == (sample, count)  # seeded
+    assert sample_sentences(*files, sample=41, seed=1)[0] != sample
 
 
 def test_spm_sample_names_its_own_tokenizer_trained_on_the_sample(files, tmp_path, monkeypatch):

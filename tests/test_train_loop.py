@@ -22,7 +22,7 @@ from helpers import file_hashes, toy_loss, train_losses
 from train import lm
 from train.core import loop
 from train.core.checkpoint import CheckpointError, Checkpoints
-from train.core.loop import LoopConfig, StopFlag, TrainingDiverged, stop_on_sigterm, train_loop
+from train.core.loop import LoopConfig, StopFlag, TrainingDiverged, stop_on_signals, train_loop
 from train.core.metrics import MetricsWriter, read_metrics
 from train.core.parallel import DataParallel
 from train.core.state import TrainState
@@ -142,7 +142,7 @@ def test_sigterm_saves_and_returns(tmp_path):
         if record["split"] == "train" and record["step"] == 2:
             os.kill(os.getpid(), signal.SIGTERM)
 
-    with stop_on_sigterm() as flag:
+    with stop_on_signals((signal.SIGTERM,)) as flag:
         result, ckpt = run(tmp_path, steps=10, stop=flag, on_log=send_sigterm)
     assert flag.signum == signal.SIGTERM
     assert result.reason == "sigterm"

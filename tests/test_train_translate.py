@@ -21,6 +21,7 @@ import sacrebleu
 from helpers import (
     REPO,
     Running,
+    epoch_batches,
     file_hashes,
     record_searches,
     subprocess_xla_flags,
@@ -36,7 +37,7 @@ from train.core.task import params_for_inference, restore_for_inference
 from train.data.datasets import load_multi30k
 from train.data.tokenizers import PAD_ID
 from transformer_jax import decode
-from transformer_jax.quantize import quantized
+from transformer_jax.model import quantized
 
 SMALL_MODEL = dict(d_model=32, n_heads=2, d_ff=64, n_encoder_layers=1, n_decoder_layers=1)
 
@@ -199,7 +200,7 @@ def test_compiling_ahead_trains_exactly_like_the_lazy_step(
         DataParallel(config.parallel, sharding=config.sharding),
         log=lambda message: None,
     )
-    epoch = {(b["src"].shape, b["tgt_in"].shape) for b in data.batcher.batches_for_epoch(0)}
+    epoch = {(b["src"].shape, b["tgt_in"].shape) for b in epoch_batches(data.batcher, 0)}
     assert shapes == len(epoch) >= 2
     assert f"compiled the train step for {shapes} batch shape(s) ahead" in out
     # The suite's persistent cache (conftest.py) takes every compilation: the log says what

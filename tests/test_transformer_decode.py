@@ -358,7 +358,7 @@ def test_only_a_search_on_cpus_drops_finished_sentences_by_default(shrunk, monke
 
 
 def test_greedy_argmax_is_jnps_first_maximum():
-    from transformer_jax.decode import _argmax
+    from transformer_jax.search import _argmax
 
     x = np.array(jax.random.normal(jax.random.PRNGKey(0), (6, 50)), np.float32)
     x[1, [3, 7, 40]] = 9.0  # a tie: the first index wins
@@ -377,7 +377,7 @@ def test_a_beam_steps_selection_is_lax_top_k_of_every_candidate(v, w):
     candidate's score returns: the same indices and log-probs, ties to the lower index."""
     from jax import lax
 
-    from transformer_jax.decode import _beam_candidates
+    from transformer_jax.search import _beam_candidates
 
     b, bos_id = 6, 1
     pad_id = v - 1 if v % 2 else 7  # in a last, shorter chunk (OPUS-MT's pad is its last id)
@@ -415,7 +415,7 @@ def test_a_beam_steps_selection_is_lax_top_k_of_every_candidate(v, w):
 def test_float_order_and_top_k_order_rank_as_lax_top_k():
     from jax import lax
 
-    from transformer_jax.decode import _float_order, _top_k_order
+    from transformer_jax.search import _float_order, _top_k_order
 
     x = np.array(
         [-np.inf, -3e38, -1.5, -1e-30, -0.0, 0.0, 1e-30, 1.0, 1.0, 3e38, np.inf], np.float32
@@ -434,7 +434,7 @@ def test_float_order_and_top_k_order_rank_as_lax_top_k():
 
 
 def test_beam_search_with_a_chunked_top_k_equals_plain_top_k(monkeypatch):
-    from transformer_jax import decode
+    from transformer_jax import search
 
     model, params, src = _ragged_model()
     kwargs = dict(beam_size=3, max_len=30, length_penalty=0.6)
@@ -442,7 +442,7 @@ def test_beam_search_with_a_chunked_top_k_equals_plain_top_k(monkeypatch):
     # width, only vocabularies of 2 * 32 = 64 or more do).
     outputs = []
     for width in (4, 10**6):
-        monkeypatch.setattr(decode, "_TOP_K_CHUNK", width)
+        monkeypatch.setattr(search, "_TOP_K_CHUNK", width)
         jax.clear_caches()  # the width is read when a search is traced
         outputs.append(beam_search(model, params, src, **kwargs))
     jax.clear_caches()

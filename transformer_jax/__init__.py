@@ -18,14 +18,7 @@ from transformer_jax.baselines import BASELINES, make_baseline
 from transformer_jax.config import TransformerConfig
 from transformer_jax.convs2s import ConvS2S, ConvS2SConfig
 from transformer_jax.ct2 import save_ct2
-from transformer_jax.decode import (
-    beam_search,
-    cache_stages,
-    greedy_decode,
-    model_step_fn,
-    search_beam,
-    search_greedy,
-)
+from transformer_jax.decode import beam_search, greedy_decode, model_step_fn
 from transformer_jax.layers import (
     DecoderLayer,
     EncoderLayer,
@@ -50,10 +43,11 @@ from transformer_jax.marian import (
 )
 from transformer_jax.marian_export import marian_fields, marian_state, save_marian
 from transformer_jax.marian_tokenizer import MarianTokenizer
-from transformer_jax.model import Transformer
+from transformer_jax.model import Transformer, quantized
 from transformer_jax.optim import OptimizerConfig, make_optimizer, noam_schedule, params_ema
 from transformer_jax.positional import PositionalEncoding, sinusoidal_positions, sinusoids_at
-from transformer_jax.quantize import quantize_params, quantized
+from transformer_jax.quantize import quantize_params
+from transformer_jax.search import cache_stages, search_beam, search_greedy
 from transformer_jax.seq2seq import (
     BahdanauSeq2Seq,
     GRUSeq2Seq,

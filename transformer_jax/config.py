@@ -13,8 +13,9 @@ import numpy as np
 
 from transformer_jax.attention import IMPLEMENTATIONS
 
-# The quantize choices (transformer_jax.quantize computes them).
-QUANTIZATIONS = ("int8",)
+# TransformerConfig.quantize's choices: the weights our own decoding runs with
+# (transformer_jax.quantize computes them). Not CTranslate2's (ct2.CT2_QUANTIZATIONS).
+DECODE_QUANTIZATIONS = ("int8",)
 
 POSITIONAL = ("sinusoidal", "sinusoidal_concat", "learned")
 # config.activation -> the FFN's function. gelu is the exact (erf) form, as PyTorch's and
@@ -134,9 +135,9 @@ class TransformerConfig:
             raise ValueError(
                 f"attention_impl must be one of {IMPLEMENTATIONS}, got {self.attention_impl!r}"
             )
-        if self.quantize not in (None, *QUANTIZATIONS):
+        if self.quantize not in (None, *DECODE_QUANTIZATIONS):
             raise ValueError(
-                f"quantize must be None or one of {QUANTIZATIONS}, got {self.quantize!r}"
+                f"quantize must be None or one of {DECODE_QUANTIZATIONS}, got {self.quantize!r}"
             )
         if self.positional not in POSITIONAL:
             raise ValueError(f"positional must be one of {POSITIONAL}, got {self.positional!r}")

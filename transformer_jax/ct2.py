@@ -25,7 +25,7 @@ What the export holds (model.bin, config.json and the vocabulary JSON files):
     EOS. `ct2_tokens` turns our [B, S] source ids (which carry the EOS) into such pieces.
   * Decoding starts from the piece of `bos_id` ('<pad>' for Marian-style models) at position
     0, as ours does. pad and bos get an output bias of -65504 (float16's lowest), so they are
-    never emitted and the log-probs are renormalised over the rest: `transformer_jax.decode`'s
+    never emitted and the log-probs are renormalised over the rest: `transformer_jax.search`'s
     rule, with no `suppress_sequences` to pass.
   * Position table: `positions_rows(config)` rows, shared by the encoder and the decoder:
     max_len for learned positions (the table itself; a longer source, or max_decoding_length
@@ -66,9 +66,10 @@ from transformer_jax.files import staged_folder
 from transformer_jax.model import Transformer
 from transformer_jax.positional import sinusoidal_positions
 
-# ctranslate2's weight types (ctranslate2.specs.model_spec.ACCEPTED_MODEL_TYPES), for checking
-# before anything is built.
-QUANTIZATIONS = (
+# ctranslate2's weight types (ctranslate2.specs.model_spec.ACCEPTED_MODEL_TYPES) an export may be
+# quantized to, for checking before anything is built. Not our own decoding's
+# (config.DECODE_QUANTIZATIONS).
+CT2_QUANTIZATIONS = (
     "float32",
     "int8",
     "int8_float32",
@@ -128,7 +129,7 @@ def save_ct2(
         (`source_vocab`, `target_vocab`: piece -> id).
       folder: the export; written into a temporary sibling folder and renamed into place
         once complete, so a failed export leaves nothing behind.
-      quantization: None (as stored: float32), or one of `QUANTIZATIONS` (ctranslate2's
+      quantization: None (as stored: float32), or one of `CT2_QUANTIZATIONS` (ctranslate2's
         weight types; a Translator may also convert at load time with compute_type).
       overwrite: replace an existing export at `folder`. Without it an existing `folder` is
         a FileExistsError; with it, only an export (a folder holding model.bin) or an empty
@@ -144,9 +145,9 @@ def save_ct2(
             f"save_ct2 exports the Transformer (TransformerConfig); a "
             f"{type(config).__name__} model has no CTranslate2 counterpart"
         )
-    if quantization is not None and quantization not in QUANTIZATIONS:
+    if quantization is not None and quantization not in CT2_QUANTIZATIONS:
         raise ValueError(
-            f"quantization must be None or one of {QUANTIZATIONS}, got {quantization!r}"
+            f"quantization must be None or one of {CT2_QUANTIZATIONS}, got {quantization!r}"
         )
     folder = Path(folder)
     _check_destination(folder, overwrite=overwrite)
@@ -333,7 +334,7 @@ def _spec(ct2, config: TransformerConfig, w: Mapping[str, np.ndarray]):
     else:
         decoder.projection.weight = w["output/kernel"].T
         bias = w["output/bias"]
-    # decode.py never emits pad or bos (-inf before its softmax): a bias no logit overcomes,
+    # Our searches never emit pad or bos (-inf before the softmax): a bias no logit overcomes,
     # and the lowest value a float16 export can hold, keeps them out here too.
     bias = bias.copy()
     bias[[config.pad_id, config.bos_id]] = _NEVER

@@ -1,14 +1,17 @@
 """Writing files and folders so that a reader never sees half of one and a failed write leaves
-what was there: the exports (`save_marian`, `save_ct2`) and the tokenizer files use these."""
+what was there: the exports (`save_marian`, `save_ct2`) and the tokenizer files use these. And
+`file_sha256`, the one reader of a file's bytes for a checksum."""
 
 from __future__ import annotations
 
 import contextlib
+import hashlib
 import os
 import secrets
 import shutil
 from collections.abc import Iterator
 from pathlib import Path
+from typing import Any
 
 
 def write_bytes(path: Path, data: bytes) -> None:
@@ -54,3 +57,16 @@ def staged_folder(folder: str | os.PathLike) -> Iterator[Path]:
         shutil.rmtree(old)
     finally:
         shutil.rmtree(staging, ignore_errors=True)
+
+
+def file_sha256(path: Any, digest: Any = None) -> Any:
+    """`digest` (a new sha256 when None) updated with the bytes of the file at `path`, read 1 MiB
+    at a time so that a large file is never held whole -> the digest (`.hexdigest()`).
+
+    path: a local path (str, os.PathLike), or a path object with `open` (pathlib, or
+    `etils.epath` for a remote file such as a checkpoint's in a bucket)."""
+    digest = hashlib.sha256() if digest is None else digest
+    with path.open("rb") if hasattr(path, "open") else open(path, "rb") as f:
+        for chunk in iter(lambda: f.read(1 << 20), b""):
+            digest.update(chunk)
+    return digest

@@ -146,7 +146,7 @@ def marian_fields(config: TransformerConfig) -> dict[str, Any]:
 def _generation_fields(config: TransformerConfig, generation: GenerationDefaults) -> dict:
     """generation_config.json: the settings under which transformers' `generate` searches as
     `greedy_decode` / `beam_search` do."""
-    # Our searches never emit pad or bos (decode._allowed_log_probs); transformers must be told.
+    # Our searches never emit pad or bos (search._allowed_log_probs); transformers must be told.
     bad_words = [[config.pad_id]] + ([[config.bos_id]] if config.bos_id != config.pad_id else [])
     return {
         "decoder_start_token_id": config.bos_id,

@@ -17,6 +17,7 @@ float32 accumulation (an untied one is float32).
 from __future__ import annotations
 
 import math
+from collections.abc import Mapping
 from typing import Any
 
 import flax.linen as nn
@@ -25,10 +26,10 @@ import jax.numpy as jnp
 from jax import lax
 
 from transformer_jax.attention import combine_masks, make_causal_mask, make_padding_mask
-from transformer_jax.config import TransformerConfig
+from transformer_jax.config import DECODE_QUANTIZATIONS, TransformerConfig
 from transformer_jax.layers import DecoderLayer, EncoderLayer, dense, layer_norm, output_logits
 from transformer_jax.positional import PositionalEncoding
-from transformer_jax.quantize import Int8Embed
+from transformer_jax.quantize import Int8Embed, quantize_params
 
 Array = jax.Array
 DecodeCache = dict[str, Any]
@@ -353,7 +354,7 @@ class Transformer(nn.Module):
         """The cache of `init_decode_cache(src, max_len=C)` -> the same state with room for
         `max_len` >= C positions (the new ones empty): what `init_decode_cache(src,
         max_len=max_len)` and the same steps would hold. The searches start with a short cache
-        and grow it (`transformer_jax.decode.cache_stages`), so that a step attends to, and a
+        and grow it (`transformer_jax.search.cache_stages`), so that a step attends to, and a
         beam reorders, about as many positions as are written, not the longest output's."""
         self._check_length(max_len, "max_len")
         grow = max_len - cache["tgt_valid"].shape[1]
@@ -408,3 +409,21 @@ class Transformer(nn.Module):
         if ancestry is not None:
             new["ancestry"] = ancestry
         return logits, new
+
+
+def quantized(model: Any, params: Mapping[str, Any], scheme: str = "int8") -> tuple[Any, dict]:
+    """A float Transformer and its params -> the int8 model and params that decode in its
+    place (`greedy_decode`, `beam_search`).
+
+    Raises:
+      ValueError: an unknown scheme, or a model that is not a float Transformer (the seq2seq
+        baselines have no int8 form).
+    """
+    if scheme not in DECODE_QUANTIZATIONS:
+        raise ValueError(f"quantize: expected one of {DECODE_QUANTIZATIONS}, got {scheme!r}")
+    if not isinstance(model, Transformer):
+        raise ValueError(f"int8 decoding is for the Transformer, not {type(model).__name__}")
+    if model.config.quantize:
+        raise ValueError(f"the model is quantized already ({model.config.quantize})")
+    config = model.config.replace(quantize=scheme, dtype="float32")
+    return Transformer(config), quantize_params(params)

@@ -29,11 +29,8 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from transformer_jax.config import QUANTIZATIONS
-
 Array = jax.Array
 __all__ = [
-    "QUANTIZATIONS",
     "Int8Dense",
     "Int8Embed",
     "int8_matmul",
@@ -154,23 +151,3 @@ def quantize_params(params: Mapping[str, Any]) -> dict[str, Any]:
         return out
 
     return walk(jax.device_get(params), "params")
-
-
-def quantized(model: Any, params: Mapping[str, Any], scheme: str = "int8") -> tuple[Any, dict]:
-    """A float Transformer and its params -> the int8 model and params that decode in its
-    place (`greedy_decode`, `beam_search`).
-
-    Raises:
-      ValueError: an unknown scheme, or a model that is not a float Transformer (the seq2seq
-        baselines have no int8 form).
-    """
-    from transformer_jax.model import Transformer  # the model imports this module
-
-    if scheme not in QUANTIZATIONS:
-        raise ValueError(f"quantize: expected one of {QUANTIZATIONS}, got {scheme!r}")
-    if not isinstance(model, Transformer):
-        raise ValueError(f"int8 decoding is for the Transformer, not {type(model).__name__}")
-    if model.config.quantize:
-        raise ValueError(f"the model is quantized already ({model.config.quantize})")
-    config = model.config.replace(quantize=scheme, dtype="float32")
-    return Transformer(config), quantize_params(params)

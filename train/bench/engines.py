@@ -49,8 +49,7 @@ from train.data.batching import eval_batches
 from transformer_jax import decode
 from transformer_jax.config import TransformerConfig
 from transformer_jax.marian import GenerationDefaults
-from transformer_jax.model import Transformer
-from transformer_jax.quantize import quantized
+from transformer_jax.model import Transformer, quantized
 
 
 class Unavailable(Exception):
@@ -118,7 +117,7 @@ Factory = Callable[[Served], Engine]
 
 def ours(served: Served, *, quantize: str | None = None) -> Engine:
     """`transformer_jax.decode` on JAX's default device; with quantize="int8", the model's
-    int8 form (`transformer_jax.quantize.quantized`: its quantization is the load time)."""
+    int8 form (`transformer_jax.model.quantized`: its quantization is the load time)."""
     start = time.perf_counter()
     model, params = Transformer(served.config), served.params
     if quantize:

@@ -3,15 +3,15 @@
 
 from __future__ import annotations
 
+import contextlib
 import datetime
 import json
 import os
-import shutil
 import sys
 import tempfile
 import time
 import traceback
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Iterator, Sequence
 from typing import Any
 
 import flax
@@ -55,148 +55,151 @@ def run_benchmarks(
     unknown = set(sections) - set(SECTIONS)
     if unknown:
         raise ValueError(f"sections: unknown {sorted(unknown)}; choose from {SECTIONS}")
-    if profile and profile_dir is None:
-        scratch = tempfile.mkdtemp(prefix="bench-trace-")
-        try:
-            return run_benchmarks(
-                config,
-                sections=sections,
-                out=out,
-                cache_dir=cache_dir,
-                profile=True,
-                profile_dir=scratch,
-                command=command,
-                quick=quick,
-                append=append,
-                raise_errors=raise_errors,
-                log=log,
-            )
-        finally:
-            shutil.rmtree(scratch, ignore_errors=True)
-    device = jax.local_devices()[0]
-    meta = _meta(config, device, command=command, quick=quick)
-    with_matmul = "matmul" in sections or not set(sections) <= set(WITHOUT_MATMUL)
-    meta["sections"] = [s for s in SECTIONS if s in sections or (s == "matmul" and with_matmul)]
-    earlier = None
-    if append and out and os.path.exists(os.path.join(out, "bench.json")):
-        with open(os.path.join(out, "bench.json")) as f:
-            earlier = json.load(f)
-        if earlier["meta"]["device_kind"] != meta["device_kind"]:
-            raise ValueError(
-                f"--append: {out}/bench.json holds results of "
-                f"{earlier['meta']['device_kind']}, this is {meta['device_kind']}"
-            )
-    results: dict[str, Any] = {"meta": meta, "train": [], "errors": []}
+    with _trace_dir(profile, profile_dir) as profile_dir:
+        device = jax.local_devices()[0]
+        meta = _meta(config, device, command=command, quick=quick)
+        with_matmul = "matmul" in sections or not set(sections) <= set(WITHOUT_MATMUL)
+        meta["sections"] = [s for s in SECTIONS if s in sections or (s == "matmul" and with_matmul)]
+        earlier = None
+        if append and out and os.path.exists(os.path.join(out, "bench.json")):
+            with open(os.path.join(out, "bench.json")) as f:
+                earlier = json.load(f)
+            if earlier["meta"]["device_kind"] != meta["device_kind"]:
+                raise ValueError(
+                    f"--append: {out}/bench.json holds results of "
+                    f"{earlier['meta']['device_kind']}, this is {meta['device_kind']}"
+                )
+        results: dict[str, Any] = {"meta": meta, "train": [], "errors": []}
 
-    def save():
-        if out:
-            write_results(results if earlier is None else merge_results(earlier, results), out)
+        def save():
+            if out:
+                write_results(results if earlier is None else merge_results(earlier, results), out)
 
-    def attempt(section: str, fn: Callable[[], Any]) -> Any:
-        log(f"[bench] {section} ...")
-        start = time.perf_counter()
-        try:
-            value = fn()
-        except Exception as e:  # noqa: BLE001 - one failed section must not lose the others
-            if raise_errors:
-                raise
-            log(f"[bench] {section} FAILED: {type(e).__name__}: {e}")
-            results["errors"].append(
-                {
-                    "section": section,
-                    "error": f"{type(e).__name__}: {e}",
-                    "traceback": traceback.format_exc()[-4000:],
-                }
+        def attempt(section: str, fn: Callable[[], Any]) -> Any:
+            log(f"[bench] {section} ...")
+            start = time.perf_counter()
+            try:
+                value = fn()
+            except Exception as e:  # noqa: BLE001 - one failed section must not lose the others
+                if raise_errors:
+                    raise
+                log(f"[bench] {section} FAILED: {type(e).__name__}: {e}")
+                results["errors"].append(
+                    {
+                        "section": section,
+                        "error": f"{type(e).__name__}: {e}",
+                        "traceback": traceback.format_exc()[-4000:],
+                    }
+                )
+                value = None
+            log(f"[bench] {section} done in {time.perf_counter() - start:.1f}s")
+            return value
+
+        matmul = None
+        if with_matmul:
+            matmul = attempt(
+                "matmul",
+                lambda: {
+                    name: measure_matmul_rate(
+                        config.matmul_size, name, repeats=config.matmul_repeats
+                    )
+                    for name in ("bfloat16", "float32")
+                },
             )
-            value = None
-        log(f"[bench] {section} done in {time.perf_counter() - start:.1f}s")
-        return value
-
-    matmul = None
-    if with_matmul:
-        matmul = attempt(
-            "matmul",
-            lambda: {
-                name: measure_matmul_rate(config.matmul_size, name, repeats=config.matmul_repeats)
-                for name in ("bfloat16", "float32")
-            },
+            results["matmul"] = matmul
+        rates = {name: m["rate"] for name, m in (matmul or {}).items()}
+        save()
+        measures = _measures(
+            config,
+            rates=rates,
+            nominal_peak=results["meta"]["nominal_bf16_peak"],
+            cache_dir=cache_dir,
+            profile_dir=profile_dir,
+            log=log,
         )
-        results["matmul"] = matmul
-    rates = {name: m["rate"] for name, m in (matmul or {}).items()}
+        for section, measure in measures.items():
+            if section not in sections:
+                continue
+            value = attempt(section, measure)
+            if section in TRAIN_SECTIONS:
+                if value:
+                    results["train"].append(value)
+            else:
+                results[section] = value
+            save()
+        return results if earlier is None else merge_results(earlier, results)
+
+
+@contextlib.contextmanager
+def _trace_dir(profile: bool, profile_dir: str | None) -> Iterator[str | None]:
+    """Where the training benches write their traces: `profile_dir`, or a scratch folder
+    deleted at the end when it is None; None when not profiling."""
+    if not profile:
+        yield None
+    elif profile_dir is not None:
+        yield profile_dir
+    else:
+        with tempfile.TemporaryDirectory(prefix="bench-trace-", ignore_cleanup_errors=True) as d:
+            yield d
+
+
+# The training sections: each result is appended to the results' 'train' list; every other
+# section's result is stored under its own name.
+TRAIN_SECTIONS = ("train_transformer", *XL_SECTIONS)
+
+
+def _measures(
+    config: BenchConfig,
+    *,
+    rates: dict[str, float],
+    nominal_peak: float | None,
+    cache_dir: str,
+    profile_dir: str | None,
+    log: Callable[[str], None],
+) -> dict[str, Callable[[], Any]]:
+    """Every section after matmul -> the call that measures it, in the order of SECTIONS. An
+    XL training section the config has no model for is left out (not run, nothing recorded).
+    rates: the matmul section's matrix rates; profile_dir: where the training benches trace
+    (None: no profile)."""
     train_kw = dict(
-        nominal_peak=results["meta"]["nominal_bf16_peak"],
-        profile_dir=profile_dir if profile else None,
+        nominal_peak=nominal_peak,
+        profile_dir=profile_dir,
         steps=config.steps,
         warmup=config.warmup,
         rates=rates,
     )
-    save()
-
-    if "train_transformer" in sections:
-        r = attempt(
-            "train_transformer",
-            lambda: train_steps.bench_train_step(
-                train_steps.transformer_train_setup(config), **train_kw
-            ),
-        )
-        if r:
-            results["train"].append(r)
-        save()
+    measures: dict[str, Callable[[], Any]] = {
+        "train_transformer": lambda: train_steps.bench_train_step(
+            train_steps.transformer_train_setup(config), **train_kw
+        ),
+    }
     for section, key in XL_SECTIONS.items():
-        if section not in sections:
-            continue
         entry = next((x for x in config.xl if x[0].startswith(key)), None)
-        if entry is None:
-            continue
-        name, xl_cfg, b = entry
-        r = attempt(
-            section,
-            lambda name=name, xl_cfg=xl_cfg, b=b: train_steps.bench_train_step(
+        if entry is not None:
+            name, xl_cfg, b = entry
+            measures[section] = lambda name=name, xl_cfg=xl_cfg, b=b: train_steps.bench_train_step(
                 train_steps.xl_train_setup(name, xl_cfg, b, config), **train_kw
-            ),
-        )
-        if r:
-            results["train"].append(r)
-        save()
-    if "decode" in sections:
-        results["decode"] = attempt(
-            "decode", lambda: decode.decode_section(config, cache_dir=cache_dir, log=log)
-        )
-        save()
-    if "xl_eval" in sections:
-        results["xl_eval"] = attempt(
-            "xl_eval",
-            lambda: xl_eval.xl_eval_bench(
-                config.xl_eval,
-                attn_lengths=config.attn_lengths,
-                tgt_len=config.xl_eval_tgt_len,
-                batch=config.xl_eval_batch,
-                vanilla_batch=config.vanilla_batch,
-                repeats=config.eval_repeats,
-            ),
-        )
-        save()
-    if "cpu_vs_torch" in sections:
-        results["cpu_vs_torch"] = attempt(
-            "cpu_vs_torch",
-            lambda: cpu_vs_torch.cpu_vs_torch_bench(
-                config, profile_dir=profile_dir if profile else None, log=log
-            ),
-        )
-        save()
-    if "data" in sections:
-        results["data"] = attempt(
-            "data",
-            lambda: data.data_bench(
-                cache_dir=cache_dir,
-                pairs=config.data_pairs,
-                lm_tokens=config.data_lm_tokens,
-                loader_seconds=config.data_loader_seconds,
-                log=log,
-            ),
-        )
-        save()
-    return results if earlier is None else merge_results(earlier, results)
+            )
+    measures["decode"] = lambda: decode.decode_section(config, cache_dir=cache_dir, log=log)
+    measures["xl_eval"] = lambda: xl_eval.xl_eval_bench(
+        config.xl_eval,
+        attn_lengths=config.attn_lengths,
+        tgt_len=config.xl_eval_tgt_len,
+        batch=config.xl_eval_batch,
+        vanilla_batch=config.vanilla_batch,
+        repeats=config.eval_repeats,
+    )
+    measures["cpu_vs_torch"] = lambda: cpu_vs_torch.cpu_vs_torch_bench(
+        config, profile_dir=profile_dir, log=log
+    )
+    measures["data"] = lambda: data.data_bench(
+        cache_dir=cache_dir,
+        pairs=config.data_pairs,
+        lm_tokens=config.data_lm_tokens,
+        loader_seconds=config.data_loader_seconds,
+        log=log,
+    )
+    return measures
 
 
 def _meta(config: BenchConfig, device: jax.Device, *, command: str, quick: bool) -> dict[str, Any]:

@@ -17,7 +17,6 @@ overwritten to get past it.
 
 from __future__ import annotations
 
-import hashlib
 import json
 import logging
 import os
@@ -31,6 +30,7 @@ from orbax.checkpoint.checkpoint_managers import preservation_policy as ocp_keep
 
 from train.core.state import TrainState
 from train.core.workdir import files_below, is_remote, local_dir, push
+from transformer_jax.files import file_sha256
 
 CONFIG_FILE = "config.json"
 CHECKPOINT_DIR = "checkpoints"
@@ -40,13 +40,15 @@ BEST_METRIC = "val_loss"
 
 class _QuietUnrankedSaves(logging.Filter):
     """orbax warns on every save without metrics when a best_fn is set; ours are deliberate
-    (SIGTERM and periodic saves between evaluations)."""
+    (SIGTERM and periodic saves between evaluations). Installed on the absl logger by the
+    first `Checkpoints` (importing this module changes no logger)."""
 
     def filter(self, record: logging.LogRecord) -> bool:
         return "did not provide metrics" not in record.getMessage()
 
 
-logging.getLogger("absl").addFilter(_QuietUnrankedSaves())
+# One instance, so that every Checkpoints installs the same filter: addFilter keeps one copy.
+_QUIET_UNRANKED_SAVES = _QuietUnrankedSaves()
 
 
 class CheckpointError(RuntimeError):
@@ -76,6 +78,7 @@ class Checkpoints:
     def __init__(self, workdir: str, *, keep: int = 3):
         if keep < 1:
             raise ValueError(f"keep_checkpoints: must be >= 1, got {keep}")
+        logging.getLogger("absl").addFilter(_QUIET_UNRANKED_SAVES)
         # Remote (gs://...): orbax writes there itself; the checksums and the config live in
         # the local mirror and go up with `push` after each save.
         self.workdir = workdir
@@ -148,14 +151,7 @@ class Checkpoints:
         return os.path.join(local_dir(self.workdir), CHECKSUM_DIR, f"{step}.json")
 
     def _file_hashes(self, step: int) -> dict[str, str]:
-        out = {}
-        for name, path in files_below(self.path(step)):
-            digest = hashlib.sha256()
-            with path.open("rb") as f:
-                for chunk in iter(lambda: f.read(1 << 20), b""):
-                    digest.update(chunk)
-            out[name] = digest.hexdigest()
-        return out
+        return {name: file_sha256(path).hexdigest() for name, path in files_below(self.path(step))}
 
     def _write_checksums(self, step: int) -> None:
         path = self.checksum_path(step)

@@ -22,7 +22,16 @@ SHARDINGS = ("replicated", "fsdp")
 NONFINITE_POLICIES = ("stop", "skip")
 
 
-class UsageError(ValueError):
+class InputError(Exception):
+    """Something a run was given or reads cannot be used as it is: a flag or value
+    (`UsageError`), a data file (`train.data.text_files.DataError`), a dataset's source files
+    (`train.data.datasets.DatasetSourceError`) or its prepared copy
+    (`train.data.datasets.DatasetError`); the message names it. Each subclass also keeps the
+    built-in base that callers catch it by, which sets the exit code
+    (`train.core.cli.run_command`): a UsageError exits 2, the others 1."""
+
+
+class UsageError(InputError, ValueError):
     """A bad flag, value or input file, found once the run has started (exit 2: fix the
     command)."""
 

@@ -174,11 +174,6 @@ def stop_on_signals(signums=(signal.SIGTERM, signal.SIGINT)):
             signal.signal(s, h)
 
 
-def stop_on_sigterm():
-    """`stop_on_signals` for SIGTERM alone."""
-    return stop_on_signals((signal.SIGTERM,))
-
-
 class Agreement:
     """Stop decisions every process takes at the same step. One process: the local view,
     every step. Several: a SIGTERM anywhere through JAX's preemption sync point, and the local

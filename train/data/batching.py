@@ -236,11 +236,6 @@ class TokenBatcher:
         """The batch of bucket L's members `rows` (packed now: only these pairs are read)."""
         return self.pairs.pack(self._members[L][rows], L, **self._special)
 
-    def batches_for_epoch(self, epoch: int) -> Iterator[dict[str, np.ndarray]]:
-        """The `num_batches` batches of `epoch`, in training order (built lazily)."""
-        for L, rows in self._epoch_plan(epoch):
-            yield self._gather(L, rows)
-
     def iterate(
         self, start_step: int = 0, rows: Callable[[int], slice] | None = None
     ) -> Iterator[dict[str, np.ndarray]]:

@@ -19,6 +19,7 @@ from collections.abc import Iterator, Mapping
 import jax
 
 from train.core.config import UsageError
+from transformer_jax.files import file_sha256
 
 
 class DataError(UsageError):
@@ -135,9 +136,7 @@ def files_sha256(*paths: str) -> str:
     for path in paths:
         if not os.path.isfile(path):
             raise DataError(f"{path}: no such file")
-        with open(path, "rb") as f:
-            for chunk in iter(lambda f=f: f.read(1 << 20), b""):
-                digest.update(chunk)
+        file_sha256(path, digest)
         digest.update(b"\0")
     return digest.hexdigest()
 

@@ -192,15 +192,6 @@ def file_pairs(
     )
 
 
-def sample_sentences(
-    src_path: str, tgt_path: str, *, sample: int, skip_empty: bool = False, seed: int = 0
-) -> tuple[list[str], int]:
-    """`sample_pairs` of two parallel files (every line checked as `iter_parallel` does)."""
-    return sample_pairs(
-        iter_parallel(src_path, tgt_path, skip_empty=skip_empty), sample=sample, seed=seed
-    )
-
-
 def sample_pairs(
     pairs: Iterable[tuple[str, str]], *, sample: int, seed: int = 0
 ) -> tuple[list[str], int]:
@@ -232,22 +223,6 @@ def sample_pairs(
                 reservoir[j] = (i, s, t)
     reservoir.sort(key=lambda item: item[0])
     return [side for _, s, t in reservoir for side in (s, t)], count
-
-
-def parallel_cache(
-    src_path: str,
-    tgt_path: str,
-    tokenizer,
-    root: str,
-    *,
-    train_sha256: str,
-    skip_empty: bool = False,
-    log: Callable[[str], None] | None = None,
-) -> tuple[PairArrays, dict[str, Any]]:
-    """`pairs_cache` of two parallel files; train_sha256: `files_sha256(src_path,
-    tgt_path)`."""
-    source = file_pairs(src_path, tgt_path, train_sha256=train_sha256, skip_empty=skip_empty)
-    return pairs_cache(source, tokenizer, root, log=log)
 
 
 def pairs_cache(

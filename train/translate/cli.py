@@ -16,8 +16,8 @@ from train.translate.export import export_ct2, export_marian, load_exportable
 from train.translate.infer import translate_text
 from train.translate.pretrained import Pretrained, evaluate_pretrained
 from train.translate.task import TASK
-from transformer_jax import quantize as int8
-from transformer_jax.ct2 import QUANTIZATIONS, ctranslate2_module
+from transformer_jax.config import DECODE_QUANTIZATIONS
+from transformer_jax.ct2 import CT2_QUANTIZATIONS, ctranslate2_module
 
 DESCRIPTION = """Train and evaluate a translation model: Multi30k German -> English, or your files.
 
@@ -132,7 +132,7 @@ def make_parser() -> argparse.ArgumentParser:
     )
     parser.add_argument(
         "--quantize",
-        choices=int8.QUANTIZATIONS,
+        choices=DECODE_QUANTIZATIONS,
         default=None,
         help="with --translate, --translate_file or --eval: decode with int8 weights "
         "(transformer_jax.quantize)",
@@ -166,7 +166,7 @@ def make_parser() -> argparse.ArgumentParser:
     )
     group.add_argument(
         "--ct2_quantization",
-        choices=QUANTIZATIONS,
+        choices=CT2_QUANTIZATIONS,
         default=None,
         help="with --export_ct2: the weights' type (default: float32 as trained)",
     )

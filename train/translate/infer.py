@@ -7,7 +7,7 @@ from collections.abc import Sequence
 from train.core.task import params_for_inference
 from train.translate.evaluate import DecodeOptions, translate_pairs
 from train.translate.task import TASK, encode_source, trained_tokenizer
-from transformer_jax.quantize import quantized
+from transformer_jax.model import quantized
 
 
 def translate_text(

@@ -18,7 +18,7 @@ from train.core.parallel import DataParallel
 from train.translate.config import SPLITS
 from train.translate.evaluate import DecodeOptions, bleu, translate_pairs
 from transformer_jax.marian import load_marian, marian_generation_defaults
-from transformer_jax.quantize import quantized
+from transformer_jax.model import quantized
 
 
 @dataclasses.dataclass(frozen=True)

@@ -16,6 +16,7 @@ import os
 import tensorflow_datasets as tfds
 from etils import epath
 
+from train.core.config import InputError
 from train.data.datasets import multi30k, ptb
 from train.data.datasets.multi30k import Multi30k
 from train.data.datasets.ptb import Ptb
@@ -23,7 +24,7 @@ from train.data.datasets.sources import DatasetSourceError
 from train.data.text_files import error_cause
 
 
-class DatasetError(RuntimeError):
+class DatasetError(InputError, RuntimeError):
     """A prepared dataset on disk is damaged (it can be deleted and rebuilt)."""
 
 

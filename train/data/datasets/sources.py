@@ -15,7 +15,6 @@ from __future__ import annotations
 
 import dataclasses
 import gzip
-import hashlib
 import os
 import zlib
 from collections.abc import Mapping, Sequence
@@ -25,12 +24,15 @@ from typing import Any
 import tensorflow_datasets as tfds
 from etils import epath
 
+from train.core.config import InputError
+from transformer_jax.files import file_sha256
+
 # Where a builder reads its files from; any other value is a directory (see `read_sources`).
 SHIPPED = "shipped"
 DOWNLOAD = "download"
 
 
-class DatasetSourceError(ValueError):
+class DatasetSourceError(InputError, ValueError):
     """A source file of a dataset is missing, corrupt, altered, or inconsistent with another."""
 
 
@@ -66,14 +68,6 @@ def shipped_dir(dataset: str) -> Path:
     return Path(__file__).resolve().parent / "data" / dataset
 
 
-def sha256_of(path: Path) -> str:
-    digest = hashlib.sha256()
-    with open(path, "rb") as f:
-        for chunk in iter(lambda: f.read(1 << 20), b""):
-            digest.update(chunk)
-    return digest.hexdigest()
-
-
 def _read_verified(path: Path, *, name: str, expected_sha256: str | None, gzipped: bool) -> str:
     """Returns the decoded text of `path` after checking it exists and has the expected hash."""
     if not path.is_file():
@@ -82,7 +76,7 @@ def _read_verified(path: Path, *, name: str, expected_sha256: str | None, gzippe
             f"a fresh checkout, or prepare with source='download')"
         )
     if expected_sha256 is not None:
-        actual = sha256_of(path)
+        actual = file_sha256(path).hexdigest()
         if actual != expected_sha256:
             raise DatasetSourceError(
                 f"checksum mismatch for source file {name!r} ({path}): expected sha256 "

@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import os
 import signal
-import types
+import time
 
 import chex
 import jax
@@ -20,7 +20,6 @@ import pytest
 from helpers import file_hashes, toy_loss, train_losses
 
 from train import lm
-from train.core import loop
 from train.core.checkpoint import CheckpointError, Checkpoints
 from train.core.loop import LoopConfig, StopFlag, TrainingDiverged, stop_on_signals, train_loop
 from train.core.metrics import MetricsWriter, read_metrics
@@ -67,9 +66,10 @@ def run(
     on_log=None,
     deadline=None,
     batches=batches_from,
+    clock=time.monotonic,
 ):
-    """Init or resume from `workdir`, train to `steps` (or the `deadline`); returns
-    (LoopResult, Checkpoints). batches: (start step, nan_at) -> the batch stream."""
+    """Init or resume from `workdir`, train to `steps` (or the `deadline`, on `clock`);
+    returns (LoopResult, Checkpoints). batches: (start step, nan_at) -> the batch stream."""
     dp = DataParallel("jit")
     tx = optax.sgd(0.1)
     init = TrainState.create(
@@ -102,6 +102,7 @@ def run(
         elapsed=elapsed,
         stop=stop,
         on_log=on_log,
+        clock=clock,
     )
     return result, ckpt
 
@@ -224,18 +225,19 @@ def test_stop_flag_by_hand_before_any_step_still_runs_one_step(tmp_path):
     assert result.reason == "sigterm" and ckpt.latest_step() == 1
 
 
-def test_a_time_budget_spent_after_some_steps_stops_the_run_after_that_step(tmp_path, monkeypatch):
+def test_a_time_budget_spent_after_some_steps_stops_the_run_after_that_step(tmp_path):
     # The loop's clock, moved on one second by each batch drawn (one a step): steps that take
     # time, deterministically. A budget of 3.5 s runs out during step 4, long before step 10.
     clock = [0.0]
-    monkeypatch.setattr(loop, "time", types.SimpleNamespace(monotonic=lambda: clock[0]))
 
     def timed_batches(start, nan_at):
         for batch in batches_from(start, nan_at):
             clock[0] += 1.0
             yield batch
 
-    result, ckpt = run(tmp_path, steps=10, deadline=3.5, batches=timed_batches)
+    result, ckpt = run(
+        tmp_path, steps=10, deadline=3.5, batches=timed_batches, clock=lambda: clock[0]
+    )
     assert result.reason == "time" and int(result.state.step) == 4
     # Step 4 is logged, validated and saved as any last step.
     assert [s for s, _ in train_losses(tmp_path)] == [1, 2, 3, 4]

@@ -48,8 +48,9 @@ extensions = [
     "sphinx.ext.napoleon",
     "sphinx.ext.mathjax",
     # MathJax 3 served with the site (copied into _static/mathjax/), not from a CDN, so the
-    # formulas render offline; the package is only MathJax's files and a 10-line extension.
-    "sphinx-mathjax-offline",
+    # formulas render offline: sphinx-mathjax-offline (MathJax's files and a 10-line
+    # extension), through _ext/mathjax_offline.py.
+    "mathjax_offline",
     "sphinx.ext.viewcode",
     "colab",
 ]

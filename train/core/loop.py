@@ -68,9 +68,9 @@ class LoopConfig:
     nonfinite: 'stop' (raise TrainingDiverged) or 'skip' (go on without that update).
     agree_every: past one process, how often (in steps) the processes agree on stopping.
     fit_to_budget: the state's optimizer keeps its schedule's length (horizon_in_state), and
-      the loop chooses it: from the deadline, after timing fit_measure steps that follow the
-      first fit_skip of this run; `steps` without a deadline. A length already chosen (a
-      resumed run's) is kept, and is where the loop stops.
+    the loop chooses it: from the deadline, after timing fit_measure steps that follow the
+    first fit_skip of this run; `steps` without a deadline. A length already chosen (a
+    resumed run's) is kept, and is where the loop stops.
     """
 
     steps: int

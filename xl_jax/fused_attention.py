@@ -208,10 +208,21 @@ def _keep(seed_ref, bh, i, j, rate):
 
 # ------------------------------------------------------------------------------- kernels
 def _fwd_kernel(
-    kstart_ref, seed_ref, qu_ref, qv_ref, k_ref, v_ref, r_ref,  # inputs
-    o_ref, lse_ref, scratch_ref,  # outputs
-    *, tile: _Tile, heads: int, rate: float,
-):  # fmt: skip
+    kstart_ref,
+    seed_ref,
+    qu_ref,
+    qv_ref,
+    k_ref,
+    v_ref,
+    r_ref,  # inputs
+    o_ref,
+    lse_ref,
+    scratch_ref,  # outputs
+    *,
+    tile: _Tile,
+    heads: int,
+    rate: float,
+):
     b, h, qi = pl.program_id(0), pl.program_id(1), pl.program_id(2)
     i0 = qi * tile.bq
     kstart = kstart_ref[b]
@@ -250,10 +261,25 @@ def _fwd_kernel(
 
 
 def _dq_kernel(
-    kstart_ref, seed_ref, qu_ref, qv_ref, k_ref, v_ref, r_ref, do_ref, lse_ref, delta_ref,
-    dqu_ref, dqv_ref, dr_ref, scratch_ref,
-    *, tile: _Tile, heads: int, rate: float,
-):  # fmt: skip
+    kstart_ref,
+    seed_ref,
+    qu_ref,
+    qv_ref,
+    k_ref,
+    v_ref,
+    r_ref,
+    do_ref,
+    lse_ref,
+    delta_ref,
+    dqu_ref,
+    dqv_ref,
+    dr_ref,
+    scratch_ref,
+    *,
+    tile: _Tile,
+    heads: int,
+    rate: float,
+):
     b, h, qi = pl.program_id(0), pl.program_id(1), pl.program_id(2)
     i0 = qi * tile.bq
     kstart = kstart_ref[b]
@@ -300,10 +326,24 @@ def _dq_kernel(
 
 
 def _dkv_kernel(
-    kstart_ref, seed_ref, qu_ref, qv_ref, k_ref, v_ref, r_ref, do_ref, lse_ref, delta_ref,
-    dk_ref, dv_ref, scratch_ref,
-    *, tile: _Tile, heads: int, rate: float,
-):  # fmt: skip
+    kstart_ref,
+    seed_ref,
+    qu_ref,
+    qv_ref,
+    k_ref,
+    v_ref,
+    r_ref,
+    do_ref,
+    lse_ref,
+    delta_ref,
+    dk_ref,
+    dv_ref,
+    scratch_ref,
+    *,
+    tile: _Tile,
+    heads: int,
+    rate: float,
+):
     b, h, kb = pl.program_id(0), pl.program_id(1), pl.program_id(2)
     j0 = kb * tile.bk
     kstart = kstart_ref[b]
@@ -342,137 +382,135 @@ def _dkv_kernel(
 
 
 # ------------------------------------------------------------------------- pallas calls
-def _specs(b, t, s, h, k, bq, bk):
-    """BlockSpecs of the shared inputs for a grid (B, H, blocks)."""
-    del b
-    whole = dict(
-        q_block=pl.BlockSpec((None, bq, None, k), lambda b, h, i: (b, i, h, 0)),
-        q_all=pl.BlockSpec((None, t, None, k), lambda b, h, i: (b, 0, h, 0)),
-        kv_all=pl.BlockSpec((None, s, None, k), lambda b, h, i: (b, 0, h, 0)),
-        kv_block=pl.BlockSpec((None, bk, None, k), lambda b, h, i: (b, i, h, 0)),
-        r=pl.BlockSpec((s, None, k), lambda b, h, i: (0, h, 0)),
-        row_block=pl.BlockSpec((None, None, bq), lambda b, h, i: (b, h, i)),
-        row_all=pl.BlockSpec((None, None, t), lambda b, h, i: (b, h, 0)),
-    )
-    return whole
+class _Plan:
+    """What the three pallas_calls of one call share: its tile, the BlockSpecs of a grid
+    (B, H, blocks), the first two inputs' (kstart, seed) and the calls' settings."""
 
+    def __init__(self, qu, k, statics):
+        mem_len, same_length, scale, self.rate, bq, interpret = statics
+        self.b, self.t, self.h, kw = qu.shape
+        self.s = k.shape[1]
+        self.bq = bq
+        self.tile = _Tile(
+            q_len=self.t,
+            mem_len=mem_len,
+            bq=bq,
+            bk=bq,
+            scale=scale,
+            same_length=same_length,
+            interpret=interpret,
+        )
+        t, s = self.t, self.s
+        self.q_block = pl.BlockSpec((None, bq, None, kw), lambda b, h, i: (b, i, h, 0))
+        self.q_all = pl.BlockSpec((None, t, None, kw), lambda b, h, i: (b, 0, h, 0))
+        self.kv_all = pl.BlockSpec((None, s, None, kw), lambda b, h, i: (b, 0, h, 0))
+        self.kv_block = self.q_block  # bk = bq
+        self.r = pl.BlockSpec((s, None, kw), lambda b, h, i: (0, h, 0))
+        self.row_block = pl.BlockSpec((None, None, bq), lambda b, h, i: (b, h, i))
+        self.row_all = pl.BlockSpec((None, None, t), lambda b, h, i: (b, h, 0))
+        # kstart [B] and seed [1], read by scalar index.
+        self.scalars = [
+            pl.BlockSpec((self.b,), lambda b, h, i: (0,)),
+            pl.BlockSpec((1,), lambda b, h, i: (0,)),
+        ]
+        self.settings = dict(
+            interpret=interpret, compiler_params=None if interpret else _triton_params()
+        )
 
-def _scalar_spec(n):
-    return pl.BlockSpec((n,), lambda b, h, i: (0,))
+    def scratch(self, blocks: int):
+        """The per-program [bq, N] scratch output over `blocks` blocks: (spec, shape)."""
+        n = 2 * self.bq
+        spec = pl.BlockSpec((None, None, None, self.bq, n), lambda b, h, i: (b, h, i, 0, 0))
+        return spec, jax.ShapeDtypeStruct((self.b, self.h, blocks, self.bq, n), jnp.float32)
+
+    def kernel(self, fn):
+        return functools.partial(fn, tile=self.tile, heads=self.h, rate=self.rate)
 
 
 def _forward(qu, qv, k, v, r, kstart, seed, *, statics):
-    mem_len, same_length, scale, rate, bq, interpret = statics
-    b, t, h, kw = qu.shape
-    s = k.shape[1]
-    bk, n = bq, 2 * bq
-    tile = _Tile(
-        q_len=t, mem_len=mem_len, bq=bq, bk=bk, scale=scale, same_length=same_length,
-        interpret=interpret,
-    )  # fmt: skip
-    sp = _specs(b, t, s, h, kw, bq, bk)
-    n_q = t // bq
+    plan = _Plan(qu, k, statics)
+    n_q = plan.t // plan.bq
+    scratch_spec, scratch_shape = plan.scratch(n_q)
     o, lse, _ = pl.pallas_call(
-        functools.partial(_fwd_kernel, tile=tile, heads=h, rate=rate),
-        grid=(b, h, n_q),
+        plan.kernel(_fwd_kernel),
+        grid=(plan.b, plan.h, n_q),
         in_specs=[
-            _scalar_spec(b),
-            _scalar_spec(1),
-            sp["q_block"],
-            sp["q_block"],
-            sp["kv_all"],
-            sp["kv_all"],
-            sp["r"],
-        ],  # fmt: skip
-        out_specs=[
-            sp["q_block"],
-            sp["row_block"],
-            pl.BlockSpec((None, None, None, bq, n), lambda b, h, i: (b, h, i, 0, 0)),
+            *plan.scalars,
+            plan.q_block,
+            plan.q_block,
+            plan.kv_all,
+            plan.kv_all,
+            plan.r,
         ],
+        out_specs=[plan.q_block, plan.row_block, scratch_spec],
         out_shape=[
             jax.ShapeDtypeStruct(qu.shape, qu.dtype),
-            jax.ShapeDtypeStruct((b, h, t), jnp.float32),
-            jax.ShapeDtypeStruct((b, h, n_q, bq, n), jnp.float32),
+            jax.ShapeDtypeStruct((plan.b, plan.h, plan.t), jnp.float32),
+            scratch_shape,
         ],
-        interpret=interpret,
-        compiler_params=None if interpret else _triton_params(),
         name="xl_relative_attention_fwd",
+        **plan.settings,
     )(kstart, seed, qu, qv, k, v, r)
     return o, lse
 
 
 def _backward(qu, qv, k, v, r, kstart, seed, o, lse, do, *, statics):
-    mem_len, same_length, scale, rate, bq, interpret = statics
+    plan = _Plan(qu, k, statics)
     b, t, h, kw = qu.shape
-    s = k.shape[1]
-    bk, n = bq, 2 * bq
-    tile = _Tile(
-        q_len=t, mem_len=mem_len, bq=bq, bk=bk, scale=scale, same_length=same_length,
-        interpret=interpret,
-    )  # fmt: skip
-    sp = _specs(b, t, s, h, kw, bq, bk)
-    n_q, n_k = t // bq, s // bk
+    s, bq = plan.s, plan.bq
+    n_q, n_k = t // bq, s // bq
     delta = jnp.einsum("bthk,bthk->bht", do.astype(jnp.float32), o.astype(jnp.float32))
-    common = dict(interpret=interpret, compiler_params=None if interpret else _triton_params())
+    # Query block qi's R-gradient rows: its buffer row x is R row T - bq - qi * bq + x.
+    dr_spec = pl.BlockSpec((None, None, None, s + bq, kw), lambda b, h, i: (b, h, i, 0, 0))
+    scratch_spec, scratch_shape = plan.scratch(n_q)
     dqu, dqv, dr_buf, _ = pl.pallas_call(
-        functools.partial(_dq_kernel, tile=tile, heads=h, rate=rate),
+        plan.kernel(_dq_kernel),
         grid=(b, h, n_q),
         in_specs=[
-            _scalar_spec(b),
-            _scalar_spec(1),
-            sp["q_block"],
-            sp["q_block"],
-            sp["kv_all"],
-            sp["kv_all"],
-            sp["r"],
-            sp["q_block"],
-            sp["row_block"],
-            sp["row_block"],
-        ],  # fmt: skip
-        out_specs=[
-            sp["q_block"],
-            sp["q_block"],
-            pl.BlockSpec((None, None, None, s + bq, kw), lambda b, h, i: (b, h, i, 0, 0)),
-            pl.BlockSpec((None, None, None, bq, n), lambda b, h, i: (b, h, i, 0, 0)),
+            *plan.scalars,
+            plan.q_block,
+            plan.q_block,
+            plan.kv_all,
+            plan.kv_all,
+            plan.r,
+            plan.q_block,
+            plan.row_block,
+            plan.row_block,
         ],
+        out_specs=[plan.q_block, plan.q_block, dr_spec, scratch_spec],
         out_shape=[
             jax.ShapeDtypeStruct(qu.shape, jnp.float32),
             jax.ShapeDtypeStruct(qu.shape, jnp.float32),
             jax.ShapeDtypeStruct((b, h, n_q, s + bq, kw), jnp.float32),
-            jax.ShapeDtypeStruct((b, h, n_q, bq, n), jnp.float32),
+            scratch_shape,
         ],
         name="xl_relative_attention_dq",
-        **common,
+        **plan.settings,
     )(kstart, seed, qu, qv, k, v, r, do, lse, delta)
+    scratch_spec, scratch_shape = plan.scratch(n_k)
     dk, dv, _ = pl.pallas_call(
-        functools.partial(_dkv_kernel, tile=tile, heads=h, rate=rate),
+        plan.kernel(_dkv_kernel),
         grid=(b, h, n_k),
         in_specs=[
-            _scalar_spec(b),
-            _scalar_spec(1),
-            sp["q_all"],
-            sp["q_all"],
-            sp["kv_block"],
-            sp["kv_block"],
-            sp["r"],
-            sp["q_all"],
-            sp["row_all"],
-            sp["row_all"],
-        ],  # fmt: skip
-        out_specs=[
-            sp["kv_block"],
-            sp["kv_block"],
-            pl.BlockSpec((None, None, None, bq, n), lambda b, h, i: (b, h, i, 0, 0)),
+            *plan.scalars,
+            plan.q_all,
+            plan.q_all,
+            plan.kv_block,
+            plan.kv_block,
+            plan.r,
+            plan.q_all,
+            plan.row_all,
+            plan.row_all,
         ],
+        out_specs=[plan.kv_block, plan.kv_block, scratch_spec],
         out_shape=[
             jax.ShapeDtypeStruct(k.shape, jnp.float32),
             jax.ShapeDtypeStruct(v.shape, jnp.float32),
-            jax.ShapeDtypeStruct((b, h, n_k, bq, n), jnp.float32),
+            scratch_shape,
         ],
         name="xl_relative_attention_dkv",
-        **common,
+        **plan.settings,
     )(kstart, seed, qu, qv, k, v, r, do, lse, delta)
-    # Buffer row x of query block qi is R row T - bq - qi * bq + x: sum the blocks, shifted.
     per_block = dr_buf.sum(axis=0)  # [H, n_q, S + bq, K]
     dr = jnp.zeros((h, s, kw), jnp.float32)
     for qi in range(n_q):

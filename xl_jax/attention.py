@@ -133,7 +133,8 @@ class RelativeMultiHeadAttention(nn.Module):
             dropout_rng = self.make_rng("dropout")
         qu = q + r_w_bias.astype(q.dtype)  # (a) + (c)
         qv = q + r_r_bias.astype(q.dtype)  # (b) + (d)
-        if use_fused_kernel(cfg, q, mem_len=cat.shape[1] - t, valid=valid):
+        mem_len = cat.shape[1] - t
+        if use_fused_kernel(cfg, q, mem_len=mem_len, valid=valid):
             attn = fused_attention.relative_attention(
                 qu,
                 qv,
@@ -141,7 +142,7 @@ class RelativeMultiHeadAttention(nn.Module):
                 v,
                 r,
                 valid,
-                mem_len=cat.shape[1] - t,
+                mem_len=mem_len,
                 same_length=cfg.same_length,
                 scale=scale,
                 dropout_rate=cfg.dropatt,

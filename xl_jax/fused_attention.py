@@ -162,6 +162,13 @@ class _Tile:
         mask = self.mask(i0 + a, j0 + b, kstart)
         return jnp.where(mask, s, _MASK_VALUE), mask
 
+    def keep(self, seed_ref, bh, i0, j0, rate):
+        """The pair's [bq, bk] dropout keep mask: `dropout_keep` of its query and key positions."""
+        u32 = jnp.uint32
+        i = (i0 + jnp.arange(self.bq, dtype=jnp.int32)[:, None]).astype(u32)
+        j = (j0 + jnp.arange(self.bk, dtype=jnp.int32)[None, :]).astype(u32)
+        return dropout_keep(seed_ref[0].astype(u32), bh.astype(u32), i, j, rate)
+
     def mask(self, i, j, kstart):
         d = self.m + i - j
         mask = (d >= 0) & (j >= kstart)
@@ -201,9 +208,9 @@ class _Tile:
         return lo, jnp.maximum(hi, lo)
 
 
-def _keep(seed_ref, bh, i, j, rate):
-    u32 = jnp.uint32
-    return dropout_keep(seed_ref[0].astype(u32), bh.astype(u32), i.astype(u32), j.astype(u32), rate)
+def _drop(x, keep, rate):
+    """Inverted dropout by a keep mask: kept entries scaled by 1 / (1 - rate), the rest 0."""
+    return jnp.where(keep, x * (1.0 / (1.0 - rate)), 0.0)
 
 
 # ------------------------------------------------------------------------------- kernels
@@ -228,8 +235,6 @@ def _fwd_kernel(
     kstart = kstart_ref[b]
     qu, qv = qu_ref[...], qv_ref[...]  # [bq, K]
     lo, hi = tile.key_blocks(i0, kstart)
-    a = jnp.arange(tile.bq, dtype=jnp.int32)[:, None]
-    cols = jnp.arange(tile.bk, dtype=jnp.int32)[None, :]
 
     def body(jb, carry):
         m, denom, acc = carry
@@ -242,8 +247,7 @@ def _fwd_kernel(
         alpha = jnp.exp(m - m_new)
         denom = denom * alpha + jnp.sum(p, axis=1)
         if rate > 0.0:
-            keep = _keep(seed_ref, b * heads + h, i0 + a, j0 + cols, rate)
-            p = jnp.where(keep, p * (1.0 / (1.0 - rate)), 0.0)
+            p = _drop(p, tile.keep(seed_ref, b * heads + h, i0, j0, rate), rate)
         acc = acc * alpha[:, None] + jnp.dot(
             p.astype(vt.dtype), vt, preferred_element_type=jnp.float32
         )
@@ -286,8 +290,6 @@ def _dq_kernel(
     qu, qv, do = qu_ref[...], qv_ref[...], do_ref[...]
     lse, delta = lse_ref[...], delta_ref[...]
     lo, hi = tile.key_blocks(i0, kstart)
-    a = jnp.arange(tile.bq, dtype=jnp.int32)[:, None]
-    cols = jnp.arange(tile.bk, dtype=jnp.int32)[None, :]
     k_width = qu.shape[-1]
 
     # This program's R-gradient rows: buffer row x holds R row T - bq - i0 + x.
@@ -308,8 +310,7 @@ def _dq_kernel(
         p = jnp.where(mask, jnp.exp(s - lse[:, None]), 0.0)
         dp = jnp.dot(do, vt.T, preferred_element_type=jnp.float32)
         if rate > 0.0:
-            keep = _keep(seed_ref, b * heads + h, i0 + a, j0 + cols, rate)
-            dp = jnp.where(keep, dp * (1.0 / (1.0 - rate)), 0.0)
+            dp = _drop(dp, tile.keep(seed_ref, b * heads + h, i0, j0, rate), rate)
         ds = p * (dp - delta[:, None]) * tile.scale  # d(loss)/d(unscaled score)
         dqu = dqu + jnp.dot(ds.astype(kt.dtype), kt, preferred_element_type=jnp.float32)
         ds_rows = tile.unskew(ds, scratch_ref)  # [bq, N]
@@ -349,8 +350,6 @@ def _dkv_kernel(
     kstart = kstart_ref[b]
     kt, vt = k_ref[...], v_ref[...]  # [bk, K]
     lo, hi = tile.query_blocks(j0, kstart)
-    rows = jnp.arange(tile.bq, dtype=jnp.int32)[:, None]
-    cols = jnp.arange(tile.bk, dtype=jnp.int32)[None, :]
     k_width = kt.shape[-1]
 
     def body(qb, carry):
@@ -365,9 +364,8 @@ def _dkv_kernel(
         p = jnp.where(mask, jnp.exp(s - lse[:, None]), 0.0)
         dp = jnp.dot(do, vt.T, preferred_element_type=jnp.float32)
         if rate > 0.0:
-            keep = _keep(seed_ref, b * heads + h, i0 + rows, j0 + cols, rate)
-            p_drop = jnp.where(keep, p * (1.0 / (1.0 - rate)), 0.0)
-            dp = jnp.where(keep, dp * (1.0 / (1.0 - rate)), 0.0)
+            keep = tile.keep(seed_ref, b * heads + h, i0, j0, rate)
+            p_drop, dp = _drop(p, keep, rate), _drop(dp, keep, rate)
         else:
             p_drop = p
         dv = dv + jnp.dot(p_drop.T.astype(do.dtype), do, preferred_element_type=jnp.float32)

@@ -13,6 +13,7 @@ signal handlers, W/config.json, the checkpoints and the metrics writer each have
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 import functools
 import json
 import os
@@ -66,6 +67,19 @@ PyTree = Any
 Rows = Callable[[int], slice]  # a global batch's row count -> this process's rows of it
 
 
+@dataclasses.dataclass(frozen=True)
+class EvalContext:
+    """What every evaluation of one run shares, built once by `train_and_evaluate` when the
+    evaluation step is compiled and handed to the task's `start` and `finish`."""
+
+    workdir: str  # the local work directory (a remote W's mirror), for translations and plots
+    dp: DataParallel  # evaluation's layout: jit over every device
+    eval_step: Callable  # (params, batch) -> summed metrics (DataParallel.compile_eval_step)
+    model: nn.Module
+    writer: MetricsWriter
+    started: float  # time.monotonic() when the run started: total_seconds in test records
+
+
 class TaskData(Protocol):
     """What a task prepared for one run: the training stream and its evaluations."""
 
@@ -81,34 +95,16 @@ class TaskData(Protocol):
     def evaluate(self, dp: DataParallel, eval_step: Callable, params: PyTree) -> dict[str, float]:
         """Validation figures ('loss' ranks the checkpoints) of `params` (global layout)."""
 
-    def start(
-        self,
-        *,
-        workdir: str,
-        dp: DataParallel,
-        eval_step: Callable,
-        model: nn.Module,
-        params: PyTree,
-        writer: MetricsWriter,
-    ) -> None:
+    def start(self, ctx: EvalContext, params: PyTree) -> None:
         """Before the first step of a new run (not a resumed one): what the task measures of
         the model it starts from (a pretrained model's BLEU; nothing for a random one)."""
 
     def finish(
-        self,
-        *,
-        workdir: str,
-        dp: DataParallel,
-        eval_step: Callable,
-        model: nn.Module,
-        state: TrainState,
-        params: PyTree,
-        validation: dict[str, float],
-        writer: MetricsWriter,
-        start: float,
+        self, ctx: EvalContext, step: int, params: PyTree, validation: dict[str, float]
     ) -> dict[str, Any]:
-        """The final evaluation after training (test figures, files, plots; its metrics
-        lines through `writer`) -> the entries it adds to the run's final metrics."""
+        """The final evaluation of `params` after training to `step` (test figures, files,
+        plots; its metrics lines through `ctx.writer`), given the last validation figures ->
+        the entries it adds to the run's final metrics."""
 
 
 class Task(Protocol):
@@ -343,12 +339,15 @@ def _accumulate(total: PyTree, params: PyTree) -> PyTree:
 def train_and_evaluate(task: Task, config: RunConfig, workdir: str) -> dict[str, Any]:
     """Trains (or resumes) `config` in `workdir`, then evaluates; returns the final metrics:
     step, stop reason, params (count), train_seconds (summed over resumed runs), and what the
-    task's evaluation adds (`val_*` / `test_*` figures, ...)."""
+    task's evaluation adds (`val_*` / `test_*` figures, ...).
+
+    In order: open the run, restore its state, prepare the data, compile, train (the loop
+    saves last), evaluate, close."""
     start = time.monotonic()
-    # 1. Start: the distributed runtime (a no-op when the command started it), one work
-    # directory for every process, and from here on SIGTERM / SIGINT only set a flag (after
-    # JAX's own start-up, whose preemption notifier would otherwise take SIGTERM): a signal
-    # during data preparation or compilation stops the run after its first step, saved.
+    # The distributed runtime (a no-op when the command started it) and one work directory
+    # for every process; from here on SIGTERM / SIGINT only set a flag (after JAX's own
+    # start-up, whose preemption notifier would otherwise take SIGTERM): a signal during data
+    # preparation or compilation stops the run after its first step, saved.
     maybe_initialize_distributed(config.distributed)
     check_same_on_every_process(
         workdir if is_remote(workdir) else os.path.abspath(workdir), "--workdir"
@@ -360,75 +359,32 @@ def train_and_evaluate(task: Task, config: RunConfig, workdir: str) -> dict[str,
         taken_back_unless_saved(workdir, made_lock=lock.made_file),
     ):
         log = printer()
-        run_config = config_to_dict(config)
-        changed = check_workdir(task, workdir, run_config, config.MAY_CHANGE)
-        if changed:
-            log("resuming with changed settings: " + "; ".join(changed))
-        dp = DataParallel(config.parallel, sharding=config.sharding)
-        eval_dp = dp if dp.mode == "jit" else DataParallel("jit")
-        model = task.build_model(config)
-        tx, schedule = make_optimizer(task.optimizer_config(config))
-        checkpoints = Checkpoints(workdir, keep=config.keep_checkpoints)
-        writer = MetricsWriter(workdir)
-        try:
-            # 2. Restore: a fresh state from the seed (or the task's pretrained weights), or
-            # the latest checkpoint into it.
-            fresh = checkpoints.latest_step() is None
-            start_params = task.initial_params(config) if fresh else None
-            state = init_state(task, config, model, tx, eval_dp, params=start_params)
-            del start_params
-            elapsed, carried = 0.0, []
-            if not fresh:
-                state, meta = checkpoints.restore(state)
-                elapsed = float(meta.get("elapsed", 0.0))
-                carried = list(meta.get("interval_metrics", []))
-                log(f"resumed from {checkpoints.path(checkpoints.latest_step())}")
+        with _opened(task, config, workdir, log) as run:
+            state, elapsed, carried = _restore(task, run, log)
             step = int(jax.device_get(state.step))
-            # config.json once, after a restore that worked (a failed one changes nothing on
-            # disk) and before anything slow, so a run killed from here on resumes as itself
-            # with --workdir alone.
-            save_run_config(workdir, run_config)
-            # Lines past the restored step were logged by a run that died before saving them.
-            writer.rewind(step)
-            if changed:
-                writer.write(step, "resume", {"changed": changed})
-            writer.hparams(run_config)
-            data = prepare_data(task, config, workdir, dp, log)
+            data = prepare_data(task, config, workdir, run.dp, log)
             log(f"prepared in {time.monotonic() - start:.1f}s")
             log(
                 f"model: {task.describe(config)} ({config.preset}), "
                 f"{count_params(state.params):,} parameters"
             )
-
-            # 3. The loop, and the final save (train_loop's last act).
-            loss_fn = task.loss_fn(config, model)
-            eval_step = eval_dp.compile_eval_step(loss_fn, state)
+            loss_fn = task.loss_fn(config, run.model)
+            ctx = EvalContext(
+                workdir=local_dir(workdir),
+                dp=run.eval_dp,
+                eval_step=run.eval_dp.compile_eval_step(loss_fn, state),
+                model=run.model,
+                writer=run.writer,
+                started=start,
+            )
 
             def evaluate(global_state: TrainState) -> dict[str, float]:
-                return data.evaluate(eval_dp, eval_step, eval_params(global_state))
+                return data.evaluate(ctx.dp, ctx.eval_step, eval_params(global_state))
 
             if step == 0:
-                data.start(
-                    workdir=local_dir(workdir),
-                    dp=eval_dp,
-                    eval_step=eval_step,
-                    model=model,
-                    params=eval_params(state),
-                    writer=writer,
-                )
-            dstate = dp.put_state(state)
-            train_step = dp.compile_train_step(loss_fn, dstate, lr_schedule=schedule)
-            # A run fitted to its budget may train past `steps` (its length without one).
-            if config.compile_ahead and (step < config.steps or config.fit_to_budget):
-                t0 = time.monotonic()
-                with CacheTally() as cache:
-                    batches = data.example_batches(dp.local_rows)
-                    ahead = dp.compile_ahead(train_step, dstate, batches)
-                if ahead:
-                    log(
-                        f"compiled the train step for {ahead} batch shape(s) ahead in "
-                        f"{time.monotonic() - t0:.1f}s{cache.describe()}"
-                    )
+                data.start(ctx, eval_params(state))
+            dstate = run.dp.put_state(state)
+            train_step = _compiled_train_step(run, loss_fn, dstate, data, step, log)
             loop = LoopConfig.from_run(config, start=start)
             log(
                 f"training from step {step} to "
@@ -442,19 +398,19 @@ def train_and_evaluate(task: Task, config: RunConfig, workdir: str) -> dict[str,
             )
             result = train_loop(
                 dstate,
-                dp=dp,
+                dp=run.dp,
                 train_step=train_step,
-                batches=data.batches(step, dp.local_rows),
+                batches=data.batches(step, run.dp.local_rows),
                 config=loop,
-                writer=writer,
-                checkpoints=checkpoints,
+                writer=run.writer,
+                checkpoints=run.checkpoints,
                 evaluate=evaluate,
                 elapsed=elapsed,
                 stop=stop,
                 log=log,
                 carried=carried,
             )
-            state = dp.get_state(result.state)
+            state = run.dp.get_state(result.state)
             log_stop(result, state, train_step, workdir, log)
             final = {
                 "step": int(jax.device_get(state.step)),
@@ -466,37 +422,142 @@ def train_and_evaluate(task: Task, config: RunConfig, workdir: str) -> dict[str,
                 final["skipped_steps"] = result.skipped
             if result.interrupted:
                 return final
-
-            # 4. Evaluate: the last validation (or a new one), then the task's test figures;
-            # with average_checkpoints, both of the mean of the last N checkpoints.
-            if config.average_checkpoints:
-                params, averaged = average_last_checkpoints(task, config, workdir, model, eval_dp)
-                validation = data.evaluate(eval_dp, eval_step, params)
-                _log_average(averaged, config.average_checkpoints, log)
-                writer.write_final(final["step"], "averaged", {"steps": averaged, **validation})
-                final["averaged_steps"] = averaged
-            else:
-                params = eval_params(state)
-                validation = result.last_eval or evaluate(state)
-            final.update(
-                data.finish(
-                    workdir=local_dir(workdir),
-                    dp=eval_dp,
-                    eval_step=eval_step,
-                    model=model,
-                    state=state,
-                    params=params,
-                    validation=validation,
-                    writer=writer,
-                    start=start,
-                )
-            )
-        finally:
-            # 5. Close.
-            writer.close()
-            checkpoints.close()
+            final.update(_final_evaluation(task, run, data, ctx, state, result, final, log))
         push(workdir)  # the test figures, translations and plots
         return final
+
+
+@dataclasses.dataclass(frozen=True)
+class _Run:
+    """What an opened run holds until it closes: its layouts, model, optimizer, checkpoints
+    and metrics writer (one owner each: `_opened`)."""
+
+    config: RunConfig
+    workdir: str
+    run_config: dict[str, Any]  # the config's JSON form, as W/config.json holds it
+    changed: list[str]  # the may-change settings a resumed run changes ('f: saved -> given')
+    dp: DataParallel  # training's layout (config.parallel)
+    eval_dp: DataParallel  # evaluation's: jit (pmap runs evaluate under jit too)
+    model: nn.Module
+    tx: Any  # the optax transformation
+    schedule: Callable  # its learning-rate schedule, for the logged rate
+    checkpoints: Checkpoints
+    writer: MetricsWriter
+
+
+@contextlib.contextmanager
+def _opened(
+    task: Task, config: RunConfig, workdir: str, log: Callable[[str], None]
+) -> Iterator[_Run]:
+    """Open a run in `workdir`: check that W can take it (and say what a resume changes),
+    then build its layouts, model and optimizer and open its checkpoints and metrics, closed
+    again on the way out whatever happens."""
+    run_config = config_to_dict(config)
+    changed = check_workdir(task, workdir, run_config, config.MAY_CHANGE)
+    if changed:
+        log("resuming with changed settings: " + "; ".join(changed))
+    dp = DataParallel(config.parallel, sharding=config.sharding)
+    tx, schedule = make_optimizer(task.optimizer_config(config))
+    checkpoints = Checkpoints(workdir, keep=config.keep_checkpoints)
+    writer = MetricsWriter(workdir)
+    try:
+        yield _Run(
+            config=config,
+            workdir=workdir,
+            run_config=run_config,
+            changed=changed,
+            dp=dp,
+            eval_dp=dp if dp.mode == "jit" else DataParallel("jit"),
+            model=task.build_model(config),
+            tx=tx,
+            schedule=schedule,
+            checkpoints=checkpoints,
+            writer=writer,
+        )
+    finally:
+        writer.close()
+        checkpoints.close()
+
+
+def _restore(
+    task: Task, run: _Run, log: Callable[[str], None]
+) -> tuple[TrainState, float, list[dict]]:
+    """The run's state (global layout): a fresh one from the seed (or the task's pretrained
+    weights), or the latest checkpoint restored into it -> (state, the training seconds
+    before this start, the interval metrics the checkpoint carried). Then W/config.json and
+    the metrics are brought to that step."""
+    config, checkpoints, writer = run.config, run.checkpoints, run.writer
+    fresh = checkpoints.latest_step() is None
+    start_params = task.initial_params(config) if fresh else None
+    state = init_state(task, config, run.model, run.tx, run.eval_dp, params=start_params)
+    del start_params
+    elapsed, carried = 0.0, []
+    if not fresh:
+        state, meta = checkpoints.restore(state)
+        elapsed = float(meta.get("elapsed", 0.0))
+        carried = list(meta.get("interval_metrics", []))
+        log(f"resumed from {checkpoints.path(checkpoints.latest_step())}")
+    step = int(jax.device_get(state.step))
+    # config.json once, after a restore that worked (a failed one changes nothing on disk)
+    # and before anything slow, so a run killed from here on resumes as itself with
+    # --workdir alone.
+    save_run_config(run.workdir, run.run_config)
+    # Lines past the restored step were logged by a run that died before saving them.
+    writer.rewind(step)
+    if run.changed:
+        writer.write(step, "resume", {"changed": run.changed})
+    writer.hparams(run.run_config)
+    return state, elapsed, carried
+
+
+def _compiled_train_step(
+    run: _Run, loss_fn: LossFn, dstate: TrainState, data: TaskData, step: int, log
+) -> Callable:
+    """The run's train step, compiled ahead for every batch shape the data can yield
+    (RunConfig.compile_ahead) when there are steps left to train."""
+    config, dp = run.config, run.dp
+    train_step = dp.compile_train_step(loss_fn, dstate, lr_schedule=run.schedule)
+    # A run fitted to its budget may train past `steps` (its length without one).
+    if config.compile_ahead and (step < config.steps or config.fit_to_budget):
+        t0 = time.monotonic()
+        with CacheTally() as cache:
+            batches = data.example_batches(dp.local_rows)
+            ahead = dp.compile_ahead(train_step, dstate, batches)
+        if ahead:
+            log(
+                f"compiled the train step for {ahead} batch shape(s) ahead in "
+                f"{time.monotonic() - t0:.1f}s{cache.describe()}"
+            )
+    return train_step
+
+
+def _final_evaluation(
+    task: Task,
+    run: _Run,
+    data: TaskData,
+    ctx: EvalContext,
+    state: TrainState,
+    result: LoopResult,
+    final: Mapping[str, Any],
+    log: Callable[[str], None],
+) -> dict[str, Any]:
+    """The last validation (or a new one), then the task's test figures; with
+    average_checkpoints, both of the mean of the last N checkpoints -> the entries they add
+    to the final metrics."""
+    config, added = run.config, {}
+    if config.average_checkpoints:
+        params, averaged = average_last_checkpoints(
+            task, config, run.workdir, run.model, run.eval_dp
+        )
+        validation = data.evaluate(ctx.dp, ctx.eval_step, params)
+        _log_average(averaged, config.average_checkpoints, log)
+        run.writer.write_final(final["step"], "averaged", {"steps": averaged, **validation})
+        added["averaged_steps"] = averaged
+    else:
+        params = eval_params(state)
+        validation = result.last_eval or data.evaluate(ctx.dp, ctx.eval_step, params)
+    added.update(data.finish(ctx, final["step"], params, validation))
+    return added
 
 
 @contextlib.contextmanager
@@ -635,6 +696,7 @@ def default_workdir(task: Task, config: RunConfig) -> str:
 
 __all__ = [
     "CheckpointError",
+    "EvalContext",
     "Task",
     "TaskData",
     "config_from_saved",

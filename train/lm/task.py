@@ -23,9 +23,9 @@ import jax.numpy as jnp
 import numpy as np
 
 from train import plots
-from train.core.metrics import MetricsWriter, add_sums, read_metrics, summarize
+from train.core.metrics import add_sums, read_metrics, summarize
 from train.core.parallel import DataParallel
-from train.core.state import TrainState
+from train.core.task import EvalContext
 from train.data.text_files import DataError, check_fingerprint, files_sha256
 from train.data.tfds_source import is_tfds, open_dataset
 from train.data.token_cache import CACHE_DIR, ids_dtype, stream_cache
@@ -303,31 +303,21 @@ class LMData:
     def evaluate(self, dp: DataParallel, eval_step: Callable, params) -> dict[str, float]:
         return evaluate_stream(dp, eval_step, params, self.valid, self.config)
 
-    def start(self, **_) -> None:
+    def start(self, ctx: EvalContext, params) -> None:
         """Nothing to measure before the first step: the model starts from random weights."""
 
     def finish(
-        self,
-        *,
-        workdir: str,
-        dp: DataParallel,
-        eval_step: Callable,
-        model,
-        state: TrainState,
-        params,
-        validation: Mapping[str, float],
-        writer: MetricsWriter,
-        start: float,
+        self, ctx: EvalContext, step: int, params, validation: Mapping[str, float]
     ) -> dict[str, Any]:
-        config, step = self.config, int(jax.device_get(state.step))
+        config = self.config
         out = {f"val_{k}": v for k, v in validation.items()}
         figure = "bpc" if "bpc" in validation else "ppl"
         if self.test is None:  # a text run given no test file
             self.log(f"no test text; validation {figure} {validation[figure]:.3f}")
         else:
-            test = evaluate_stream(dp, eval_step, params, self.test, config)
-            test["total_seconds"] = time.monotonic() - start
-            writer.write_final(step, "test", test)
+            test = evaluate_stream(ctx.dp, ctx.eval_step, params, self.test, config)
+            test["total_seconds"] = time.monotonic() - ctx.started
+            ctx.writer.write_final(step, "test", test)
             out.update({f"test_{k}": v for k, v in test.items()})
             self.log(
                 f"test {figure} {test[figure]:.3f}, validation {figure} "
@@ -336,7 +326,7 @@ class LMData:
             )
         if config.plots and jax.process_index() == 0:
             path = plots.plot_losses(
-                read_metrics(workdir), os.path.join(workdir, plots.PLOTS_DIR, "loss.png")
+                read_metrics(ctx.workdir), os.path.join(ctx.workdir, plots.PLOTS_DIR, "loss.png")
             )
             self.log(f"plots: {path}")
         return out

@@ -25,7 +25,7 @@ import numpy as np
 from train import plots
 from train.core.metrics import MetricsWriter, read_metrics
 from train.core.parallel import DataParallel
-from train.core.state import TrainState
+from train.core.task import EvalContext
 from train.core.workdir import local_dir
 from train.data.batching import TokenBatcher, eval_batches
 from train.data.text_files import (
@@ -389,51 +389,26 @@ class TranslationData:
     def evaluate(self, dp: DataParallel, eval_step: Callable, params) -> dict[str, float]:
         return teacher_forced(dp, eval_step, params, self._eval_batches(self.validation, dp))
 
-    def start(
-        self,
-        *,
-        workdir: str,
-        dp: DataParallel,
-        eval_step: Callable,
-        model: nn.Module,
-        params,
-        writer: MetricsWriter,
-    ) -> None:
+    def start(self, ctx: EvalContext, params) -> None:
         """A fine-tuning run's starting point, before its first step: perplexity, BLEU and
         chrF of the pretrained model on validation and each test set, logged and written as
         step 0 of split 'pretrained/NAME' (its translations as step 0's), so the end's figures
         show the gain. A model trained from scratch starts random: nothing is measured."""
         if self.config.pretrained is None:
             return
-        score = self._scorer(
-            workdir=workdir, dp=dp, eval_step=eval_step, model=model, params=params, step=0
-        )
         for split in (self.validation, *self.tests):
-            record, path, _ = score(split)
-            writer.write_final(0, f"{PRETRAINED}/{split.name}", record)
+            record, path, _ = self._score(split, ctx, params, step=0)
+            ctx.writer.write_final(0, f"{PRETRAINED}/{split.name}", record)
             self.log(
                 f"{split.name} before fine-tuning: BLEU {record['bleu']:.2f}, chrF "
                 f"{record['chrf']:.2f}, ppl {record['ppl']:.2f}; translations in {path}"
             )
 
     def finish(
-        self,
-        *,
-        workdir: str,
-        dp: DataParallel,
-        eval_step: Callable,
-        model: nn.Module,
-        state: TrainState,
-        params,
-        validation: Mapping[str, float],
-        writer: MetricsWriter,
-        start: float,
+        self, ctx: EvalContext, step: int, params, validation: Mapping[str, float]
     ) -> dict[str, Any]:
-        config, log = self.config, self.log
-        step = int(jax.device_get(state.step))
-        score = self._scorer(
-            workdir=workdir, dp=dp, eval_step=eval_step, model=model, params=params, step=step
-        )
+        config, log, writer, workdir = self.config, self.log, ctx.writer, ctx.workdir
+        score = functools.partial(self._score, ctx=ctx, params=params, step=step)
         out = {f"val_{k}": v for k, v in validation.items() if k in ("loss", "nll", "ppl")}
         before = self._before(writer) if config.pretrained is not None else {}
         if config.pretrained is not None:  # the gain of fine-tuning: validation BLEU too
@@ -449,7 +424,7 @@ class TranslationData:
         first = None
         for test in self.tests:
             record, path, hypotheses = score(test)
-            record["total_seconds"] = time.monotonic() - start
+            record["total_seconds"] = time.monotonic() - ctx.started
             writer.write_final(step, test.name, record)
             started = before.get(test.name)
             if first is None:  # the first test set's figures are the run's test_ figures
@@ -471,13 +446,13 @@ class TranslationData:
             test, hypotheses = first
             made = plots.make_translation_plots(
                 workdir,
-                model,
+                ctx.model,
                 params,
                 self.tokenizer,
                 source=test.sources[0],
                 hypothesis=hypotheses[0],
             )
-            first = next(iter(self._eval_batches(self.validation, dp, sort_by_length=False)))
+            first = next(iter(self._eval_batches(self.validation, ctx.dp, sort_by_length=False)))
             made += [
                 d.path
                 for d in plots.make_annotated_transformer_plots(
@@ -506,19 +481,15 @@ class TranslationData:
             if r["split"].startswith(prefix) and r["step"] == 0
         }
 
-    def _scorer(self, **context) -> Callable[[Split], tuple[dict[str, Any], str, list[str]]]:
-        """`_score` of one split with the rest of its arguments (`context`) bound."""
-        return functools.partial(self._score, **context)
-
-    def _score(self, test: Split, *, workdir: str, dp, eval_step, model, params, step: int):
+    def _score(self, test: Split, ctx: EvalContext, params, *, step: int):
         """-> (the metrics record of one test set, its translations' path, the hypotheses)."""
         config = self.config
         t_eval = time.monotonic()
-        teacher = teacher_forced(dp, eval_step, params, self._eval_batches(test, dp))
-        hypotheses = translate_pairs(model, params, dp, config, self.tokenizer, test.pairs)
+        teacher = teacher_forced(ctx.dp, ctx.eval_step, params, self._eval_batches(test, ctx.dp))
+        hypotheses = translate_pairs(ctx.model, params, ctx.dp, config, self.tokenizer, test.pairs)
         src_lang, tgt_lang = config.output_languages()
         path = write_translations(
-            workdir,
+            ctx.workdir,
             test.name,
             step,
             sources=test.sources,

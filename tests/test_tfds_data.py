@@ -39,8 +39,9 @@ from train.lm import cli as lm_cli
 from train.lm.task import load_stream, load_vocab
 from train.lm.text import TextVocab
 from train.translate import cli as translate_cli
-from train.translate import task
-from train.translate.task import encode_pairs, load_tokenizer, tfds_pairs, tfds_splits
+from train.translate import sources
+from train.translate.sources import TfdsSource, encode_pairs
+from train.translate.tokenizer import load_tokenizer
 
 WORDS = [f"w{i}" for i in range(40)]
 
@@ -255,7 +256,7 @@ def test_the_training_split_is_cached_once_as_its_in_memory_encoding(tfds_dir, t
     # key: nothing is trained or encoded again.
     tokenizer = load_tokenizer(config, str(translated))
     arrays, again = token_cache.pairs_cache(
-        tfds_pairs(config), tokenizer, str(translated / "token_cache")
+        TfdsSource(config).stream(), tokenizer, str(translated / "token_cache")
     )
     assert not again["built"] and mtimes(cache) == before
     assert mtimes(translated / "tokenizer") == models
@@ -283,7 +284,7 @@ def test_the_tfds_tokenizer_trains_on_at_most_spm_sample_sentences(tfds_dir, tmp
         seen.append((os.path.basename(path), list(sentences)))
         raise Sampled  # what it would train on is all this test needs
 
-    monkeypatch.setattr(task, "write_model", record)
+    monkeypatch.setattr(sources, "write_model", record)
     for sample in (1_000_000, 41):
         with pytest.raises(Sampled):
             load_tokenizer(wmt_config(tfds_dir, spm_sample=sample), str(tmp_path))
@@ -308,7 +309,7 @@ def test_tfds_pairs_with_an_empty_side_are_left_out_counted_and_cached(tmp_path)
         wmt14.Wmt14Translate, {"train": train, "validation": parallel(4, 10)}, root, config="de-en"
     )
     kept = [p for p in read_pairs(root, "train") if p[0].strip() and p[1].strip()]
-    source, skipped = tfds_pairs(wmt_config(root)), [0]
+    source, skipped = TfdsSource(wmt_config(root)).stream(), [0]
     assert list(source.read(skipped)) == kept and len(kept) == 28 and skipped == [2]
     tokenizer = ByteTokenizer(tmp_path)
     arrays, meta = token_cache.pairs_cache(source, tokenizer, str(tmp_path / "cache"))
@@ -318,7 +319,7 @@ def test_tfds_pairs_with_an_empty_side_are_left_out_counted_and_cached(tmp_path)
         assert np.array_equal(getattr(arrays, name), getattr(expected, name)), name
     assert not token_cache.pairs_cache(source, tokenizer, str(tmp_path / "cache"))[1]["built"]
     # The other direction is other data: another cache, its pairs swapped.
-    back = tfds_pairs(wmt_config(root, src_lang="en", tgt_lang="de"))
+    back = TfdsSource(wmt_config(root, src_lang="en", tgt_lang="de")).stream()
     swapped, meta = token_cache.pairs_cache(back, tokenizer, str(tmp_path / "cache"))
     assert meta["built"] and len(os.listdir(tmp_path / "cache")) == 2
     assert np.array_equal(swapped.tgt, arrays.src[arrays.src != tokenizer.eos_id])
@@ -326,13 +327,15 @@ def test_tfds_pairs_with_an_empty_side_are_left_out_counted_and_cached(tmp_path)
 
 def test_eval_sentences_bounds_what_is_read_of_the_evaluation_splits(tfds_dir, tmp_path):
     tokenizer = ByteTokenizer(tmp_path)
-    validation, (test,) = tfds_splits(wmt_config(tfds_dir, eval_sentences=5), tokenizer)
+    source = TfdsSource(wmt_config(tfds_dir, eval_sentences=5))
+    validation, (test,) = source.validation_split(tokenizer), source.test_splits(tokenizer)
     assert (
         list(zip(validation.sources, validation.references))
         == read_pairs(tfds_dir, "validation")[:5]
     )
     assert test.name == "wmt14_translate.test" and len(test.pairs) == 5
-    validation, (test,) = tfds_splits(wmt_config(tfds_dir), tokenizer)
+    source = TfdsSource(wmt_config(tfds_dir))
+    validation, (test,) = source.validation_split(tokenizer), source.test_splits(tokenizer)
     assert (len(validation.pairs), len(test.pairs)) == (40, 16)
 
 

@@ -19,8 +19,8 @@ from train.data.batching import PairArrays, TokenBatcher
 from train.data.text_files import DataError, files_sha256, iter_parallel, read_parallel
 from train.data.tokenizers import SentencePieceTokenizer, multi30k_tokenizer
 from train.lm.task import train_batches
-from train.translate import task
-from train.translate.task import encode_pairs, multi30k_pairs
+from train.translate import sources
+from train.translate.sources import FilesSource, encode_pairs, multi30k_pairs
 from xl_jax.data import lm_batches
 
 
@@ -248,8 +248,8 @@ def test_spm_sample_names_its_own_tokenizer_trained_on_the_sample(files, tmp_pat
         seen.append(len(sentences))
         return real(path, sentences, **kw)
 
-    real = task.write_model
-    monkeypatch.setattr(task, "write_model", spy)
+    real = sources.write_model
+    monkeypatch.setattr(sources, "write_model", spy)
     made = []
     for sample in (600, 200, 200):
         config = translate.make_config(
@@ -262,7 +262,7 @@ def test_spm_sample_names_its_own_tokenizer_trained_on_the_sample(files, tmp_pat
             valid_src=files[0],
             valid_tgt=files[1],
         )
-        made.append(task.files_tokenizer(config, str(tmp_path)).model_path)
+        made.append(FilesSource(config).tokenizer(str(tmp_path)).model_path)
     assert seen == [600, 200]  # the third found the second's model
     assert made[0] != made[1] == made[2]
 

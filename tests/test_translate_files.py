@@ -22,7 +22,7 @@ from train.core.metrics import read_metrics
 from train.core.task import saved_config
 from train.data.text_files import DataError, read_parallel, set_name
 from train.translate import cli as translate_cli
-from train.translate.task import multi30k_pairs
+from train.translate.sources import multi30k_pairs
 
 
 @pytest.fixture(scope="module")

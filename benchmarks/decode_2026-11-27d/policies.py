@@ -23,7 +23,9 @@ from train.core.compile_cache import enable_compilation_cache
 from train.core.host_memory import keep_host_memory
 from train.core.task import eval_params, restore_for_inference
 from train.translate.evaluate import translate_pairs
-from train.translate.task import TranslationTask, encode_pairs, load_tokenizer, multi30k_pairs
+from train.translate.sources import encode_pairs, multi30k_pairs
+from train.translate.task import TranslationTask
+from train.translate.tokenizer import load_tokenizer
 from transformer_jax import decode
 
 

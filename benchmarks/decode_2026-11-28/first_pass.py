@@ -37,7 +37,9 @@ jax.monitoring.register_event_duration_secs_listener(on_event)
 
 from train.core.task import params_for_inference  # noqa: E402
 from train.translate import evaluate  # noqa: E402
-from train.translate.task import TASK, load_split, trained_tokenizer  # noqa: E402
+from train.translate.sources import load_split  # noqa: E402
+from train.translate.task import TASK  # noqa: E402
+from train.translate.tokenizer import trained_tokenizer  # noqa: E402
 from transformer_jax import decode  # noqa: E402
 
 

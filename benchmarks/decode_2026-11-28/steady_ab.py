@@ -16,7 +16,9 @@ compile_cache.enable_compilation_cache()
 
 from train.core.task import params_for_inference  # noqa: E402
 from train.translate import evaluate  # noqa: E402
-from train.translate.task import TASK, load_split, trained_tokenizer  # noqa: E402
+from train.translate.sources import load_split  # noqa: E402
+from train.translate.task import TASK  # noqa: E402
+from train.translate.tokenizer import trained_tokenizer  # noqa: E402
 
 
 def main() -> None:

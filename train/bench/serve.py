@@ -48,7 +48,8 @@ from train.bench.engines import (
 from train.core.task import saved_config
 from train.translate.evaluate import bleu, special_ids
 from train.translate.export import load_exportable
-from train.translate.task import TASK, encode_source, load_split, tfds_splits
+from train.translate.sources import encode_source, translation_source
+from train.translate.task import TASK
 
 
 def _measure(
@@ -99,12 +100,10 @@ def serve_bench(
     config = saved_config(TASK, workdir)
     exported = load_exportable(workdir=workdir)  # the parameters the run decodes with
     tokenizer = exported.tokenizer
-    if config.data_source() == "tfds":
-        test = tfds_splits(config, tokenizer)[1][0]
-    elif config.test_src:
-        test = load_split(config, tokenizer, "test", (config.test_src[0], config.test_tgt[0]))
-    else:
-        test = load_split(config, tokenizer, config.test_split)
+    tests = translation_source(config).test_splits(tokenizer)
+    if not tests:
+        raise ValueError(f"{workdir}: the run has no test set to measure serving on")
+    test = tests[0]  # the run's first: its test_ figures
     sources, references = test.sources, test.references
     if sentences:
         sources, references = sources[:sentences], references[:sentences]

@@ -233,7 +233,7 @@ def pairs_cache(
     meta; meta['skipped']: the pairs left out for an empty side).
 
     Sources (`tokenizer.encode_batch`) end with the tokenizer's eos (as
-    `train.translate.task.encode_source` writes them), targets (`tokenizer.encode_targets`)
+    `train.translate.sources.encode_source` writes them), targets (`tokenizer.encode_targets`)
     have neither bos nor eos. The key: the source's fingerprint and `tokenizer.sha256()`."""
     key = cache_key(
         **source.fingerprint,

@@ -11,11 +11,10 @@ per character (nats / ln 2, over every symbol including the `<eos>` that ends ea
 from __future__ import annotations
 
 import dataclasses
-import functools
 import math
 import os
 import time
-from collections.abc import Callable, Iterable, Mapping
+from collections.abc import Callable, Mapping
 from typing import Any
 
 import jax
@@ -26,19 +25,9 @@ from train import plots
 from train.core.metrics import add_sums, read_metrics, summarize
 from train.core.parallel import DataParallel
 from train.core.task import EvalContext
-from train.data.text_files import DataError, check_fingerprint, files_sha256
-from train.data.tfds_source import is_tfds, open_dataset
-from train.data.token_cache import CACHE_DIR, ids_dtype, stream_cache
-from train.data.tokenizers import CharVocab, WordVocab
+from train.data.token_cache import CACHE_DIR
 from train.lm.config import DATASETS, PRESETS, LMConfig, make_config
-from train.lm.text import (
-    byte_chunks,
-    byte_length,
-    encoded_chunks,
-    encoded_lines,
-    tfds_split,
-    training_vocab,
-)
+from train.lm.sources import lm_source
 from xl_jax.config import TransformerXLConfig
 from xl_jax.data import lm_batches
 from xl_jax.memory import init_memory, reset_rows
@@ -46,31 +35,9 @@ from xl_jax.model import TransformerXL
 
 
 def load_vocab(config: LMConfig):
-    """PTB's closed vocabulary, or the one of a text run's training file or a TFDS run's train
-    split at its level."""
-    if config.dataset == "text" or is_tfds(config.dataset):
-        vocab = training_vocab(
-            config.dataset,
-            config.level,
-            train_text=config.train_text,
-            text_feature=config.text_feature,
-            min_count=config.min_count,
-            max_vocab=config.max_vocab,
-            data_dir=config.data_dir,
-        )
-        if vocab.vocab_size != config.model_config.vocab_size:
-            source, what = (
-                (f"dataset: {config.dataset}", "data")
-                if is_tfds(config.dataset)
-                else (f"train_text: {config.train_text}", "text")
-            )
-            raise DataError(
-                f"{source} gives {vocab.vocab_size:,} symbols, the run's model "
-                f"{config.model_config.vocab_size:,}: not the {what} this run was made from"
-            )
-        return vocab
-    level = DATASETS[config.dataset]
-    return (WordVocab if level == "word" else CharVocab).from_ptb(data_dir=config.data_dir)
+    """The run's vocabulary: PTB's closed one, or the one of a text run's training file or a
+    TFDS run's train split at its level."""
+    return lm_source(config).vocab()
 
 
 def load_stream(
@@ -80,130 +47,12 @@ def load_stream(
     TFDS run's, `<eos>` after every line (bytes as they are at the byte level, a newline
     after each TFDS example); None for a text or TFDS run without that split. With
     `cache_dir` a text or TFDS run's stream is encoded once into the token cache there and
-    read memory-mapped (train.data.token_cache); else int32 in memory."""
-    if is_tfds(config.dataset):
-        stream = _tfds_stream(config, split, cache_dir, log)
-    elif config.dataset == "text":
-        stream = _text_stream(config, split, cache_dir, log)
-    else:
-        from train.data.datasets import load_ptb  # lazy: importing TFDS is not free
-
-        stream = load_vocab(config).encode_lines(
-            load_ptb(DATASETS[config.dataset], split, data_dir=config.data_dir)
-        )
+    read memory-mapped (train.data.token_cache); else int32 in memory. An evaluation split is
+    cut to its first eval_tokens when that is set."""
+    stream = lm_source(config).stream(split, cache_dir, log)
     if stream is None:
         return None
     return stream[: config.eval_tokens] if config.eval_tokens and split != "train" else stream
-
-
-def _text_stream(config: LMConfig, split: str, cache_dir: str | None, log) -> np.ndarray | None:
-    """A text run's split: its ids as `chunks` yields them, cached when `cache_dir` is set."""
-    if config.split_bytes:
-        path = config.train_text
-        a, b, c = config.split_bytes
-        total = byte_length(path)
-        if a + b >= total:
-            raise DataError(
-                f"split_bytes {tuple(config.split_bytes)}: {path} has only {total:,} "
-                "bytes, too few for a train and a validation part and a test part"
-            )
-        start, stop = {"train": (0, a), "valid": (a, a + b), "test": (a + b, a + b + c)}[split]
-    else:
-        path = {"train": config.train_text, "valid": config.valid_text, "test": config.test_text}[
-            split
-        ]
-        if path is None:
-            return None
-        start, stop = 0, None
-    vocab = load_vocab(config)
-    if config.level == "byte":
-        dtype = np.uint8
-
-        def chunks():
-            empty = True
-            for chunk in byte_chunks(path, start, stop):
-                empty = False
-                yield np.frombuffer(chunk, np.uint8)
-            if empty and not config.split_bytes:
-                raise DataError(f"{path}: the file is empty")
-    else:
-        dtype = ids_dtype(vocab.vocab_size)
-
-        def chunks():
-            yield from encoded_lines(vocab, path)
-
-    return _stream(
-        chunks,
-        dtype=dtype,
-        cache_dir=cache_dir,
-        log=log,
-        what=f"{split} text",
-        text_sha256=_sha256(path),
-        byte_range=[start, stop],
-        train_sha256=_sha256(config.train_text),  # the vocabulary's source
-        level=config.level,
-        min_count=config.min_count,
-        max_vocab=config.max_vocab,
-    )
-
-
-def _tfds_stream(config: LMConfig, split: str, cache_dir: str | None, log) -> np.ndarray | None:
-    """A TFDS run's split, its examples read and encoded in chunks, cached when `cache_dir` is
-    set; keyed by the prepared copy's dataset_info.json (which fixes every split, the train
-    split the vocabulary is counted on included)."""
-    feature = config.text_feature
-    data, name = tfds_split(config.dataset, split, feature=feature, data_dir=config.data_dir)
-    if name is None:
-        return None
-    vocab = load_vocab(config)
-
-    def chunks():
-        lines = (line for (line,) in data.iter_read(name, (feature,)))
-        yield from encoded_chunks(vocab, lines)
-
-    return _stream(
-        chunks,
-        dtype=np.uint8 if config.level == "byte" else ids_dtype(vocab.vocab_size),
-        cache_dir=cache_dir,
-        log=log,
-        what=f"{config.dataset} {name}",
-        dataset_sha256=_sha256(data.info_path),
-        dataset=data.builder.info.full_name,  # name/config/version
-        split=name,
-        feature=feature,
-        level=config.level,
-        min_count=config.min_count,
-        max_vocab=config.max_vocab,
-    )
-
-
-def _stream(
-    chunks: Callable[[], Iterable[np.ndarray]],
-    *,
-    dtype: np.dtype,
-    cache_dir: str | None,
-    log,
-    what: str,
-    **key_parts: Any,
-) -> np.ndarray:
-    """The ids `chunks()` yields, concatenated: from the token cache of `key_parts` in
-    `cache_dir` (memory-mapped), or with no cache_dir in memory (int32)."""
-    if cache_dir is None:
-        parts = list(chunks())
-        return np.concatenate(parts).astype(np.int32) if parts else np.zeros(0, np.int32)
-    return stream_cache(cache_dir, chunks, dtype=dtype, log=log, what=what, **key_parts)
-
-
-def _sha256(path: str) -> str:
-    """`files_sha256(path)`, computed once per process for each file version (size, time):
-    the three splits' caches all name the training file."""
-    info = os.stat(path)
-    return _sha256_of(path, (info.st_size, info.st_mtime_ns))
-
-
-@functools.lru_cache(maxsize=8)
-def _sha256_of(path: str, stamp: tuple[int, int]) -> str:
-    return files_sha256(path)
 
 
 def make_loss_fn(model: TransformerXL):
@@ -383,15 +232,10 @@ class LMTask:
             raise ValueError(
                 f"batch_size: {config.batch_size} rows do not split over {dp.n_devices} devices"
             )
+        source = lm_source(config)
+        source.check(workdir, log)  # a resumed run reads the data it started on
         cached = {}
-        if config.dataset == "text":
-            check_fingerprint(workdir, {"train_text": config.train_text})
-            cached = dict(cache_dir=config.cache_dir or os.path.join(workdir, CACHE_DIR), log=log)
-        elif is_tfds(config.dataset):  # its version and splits: dataset_info.json
-            data = open_dataset(config.dataset, config.data_dir)
-            check_fingerprint(workdir, {"dataset": data.info_path})
-            if data.splits().note:
-                log(f"data: {config.dataset}: {data.splits().note}")
+        if source.cached:
             cached = dict(cache_dir=config.cache_dir or os.path.join(workdir, CACHE_DIR), log=log)
         train_stream = load_stream(config, "train", **cached)
         batches, from_step = train_batches(train_stream, config)

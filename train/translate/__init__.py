@@ -25,15 +25,10 @@ from train.translate.evaluate import (
     write_translations,
 )
 from train.translate.infer import translate_text
-from train.translate.task import (
-    TASK,
-    Split,
-    encode_source,
-    load_split,
-    load_tokenizer,
-    make_loss_fn,
-    trained_tokenizer,
-)
+from train.translate.loss import make_loss_fn
+from train.translate.sources import Split, encode_source, load_split, translation_source
+from train.translate.task import TASK
+from train.translate.tokenizer import load_tokenizer, trained_tokenizer
 
 
 def train_and_evaluate(config: TranslateConfig, workdir: str) -> dict[str, Any]:
@@ -70,5 +65,6 @@ __all__ = [
     "train_and_evaluate",
     "translate_pairs",
     "translate_text",
+    "translation_source",
     "write_translations",
 ]

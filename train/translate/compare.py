@@ -49,7 +49,8 @@ from train.translate import registry
 from train.translate.config import PAPER_PRESETS, PRESETS, TranslateConfig, make_config
 from train.translate.evaluate import bleu
 from train.translate.infer import translate_text
-from train.translate.task import TASK, load_tokenizer
+from train.translate.task import TASK
+from train.translate.tokenizer import load_tokenizer
 
 # Oldest first, so the table reads as the history: no attention, additive, multiplicative,
 # local, convolutional, self-attention.

@@ -21,7 +21,8 @@ import jax
 import numpy as np
 
 from train.core.task import params_for_inference, saved_config
-from train.translate.task import TASK, trained_tokenizer
+from train.translate.task import TASK
+from train.translate.tokenizer import trained_tokenizer
 from transformer_jax.config import TransformerConfig
 from transformer_jax.marian import GenerationDefaults, load_marian, marian_generation_defaults
 from transformer_jax.marian_export import marian_fields, save_marian

@@ -6,7 +6,9 @@ from collections.abc import Sequence
 
 from train.core.task import params_for_inference
 from train.translate.evaluate import DecodeOptions, translate_pairs
-from train.translate.task import TASK, encode_source, trained_tokenizer
+from train.translate.sources import encode_source
+from train.translate.task import TASK
+from train.translate.tokenizer import trained_tokenizer
 from transformer_jax.model import quantized
 
 

@@ -1,20 +1,18 @@
 """Translation as a `train.core.task.Task` with any model of the registry, on Multi30k
 (German -> English, or back), a prepared TFDS translation dataset or the user's parallel text
-files. Data: a joint SentencePiece tokenizer, length-bucketed token batches, the evaluation
-splits; loss: label-smoothed cross-entropy; evaluation: teacher-forced perplexity on
-validation, then on each test set perplexity, and sacreBLEU and chrF of beam search, with the
-translations written to W/translations/ and plots to W/plots/.
+files (`sources`). Data: the run's tokenizer (`tokenizer`), length-bucketed token batches, the
+evaluation splits; loss: label-smoothed cross-entropy (`loss`); evaluation: teacher-forced
+perplexity on validation, then on each test set perplexity, and sacreBLEU and chrF of beam
+search, with the translations written to W/translations/ and plots to W/plots/.
 """
 
 from __future__ import annotations
 
 import dataclasses
 import functools
-import glob
-import itertools
 import os
 import time
-from collections.abc import Callable, Iterator, Mapping, Sequence
+from collections.abc import Callable, Mapping
 from typing import Any
 
 import flax.linen as nn
@@ -26,30 +24,8 @@ from train import plots
 from train.core.metrics import MetricsWriter, read_metrics
 from train.core.parallel import DataParallel
 from train.core.task import EvalContext
-from train.core.workdir import local_dir
 from train.data.batching import TokenBatcher, eval_batches
-from train.data.text_files import (
-    DataError,
-    check_fingerprint,
-    files_sha256,
-    read_parallel,
-    set_name,
-)
-from train.data.tfds_source import TfdsDataset, open_dataset
-from train.data.token_cache import (
-    CACHE_DIR,
-    PairSource,
-    cache_key,
-    file_pairs,
-    pairs_cache,
-    sample_pairs,
-)
-from train.data.tokenizers import (
-    SentencePieceTokenizer,
-    model_file_name,
-    multi30k_tokenizer,
-    write_model,
-)
+from train.data.token_cache import CACHE_DIR
 from train.translate import registry
 from train.translate.config import PRESETS, TranslateConfig, make_config
 from train.translate.evaluate import (
@@ -60,25 +36,12 @@ from train.translate.evaluate import (
     translate_pairs,
     write_translations,
 )
-from transformer_jax.losses import (
-    hard_attention_surrogate,
-    init_reinforce_baseline,
-    label_smoothed_cross_entropy,
-)
-from transformer_jax.marian import check_tokenizer, marian_params, read_marian_weights
-from transformer_jax.marian_tokenizer import MarianTokenizer, has_tokenizer_files
+from train.translate.loss import make_loss_fn
+from train.translate.sources import Split, translation_source
+from train.translate.tokenizer import load_tokenizer
+from transformer_jax.losses import init_reinforce_baseline
+from transformer_jax.marian import marian_params, read_marian_weights
 from transformer_jax.optim import make_schedule
-
-
-@dataclasses.dataclass
-class Split:
-    """One evaluation split: raw sentences and their encoded pairs (src ids end with eos)."""
-
-    name: str
-    sources: list[str]
-    references: list[str]
-    pairs: list[tuple[list[int], list[int]]]
-
 
 # The metrics split (prefix) of a pretrained model's figures before fine-tuning.
 PRETRAINED = "pretrained"
@@ -89,249 +52,6 @@ def _gain(before: Mapping[str, float] | None) -> str:
     if not before:
         return ""
     return f" (BLEU {before['bleu']:.2f}, chrF {before['chrf']:.2f} before fine-tuning)"
-
-
-def multi30k_pairs(config: TranslateConfig, split: str) -> list[tuple[str, str]]:
-    """A Multi30k split as (source, target) in the configured direction (de-en or en-de)."""
-    from train.data.datasets import load_multi30k  # lazy: importing TFDS is not free
-
-    pairs = load_multi30k(split, data_dir=config.data_dir)
-    return pairs if config.src_lang == "de" else [(en, de) for de, en in pairs]
-
-
-def tfds_pairs(config: TranslateConfig, data: TfdsDataset | None = None) -> PairSource:
-    """A TFDS dataset's training split as a stream of pairs; those with an empty side are left
-    out and counted (a published corpus has a few, and there is no file to fix), and a split
-    with none left is a DataError at the end of the stream.
-
-    Its fingerprint: the sha256 of the prepared copy's dataset_info.json (its version, splits
-    and sizes: what `check_fingerprint` keeps), the dataset's full name, the split and the
-    direction."""
-    data = data or open_tfds(config)
-    split, languages = data.splits().train, (config.src_lang, config.tgt_lang)
-
-    def read(skipped: list[int]) -> Iterator[tuple[str, str]]:
-        skipped[:] = [0]
-        kept = 0
-        for s, t in data.iter_read(split, languages):
-            if s.strip() and t.strip():
-                kept += 1
-                yield s, t
-            else:
-                skipped[0] += 1
-        if not kept:
-            raise DataError(f"{config.dataset}: no training pair with text on both sides")
-
-    return PairSource(
-        read=read,
-        fingerprint={
-            "dataset_sha256": files_sha256(data.info_path),
-            "dataset": data.builder.info.full_name,  # name/config/version
-            "split": split,
-            "languages": list(languages),
-        },
-        origin={"dataset": config.dataset, "split": split},
-    )
-
-
-def open_tfds(config: TranslateConfig) -> TfdsDataset:
-    """The run's prepared TFDS dataset, checked to hold both languages."""
-    data = open_dataset(config.dataset, config.data_dir)
-    data.check_text_features(
-        (config.src_lang, config.tgt_lang), field="src_lang, tgt_lang", what="language"
-    )
-    return data
-
-
-def load_tokenizer(config: TranslateConfig, workdir: str) -> SentencePieceTokenizer:
-    """The run's tokenizer: a pretrained model's own (`pretrained_tokenizer`), else the joint
-    SentencePiece model of Multi30k, or the one trained on a sample of the training files' or
-    TFDS split's sentences the first time (`sampled_tokenizer`)."""
-    directory = tokenizer_dir(config, workdir)
-    if config.pretrained is not None:
-        return pretrained_tokenizer(config, directory)
-    if config.data_source() == "multi30k":
-        return multi30k_tokenizer(directory, vocab_size=config.vocab_size, data_dir=config.data_dir)
-    if config.data_source() == "tfds":
-        return sampled_tokenizer(config, directory, tfds_pairs(config), name="tfds")
-    return files_tokenizer(config, directory)
-
-
-def trained_tokenizer(config: TranslateConfig, workdir: str):
-    """The tokenizer a trained run encodes with, for translating and exporting it: the one
-    SentencePiece model of the run's kind in its tokenizer folder, read without touching the
-    training data. Finding it by `load_tokenizer` hashes the data (all of Multi30k's train split,
-    2.6 s; every byte of the user's training files), and fails once those files are gone.
-    Falls back to `load_tokenizer` when the folder holds none of that kind, or several (a
-    tokenizer_dir that runs on different data share)."""
-    if config.pretrained is None:
-        # The tokenizer's name is its data source's (load_tokenizer: multi30k, tfds, files).
-        pattern = model_file_name(f"{config.data_source()}_spm", config.vocab_size, "*")
-        found = glob.glob(os.path.join(glob.escape(tokenizer_dir(config, workdir)), pattern))
-        if len(found) == 1:
-            return SentencePieceTokenizer(found[0])
-    return load_tokenizer(config, workdir)
-
-
-def tokenizer_dir(config: TranslateConfig, workdir: str) -> str:
-    """Where the run's SentencePiece model is kept: tokenizer_dir, else W/tokenizer (the local
-    copy of a remote W)."""
-    return config.tokenizer_dir or os.path.join(local_dir(workdir), "tokenizer")
-
-
-def pretrained_tokenizer(config: TranslateConfig, directory: str) -> MarianTokenizer:
-    """A fine-tuning run's tokenizer: the pretrained folder's, copied to directory/marian the
-    first time (so the run no longer needs the folder), and checked against the model's
-    config (pad and EOS ids, vocabulary size)."""
-    copy = os.path.join(directory, "marian")
-    if not has_tokenizer_files(copy):
-        if not has_tokenizer_files(config.pretrained):
-            raise DataError(
-                f"pretrained: {config.pretrained} has no tokenizer (source.spm, target.spm, "
-                "vocab.json); fine-tuning encodes the data with the model's own"
-            )
-        MarianTokenizer.from_folder(config.pretrained).save(copy)
-    tokenizer = MarianTokenizer.from_folder(copy)
-    check_tokenizer(tokenizer, config.model_config, source=copy)
-    return tokenizer
-
-
-def files_tokenizer(
-    config: TranslateConfig, directory: str, *, train_sha256: str | None = None
-) -> SentencePieceTokenizer:
-    """`sampled_tokenizer` of the training files (train_sha256: their `files_sha256`, computed
-    when not given)."""
-    files = (config.train_src, config.train_tgt)
-    source = file_pairs(
-        *files, train_sha256=train_sha256 or files_sha256(*files), skip_empty=config.skip_empty
-    )
-    return sampled_tokenizer(config, directory, source, name="files")
-
-
-def sampled_tokenizer(
-    config: TranslateConfig, directory: str, source: PairSource, *, name: str
-) -> SentencePieceTokenizer:
-    """The joint model of `source`'s pairs, trained on at most spm_sample of their sentences
-    (`token_cache.sample_pairs`, one pass over the stream) the first time, and named by a hash
-    of the source's fingerprint and the options, so finding it reads no sentence."""
-    key = cache_key(
-        **source.fingerprint, vocab_size=config.vocab_size, spm_sample=config.spm_sample
-    )
-    path = os.path.join(directory, model_file_name(f"{name}_spm", config.vocab_size, key[:12]))
-    if not os.path.exists(path):
-        sentences, _ = sample_pairs(source.read([0]), sample=config.spm_sample)
-        try:
-            write_model(path, sentences, vocab_size=config.vocab_size)
-        except ValueError as e:  # SentencePiece cannot meet the vocabulary size on this text
-            raise DataError(f"vocab_size: {e}") from e
-    return SentencePieceTokenizer(path)
-
-
-def encode_source(tokenizer, sentences: Sequence[str]) -> list[list[int]]:
-    # The source ends with eos, so the encoder sees where the sentence stops (as fairseq does).
-    return [ids + [tokenizer.eos_id] for ids in tokenizer.encode_batch(list(sentences))]
-
-
-def encode_pairs(tokenizer, pairs: Sequence[tuple[str, str]]) -> list[tuple[list[int], list[int]]]:
-    return list(
-        zip(
-            encode_source(tokenizer, [p[0] for p in pairs]),
-            tokenizer.encode_targets([p[1] for p in pairs]),
-        )
-    )
-
-
-def load_split(
-    config: TranslateConfig,
-    tokenizer,
-    name: str,
-    files: tuple[str, str] | None = None,
-    log: Callable[[str], None] | None = None,
-    *,
-    pairs: Sequence[tuple[str, str]] | None = None,
-) -> Split:
-    """An evaluation split: Multi30k's split `name`, or the parallel `files` (source, target)
-    or the `pairs` (of a TFDS split) under that name; its first eval_sentences pairs when
-    set."""
-    if pairs is not None:
-        pairs = list(pairs)
-    elif files is None:
-        pairs = multi30k_pairs(config, name)
-    else:
-        pairs, skipped = read_parallel(*files, skip_empty=config.skip_empty)
-        if skipped and log:
-            log(f"data: {name}: {skipped:,} pair(s) with an empty side left out (skip_empty)")
-    if config.eval_sentences:
-        pairs = pairs[: config.eval_sentences]
-    return Split(name, [p[0] for p in pairs], [p[1] for p in pairs], encode_pairs(tokenizer, pairs))
-
-
-def make_loss_fn(
-    model: nn.Module,
-    *,
-    smoothing: float,
-    pad_id: int,
-    aux_loss: str | None = None,
-    free_running: bool = False,
-):
-    """The train.core.step loss protocol for a translation model on {'src','tgt_in','tgt_out'}
-    (and 'teacher_forcing' [B], the step's ratio, when free_running): label-smoothed
-    cross-entropy summed over real target tokens, plus the unsmoothed nll.
-
-    aux_loss 'hard_attention_surrogate': in training, hard attention's REINFORCE term is added
-    to the differentiated sum (not to the reported nll), and its moving-average baseline is the
-    carried state `extra`.
-    """
-
-    def loss_fn(params, batch, *, rng, extra, deterministic):
-        rngs, kwargs = None, {}
-        if not deterministic:
-            rngs = {"dropout": rng}
-            if aux_loss or free_running:  # positions and teacher-forcing coins
-                rngs["sample"] = jax.random.fold_in(rng, 1)
-            if free_running:
-                kwargs["teacher_forcing"] = batch["teacher_forcing"][0]
-        if aux_loss and not deterministic:
-            logits, aux = model.apply(
-                {"params": params},
-                batch["src"],
-                batch["tgt_in"],
-                deterministic=False,
-                rngs=rngs,
-                method="logits_and_attention",
-                **kwargs,
-            )
-        else:
-            logits, aux = (
-                model.apply(
-                    {"params": params},
-                    batch["src"],
-                    batch["tgt_in"],
-                    deterministic=deterministic,
-                    rngs=rngs,
-                    **kwargs,
-                ),
-                None,
-            )
-        loss_sum, n_tokens = label_smoothed_cross_entropy(
-            logits, batch["tgt_out"], smoothing=smoothing, pad_id=pad_id
-        )
-        if smoothing:
-            nll_sum, _ = label_smoothed_cross_entropy(
-                logits, batch["tgt_out"], smoothing=0.0, pad_id=pad_id
-            )
-        else:
-            nll_sum = loss_sum
-        sums = {"n_tokens": n_tokens.astype(jnp.float32), "nll_sum": nll_sum}
-        if aux is not None:
-            surrogate, extra = hard_attention_surrogate(
-                logits, batch["tgt_out"], aux, extra, pad_id=pad_id
-            )
-            sums["loss_sum"] = loss_sum  # reported; the surrogate is there for its gradient
-            loss_sum = loss_sum + surrogate
-        return loss_sum, sums, extra
-
-    return loss_fn
 
 
 @dataclasses.dataclass
@@ -565,11 +285,12 @@ class TranslationTask:
     def prepare(
         self, config: TranslateConfig, workdir: str, dp: DataParallel, log: Callable[[str], None]
     ) -> TranslationData:
-        if config.data_source() == "multi30k":
-            tokenizer = load_tokenizer(config, workdir)
-            encoded = encode_pairs(tokenizer, multi30k_pairs(config, "train"))
-        else:  # files or a TFDS split: streamed into the token cache
-            encoded, tokenizer = _cached_pairs(config, workdir, log)
+        source = translation_source(config)
+        source.check(workdir, log)  # a resumed run reads the data it started on
+        tokenizer = load_tokenizer(config, workdir)
+        encoded = source.training_pairs(
+            tokenizer, config.cache_dir or os.path.join(workdir, CACHE_DIR), log
+        )
         batcher = TokenBatcher(
             encoded,
             tokens_per_batch=config.tokens_per_batch,
@@ -578,26 +299,12 @@ class TranslationTask:
             seed=config.seed,
             **special_ids(config.model_config),
         )
-        if config.uses_files():
-            validation = load_split(
-                config, tokenizer, "validation", (config.valid_src, config.valid_tgt), log
-            )
-            names = unique_names([set_name(src) for src in config.test_src])
-            tests = [
-                load_split(config, tokenizer, name, files, log)
-                for name, files in zip(names, zip(config.test_src, config.test_tgt))
-            ]
-        elif config.data_source() == "tfds":
-            validation, tests = tfds_splits(config, tokenizer)
-        else:
-            validation = load_split(config, tokenizer, "validation")
-            tests = [load_split(config, tokenizer, config.test_split)]
         data = TranslationData(
             config=config,
             tokenizer=tokenizer,
             batcher=batcher,
-            validation=validation,
-            tests=tests,
+            validation=source.validation_split(tokenizer, log),
+            tests=source.test_splits(tokenizer, log),
             eval_rows=dp.round_rows(config.eval_batch_size),
             log=log,
         )
@@ -608,63 +315,6 @@ class TranslationTask:
             f"{dp.n_devices} device(s), {config.parallel}"
         )
         return data
-
-
-def tfds_splits(config: TranslateConfig, tokenizer) -> tuple[Split, list[Split]]:
-    """A TFDS run's validation split and its test set ('<NAME>.test'; none without one), in
-    memory: only their first eval_sentences pairs are read when that is set."""
-    data = open_tfds(config)
-    splits, languages = data.splits(), (config.src_lang, config.tgt_lang)
-
-    def head(split: str) -> list[tuple[str, str]]:
-        pairs = data.iter_read(split, languages)
-        return list(itertools.islice(pairs, config.eval_sentences or None))
-
-    validation = load_split(config, tokenizer, "validation", pairs=head(splits.validation))
-    if splits.test is None:
-        return validation, []
-    name = f"{data.name}.{splits.test}"
-    return validation, [load_split(config, tokenizer, name, pairs=head(splits.test))]
-
-
-def _cached_pairs(config: TranslateConfig, workdir: str, log: Callable[[str], None]):
-    """-> (the training pairs of the files or the TFDS split from the token cache,
-    memory-mapped; the tokenizer): the corpus is streamed, never held as strings
-    (train.data.token_cache). A resumed run checks the files' bytes (or the prepared copy's
-    dataset_info.json) against W/data.json first."""
-    if config.uses_files():
-        digest = check_fingerprint(
-            workdir, {"train_src": config.train_src, "train_tgt": config.train_tgt}
-        )
-        source = file_pairs(
-            config.train_src, config.train_tgt, train_sha256=digest, skip_empty=config.skip_empty
-        )
-        name, why = "files", " (skip_empty)"
-    else:
-        data = open_tfds(config)
-        check_fingerprint(workdir, {"dataset": data.info_path})
-        if data.splits().note:
-            log(f"data: {config.dataset}: {data.splits().note}")
-        source, name, why = tfds_pairs(config, data), "tfds", ""
-    if config.pretrained is not None:
-        tokenizer = load_tokenizer(config, workdir)
-    else:
-        tokenizer = sampled_tokenizer(config, tokenizer_dir(config, workdir), source, name=name)
-    pairs, meta = pairs_cache(
-        source, tokenizer, config.cache_dir or os.path.join(workdir, CACHE_DIR), log=log
-    )
-    if meta["skipped"]:
-        log(f"data: {meta['skipped']:,} training pair(s) with an empty side left out{why}")
-    return pairs, tokenizer
-
-
-def unique_names(names: Sequence[str]) -> list[str]:
-    """Test set names made unique (a second 'test' becomes 'test.2')."""
-    out, seen = [], {}
-    for name in names:
-        seen[name] = seen.get(name, 0) + 1
-        out.append(name if seen[name] == 1 else f"{name}.{seen[name]}")
-    return out
 
 
 TASK = TranslationTask()

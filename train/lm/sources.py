@@ -1,0 +1,265 @@
+"""Where a language-model run's tokens come from: one `LMSource` for each of Penn Treebank
+(shipped with the package, word or char level), the user's text files and a prepared TFDS
+text dataset. `lm_source(config)` picks the run's.
+
+A source knows its own data and nothing of training: how to check that a resumed run reads
+the same data (`check`), its vocabulary (`vocab`), and each split as one token stream
+(`stream`; a text or TFDS run's encoded once into the token cache, memory-mapped after).
+
+    source = lm_source(config)
+    source.check(workdir, log)
+    train = source.stream("train", cache_dir=..., log=log)
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import functools
+import os
+from collections.abc import Callable, Iterable
+from typing import Any, Protocol
+
+import numpy as np
+
+from train.data.text_files import DataError, check_fingerprint, files_sha256
+from train.data.tfds_source import is_tfds, open_dataset
+from train.data.token_cache import ids_dtype, stream_cache
+from train.data.tokenizers import CharVocab, WordVocab
+from train.lm.config import DATASETS, LMConfig
+from train.lm.text import (
+    byte_chunks,
+    byte_length,
+    encoded_chunks,
+    encoded_lines,
+    tfds_split,
+    training_vocab,
+)
+
+Log = Callable[[str], None]
+SPLITS = ("train", "valid", "test")
+
+
+class LMSource(Protocol):
+    """The data of one kind of language-model run (PTB, text, TFDS)."""
+
+    # Whether its streams are encoded into the token cache (a corpus of any size), or read
+    # into memory (the shipped PTB).
+    cached: bool
+
+    def check(self, workdir: str, log: Log) -> None:
+        """That a resumed run in `workdir` reads the data it started on (W/data.json), before
+        anything is encoded; notes about the data, in the log."""
+
+    def vocab(self):
+        """The run's vocabulary (`encode_lines`, `vocab_size`)."""
+
+    def stream(self, split: str, cache_dir: str | None, log: Log | None) -> np.ndarray | None:
+        """The ids of split `split` (one of SPLITS) in order, `<eos>` after every line (bytes
+        as they are at the byte level): from the token cache under `cache_dir` when given,
+        else int32 in memory; None when the run has no such split."""
+
+
+def lm_source(config: LMConfig) -> LMSource:
+    """The run's source: its TFDS dataset, its text files, or PTB."""
+    if is_tfds(config.dataset):
+        return TfdsSource(config)
+    return TextSource(config) if config.dataset == "text" else PtbSource(config)
+
+
+@dataclasses.dataclass(frozen=True)
+class PtbSource:
+    """Penn Treebank (Mikolov's preprocessing) at the word or char level, shipped with the
+    package: closed vocabularies, 0.9M / 5M training tokens, in memory."""
+
+    config: LMConfig
+    cached = False
+
+    def check(self, workdir: str, log: Log) -> None:
+        """Nothing to fingerprint: the corpus is the package's own."""
+
+    def vocab(self):
+        level = DATASETS[self.config.dataset]
+        return (WordVocab if level == "word" else CharVocab).from_ptb(data_dir=self.config.data_dir)
+
+    def stream(self, split: str, cache_dir: str | None, log: Log | None) -> np.ndarray:
+        from train.data.datasets import load_ptb  # lazy: importing TFDS is not free
+
+        c = self.config
+        return self.vocab().encode_lines(load_ptb(DATASETS[c.dataset], split, data_dir=c.data_dir))
+
+
+class _Counted:
+    """A source whose vocabulary is counted on its training split (`training_vocab`), and
+    must give the run's model its vocabulary size."""
+
+    config: LMConfig
+
+    def vocab(self):
+        c = self.config
+        vocab = training_vocab(
+            c.dataset,
+            c.level,
+            train_text=c.train_text,
+            text_feature=c.text_feature,
+            min_count=c.min_count,
+            max_vocab=c.max_vocab,
+            data_dir=c.data_dir,
+        )
+        if vocab.vocab_size != c.model_config.vocab_size:
+            raise DataError(
+                f"{self._named()} gives {vocab.vocab_size:,} symbols, the run's model "
+                f"{c.model_config.vocab_size:,}: not the {self._what} this run was made from"
+            )
+        return vocab
+
+    _what = "data"
+
+    def _named(self) -> str:
+        raise NotImplementedError
+
+
+@dataclasses.dataclass(frozen=True)
+class TextSource(_Counted):
+    """The user's text: train_text, valid_text and test_text, or one file cut into three by
+    byte counts (split_bytes), at the word, char or byte level (`train.lm.text`)."""
+
+    config: LMConfig
+    cached = True
+    _what = "text"
+
+    def _named(self) -> str:
+        return f"train_text: {self.config.train_text}"
+
+    def check(self, workdir: str, log: Log) -> None:
+        check_fingerprint(workdir, {"train_text": self.config.train_text})
+
+    def stream(self, split: str, cache_dir: str | None, log: Log | None) -> np.ndarray | None:
+        """A text run's split: its ids as `chunks` yields them, cached when `cache_dir` is
+        set."""
+        config = self.config
+        if config.split_bytes:
+            path = config.train_text
+            a, b, c = config.split_bytes
+            total = byte_length(path)
+            if a + b >= total:
+                raise DataError(
+                    f"split_bytes {tuple(config.split_bytes)}: {path} has only {total:,} "
+                    "bytes, too few for a train and a validation part and a test part"
+                )
+            start, stop = {"train": (0, a), "valid": (a, a + b), "test": (a + b, a + b + c)}[split]
+        else:
+            path = {
+                "train": config.train_text,
+                "valid": config.valid_text,
+                "test": config.test_text,
+            }[split]
+            if path is None:
+                return None
+            start, stop = 0, None
+        vocab = self.vocab()
+        if config.level == "byte":
+            dtype = np.uint8
+
+            def chunks():
+                empty = True
+                for chunk in byte_chunks(path, start, stop):
+                    empty = False
+                    yield np.frombuffer(chunk, np.uint8)
+                if empty and not config.split_bytes:
+                    raise DataError(f"{path}: the file is empty")
+        else:
+            dtype = ids_dtype(vocab.vocab_size)
+
+            def chunks():
+                yield from encoded_lines(vocab, path)
+
+        return _stream(
+            chunks,
+            dtype=dtype,
+            cache_dir=cache_dir,
+            log=log,
+            what=f"{split} text",
+            text_sha256=_sha256(path),
+            byte_range=[start, stop],
+            train_sha256=_sha256(config.train_text),  # the vocabulary's source
+            level=config.level,
+            min_count=config.min_count,
+            max_vocab=config.max_vocab,
+        )
+
+
+@dataclasses.dataclass(frozen=True)
+class TfdsSource(_Counted):
+    """A prepared TFDS text dataset (`--dataset tfds:NAME`), each example's text feature a
+    line; its splits read and encoded in chunks."""
+
+    config: LMConfig
+    cached = True
+
+    def _named(self) -> str:
+        return f"dataset: {self.config.dataset}"
+
+    def check(self, workdir: str, log: Log) -> None:
+        """Its version and splits: the prepared copy's dataset_info.json."""
+        data = open_dataset(self.config.dataset, self.config.data_dir)
+        check_fingerprint(workdir, {"dataset": data.info_path})
+        if data.splits().note:
+            log(f"data: {self.config.dataset}: {data.splits().note}")
+
+    def stream(self, split: str, cache_dir: str | None, log: Log | None) -> np.ndarray | None:
+        """Keyed by the prepared copy's dataset_info.json (which fixes every split, the train
+        split the vocabulary is counted on included)."""
+        config = self.config
+        feature = config.text_feature
+        data, name = tfds_split(config.dataset, split, feature=feature, data_dir=config.data_dir)
+        if name is None:
+            return None
+        vocab = self.vocab()
+
+        def chunks():
+            lines = (line for (line,) in data.iter_read(name, (feature,)))
+            yield from encoded_chunks(vocab, lines)
+
+        return _stream(
+            chunks,
+            dtype=np.uint8 if config.level == "byte" else ids_dtype(vocab.vocab_size),
+            cache_dir=cache_dir,
+            log=log,
+            what=f"{config.dataset} {name}",
+            dataset_sha256=_sha256(data.info_path),
+            dataset=data.builder.info.full_name,  # name/config/version
+            split=name,
+            feature=feature,
+            level=config.level,
+            min_count=config.min_count,
+            max_vocab=config.max_vocab,
+        )
+
+
+def _stream(
+    chunks: Callable[[], Iterable[np.ndarray]],
+    *,
+    dtype: np.dtype,
+    cache_dir: str | None,
+    log,
+    what: str,
+    **key_parts: Any,
+) -> np.ndarray:
+    """The ids `chunks()` yields, concatenated: from the token cache of `key_parts` in
+    `cache_dir` (memory-mapped), or with no cache_dir in memory (int32)."""
+    if cache_dir is None:
+        parts = list(chunks())
+        return np.concatenate(parts).astype(np.int32) if parts else np.zeros(0, np.int32)
+    return stream_cache(cache_dir, chunks, dtype=dtype, log=log, what=what, **key_parts)
+
+
+def _sha256(path: str) -> str:
+    """`files_sha256(path)`, computed once per process for each file version (size, time):
+    the three splits' caches all name the training file."""
+    info = os.stat(path)
+    return _sha256_of(path, (info.st_size, info.st_mtime_ns))
+
+
+@functools.lru_cache(maxsize=8)
+def _sha256_of(path: str, stamp: tuple[int, int]) -> str:
+    return files_sha256(path)

@@ -1,0 +1,64 @@
+"""Which tokenizer a translation run encodes with, and where it is kept: a pretrained model's
+own, else the joint SentencePiece model of the run's data source (`sources`)."""
+
+from __future__ import annotations
+
+import glob
+import os
+
+from train.core.workdir import local_dir
+from train.data.text_files import DataError
+from train.data.tokenizers import SentencePieceTokenizer, model_file_name
+from train.translate.config import TranslateConfig
+from train.translate.sources import translation_source
+from transformer_jax.marian import check_tokenizer
+from transformer_jax.marian_tokenizer import MarianTokenizer, has_tokenizer_files
+
+
+def load_tokenizer(config: TranslateConfig, workdir: str) -> SentencePieceTokenizer:
+    """The run's tokenizer: a pretrained model's own (`pretrained_tokenizer`), else its data
+    source's joint SentencePiece model: Multi30k's, or the one trained on a sample of the
+    training files' or TFDS split's sentences the first time."""
+    directory = tokenizer_dir(config, workdir)
+    if config.pretrained is not None:
+        return pretrained_tokenizer(config, directory)
+    return translation_source(config).tokenizer(directory)
+
+
+def trained_tokenizer(config: TranslateConfig, workdir: str):
+    """The tokenizer a trained run encodes with, for translating and exporting it: the one
+    SentencePiece model of the run's kind in its tokenizer folder, read without touching the
+    training data. Finding it by `load_tokenizer` hashes the data (all of Multi30k's train split,
+    2.6 s; every byte of the user's training files), and fails once those files are gone.
+    Falls back to `load_tokenizer` when the folder holds none of that kind, or several (a
+    tokenizer_dir that runs on different data share)."""
+    if config.pretrained is None:
+        name = translation_source(config).name
+        pattern = model_file_name(f"{name}_spm", config.vocab_size, "*")
+        found = glob.glob(os.path.join(glob.escape(tokenizer_dir(config, workdir)), pattern))
+        if len(found) == 1:
+            return SentencePieceTokenizer(found[0])
+    return load_tokenizer(config, workdir)
+
+
+def tokenizer_dir(config: TranslateConfig, workdir: str) -> str:
+    """Where the run's SentencePiece model is kept: tokenizer_dir, else W/tokenizer (the local
+    copy of a remote W)."""
+    return config.tokenizer_dir or os.path.join(local_dir(workdir), "tokenizer")
+
+
+def pretrained_tokenizer(config: TranslateConfig, directory: str) -> MarianTokenizer:
+    """A fine-tuning run's tokenizer: the pretrained folder's, copied to directory/marian the
+    first time (so the run no longer needs the folder), and checked against the model's
+    config (pad and EOS ids, vocabulary size)."""
+    copy = os.path.join(directory, "marian")
+    if not has_tokenizer_files(copy):
+        if not has_tokenizer_files(config.pretrained):
+            raise DataError(
+                f"pretrained: {config.pretrained} has no tokenizer (source.spm, target.spm, "
+                "vocab.json); fine-tuning encodes the data with the model's own"
+            )
+        MarianTokenizer.from_folder(config.pretrained).save(copy)
+    tokenizer = MarianTokenizer.from_folder(copy)
+    check_tokenizer(tokenizer, config.model_config, source=copy)
+    return tokenizer

@@ -26,7 +26,7 @@ SPLITS = (
     "test_2017_mscoco",
     "test_2018_flickr",
 )
-OPTIMIZERS = ("noam", "adam")
+OPTIMIZERS = ("noam", "adam", "adam_cosine")
 TEACHER_FORCING_SCHEDULES = ("constant", "inverse_sigmoid")
 # The fewest pieces SentencePiece can train the Multi30k tokenizer with: it keeps every
 # character of the training text (character_coverage 1.0), so the 102 distinct characters of
@@ -65,9 +65,12 @@ class TranslateConfig(RunConfig):
         scale it yourself to keep a per-device load.
       buckets: the allowed padded lengths L (one compiled shape per bucket in use).
       optimizer: 'noam' (Adam 0.9/0.98/1e-9 on lr_factor * D^-0.5 * min(s^-0.5,
-        s * warmup^-1.5)) or 'adam' (constant learning_rate, after a linear warm-up over
-        adam_warmup_steps when set).
-      warmup_steps: the 'noam' warm-up. adam_warmup_steps: the 'adam' warm-up (0: none).
+        s * warmup^-1.5)), 'adam' (constant learning_rate, after a linear warm-up over
+        adam_warmup_steps when set) or 'adam_cosine' (the same warm-up, then a cosine from
+        learning_rate down to 0 at the run's last step: `steps`, or with fit_to_budget the
+        steps that fit its minutes).
+      warmup_steps: the 'noam' warm-up. adam_warmup_steps: the 'adam' and 'adam_cosine'
+        warm-up (0: none).
       clip_norm: clip the gradient to this global norm (None: no clipping).
       label_smoothing: of the training loss (validation perplexity is unsmoothed).
       ema_decay: evaluate (validation, test, beam search, --translate) with an exponential
@@ -307,9 +310,10 @@ class TranslateConfig(RunConfig):
                 horizon_in_state=self.fit_to_budget,
             )
         return OptimizerConfig(
-            schedule="constant",
+            schedule="constant" if self.optimizer == "adam" else "cosine",
             learning_rate=self.learning_rate,
             warmup_steps=self.adam_warmup_steps,
+            decay_steps=0 if self.fit_to_budget else self.steps,
             clip_norm=self.clip_norm,
             ema_decay=self.ema_decay,
             horizon_in_state=self.fit_to_budget,

@@ -30,6 +30,7 @@ from transformer_jax.optim import (
     OptimizerConfig,
     find_schedule_horizon,
     make_optimizer,
+    make_schedule,
     set_schedule_horizon,
 )
 
@@ -234,6 +235,26 @@ def test_a_given_step_count_is_fixed_and_builds_the_optimizer_it_always_did():
     adam = tx.init(params)[1]  # after the clipping's, before the parameter average's
     expected = optax.adam(optax.constant_schedule(1e-3)).init(params)
     assert jax.tree.structure(adam) == jax.tree.structure(expected)
+
+
+def test_translation_adam_cosine_decays_to_zero_at_the_runs_last_step():
+    fixed = translate.make_config(
+        "transformer", "tiny", optimizer="adam_cosine", steps=40, adam_warmup_steps=4
+    )
+    schedule = make_schedule(fixed.optimizer_config())
+    lr = fixed.learning_rate
+    assert float(schedule(0)) == pytest.approx(lr / 4)  # the warm-up's first step
+    assert float(schedule(19)) == pytest.approx(lr / 2, rel=1e-5)  # half-way down the cosine
+    assert float(schedule(39)) == pytest.approx(0.0, abs=1e-9)  # step 40, the last
+    # Fitted to a budget, the length is the state's: no decay until the run chooses it.
+    fitted = translate.make_config(
+        "transformer", "tiny", optimizer="adam_cosine", minutes=1.0, fit_to_budget=True
+    )
+    oc = fitted.optimizer_config()
+    assert oc.horizon_in_state and oc.schedule == "cosine"
+    schedule = make_schedule(oc)
+    assert float(schedule(100, jnp.int32(0))) == pytest.approx(lr)
+    assert float(schedule(499, jnp.int32(500))) == pytest.approx(0.0, abs=1e-9)
 
 
 @pytest.mark.slow

@@ -163,6 +163,11 @@ class TranslationData:
         if first is None:
             log(f"no test set; validation ppl {validation['ppl']:.2f}")
         if config.plots and first is not None and jax.process_index() == 0:
+            schedule = config.optimizer_config()
+            if schedule.horizon_in_state:  # fitted to the budget: drawn over the steps it took
+                schedule = dataclasses.replace(
+                    schedule, decay_steps=max(step, 1), horizon_in_state=False
+                )
             test, hypotheses = first
             made = plots.make_translation_plots(
                 workdir,
@@ -180,7 +185,7 @@ class TranslationData:
                     src=first["src"][:8],
                     tgt_in=first["tgt_in"][:8],
                     pad_id=config.model_config.pad_id,
-                    schedules={config.optimizer: make_schedule(config.optimizer_config())},
+                    schedules={config.optimizer: make_schedule(schedule)},
                     steps=max(step, 1),
                     smoothing=config.label_smoothing,
                 )

@@ -224,9 +224,8 @@ def test_a_given_step_count_is_fixed_and_builds_the_optimizer_it_always_did():
         assert config.preset == "cpu" and config.minutes > 0
         assert not config.fit_to_budget and config.steps == 40
         assert not config.optimizer_config().horizon_in_state
-        # The LM's presets fit unless a step count is given, or when asked to anyway;
-        # translation's (schedules without an end) train until their minutes are spent.
-        assert task.config_from_args([])[0].fit_to_budget == (task is lm)
+        # Both CPU defaults fit unless a step count is given, or when asked to anyway.
+        assert task.config_from_args([])[0].fit_to_budget
         assert task.config_from_args(argv + ["--fit_to_budget", "true"])[0].fit_to_budget
     assert lm.config_from_args(["--steps", "40"])[0].decay_steps == 40
     # The optimizer state of a fixed schedule is optax's Adam's (checkpoints unchanged).

@@ -38,7 +38,7 @@ jax.monitoring.register_event_duration_secs_listener(on_event)
 from train.core.task import params_for_inference  # noqa: E402
 from train.translate import evaluate  # noqa: E402
 from train.translate.task import TASK, load_split, trained_tokenizer  # noqa: E402
-from transformer_jax import decode  # noqa: E402
+from transformer_jax.decoding import decode  # noqa: E402
 
 
 def wide_stages(max_len: int, first: int = 32) -> tuple[int, ...]:

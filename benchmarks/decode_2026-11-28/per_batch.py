@@ -19,7 +19,7 @@ from train.core.task import params_for_inference  # noqa: E402
 from train.data.batching import eval_batches  # noqa: E402
 from train.translate.evaluate import special_ids  # noqa: E402
 from train.translate.task import TASK, load_split, trained_tokenizer  # noqa: E402
-from transformer_jax import decode  # noqa: E402
+from transformer_jax.decoding import decode  # noqa: E402
 
 SIZES = (128, 256)
 

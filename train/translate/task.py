@@ -60,13 +60,13 @@ from train.translate.evaluate import (
     translate_pairs,
     write_translations,
 )
+from transformer_jax.interchange.marian import check_tokenizer, marian_params, read_marian_weights
+from transformer_jax.interchange.marian_tokenizer import MarianTokenizer, has_tokenizer_files
 from transformer_jax.losses import (
     hard_attention_surrogate,
     init_reinforce_baseline,
     label_smoothed_cross_entropy,
 )
-from transformer_jax.marian import check_tokenizer, marian_params, read_marian_weights
-from transformer_jax.marian_tokenizer import MarianTokenizer, has_tokenizer_files
 from transformer_jax.optim import make_schedule
 
 

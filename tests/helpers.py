@@ -409,11 +409,11 @@ def save_tokenizer(folder, *, separate=False):
 
 # ---------------------------------------------------------------------------- decoding
 def record_searches(monkeypatch) -> list[dict]:
-    """Puts stand-ins for transformer_jax.decode's beam_search and greedy_decode, which note
-    what reaches them and return outputs that end at once (EOS only), so a test sees the
-    search's arguments without compiling one -> the list of calls: each the search ('beam' or
-    'greedy'), its keyword arguments, and the source's rows and padded length."""
-    from transformer_jax import decode  # lazy, as the other helpers' imports
+    """Puts stand-ins for transformer_jax.decoding.decode's beam_search and greedy_decode,
+    which note what reaches them and return outputs that end at once (EOS only), so a test
+    sees the search's arguments without compiling one -> the list of calls: each the search
+    ('beam' or 'greedy'), its keyword arguments, and the source's rows and padded length."""
+    from transformer_jax.decoding import decode  # lazy, as the other helpers' imports
 
     calls: list[dict] = []
 

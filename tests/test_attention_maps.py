@@ -9,7 +9,7 @@ from translation_checks import PAD, SRC, TGT, jit_apply, random_params
 
 from train import plots
 from transformer_jax import Transformer, TransformerConfig
-from transformer_jax.baselines import make_baseline
+from transformer_jax.baselines.registry import make_baseline
 
 VOCAB = 32
 B, S, T = SRC.shape[0], SRC.shape[1], TGT.shape[1]

@@ -26,8 +26,8 @@ from translation_checks import (
     run_cached,
 )
 
-from transformer_jax.baselines import make_baseline
-from transformer_jax.convs2s import ConvS2S, ConvS2SConfig
+from transformer_jax.baselines.convs2s import ConvS2S, ConvS2SConfig
+from transformer_jax.baselines.registry import make_baseline
 
 VOCAB = 32
 

@@ -1,6 +1,6 @@
-"""CTranslate2 export (`transformer_jax.ct2`): ctranslate2's greedy and beam outputs on the
-exported model must be ours token for token, for every kind of config the export maps
-differently; and the export's vocabularies, special tokens, position table, quantization and
+"""CTranslate2 export (`transformer_jax.interchange.ct2`): ctranslate2's greedy and beam
+outputs on the exported model must be ours token for token, for every kind of config the export
+maps differently; and the export's vocabularies, special tokens, position table, quantization and
 folder handling.
 
 Every model is tiny and random. Random models decode degenerately (one token repeated, or EOS
@@ -31,8 +31,8 @@ from transformer_jax import (
     greedy_decode,
     save_ct2,
 )
-from transformer_jax.ct2 import ct2_tokens, ct2_translate, positions_rows
-from transformer_jax.seq2seq import RNNSeq2SeqConfig
+from transformer_jax.baselines.seq2seq import RNNSeq2SeqConfig
+from transformer_jax.interchange.ct2 import ct2_tokens, ct2_translate, positions_rows
 
 ctranslate2 = pytest.importorskip("ctranslate2")
 

@@ -15,7 +15,7 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from transformer_jax.search import search_beam, search_greedy
+from transformer_jax.decoding.search import search_beam, search_greedy
 
 PAD, BOS, EOS = 0, 1, 2
 SPECIAL = dict(pad_id=PAD, bos_id=BOS, eos_id=EOS)

@@ -190,7 +190,7 @@ def test_a_finetuned_run_exports_to_transformers_and_ctranslate2(straight, tmp_p
     import transformers
 
     ctranslate2 = pytest.importorskip("ctranslate2")
-    from transformer_jax.ct2 import ct2_translate
+    from transformer_jax.interchange.ct2 import ct2_translate
 
     config, workdir, _ = straight
     hf_dir, ct2_dir = tmp_path / "marian", tmp_path / "ct2"

@@ -16,14 +16,14 @@ import optax
 from translation_checks import SRC, TGT, fast_jit, jit_apply, random_params
 
 from transformer_jax import greedy_decode
-from transformer_jax.baselines import make_baseline
+from transformer_jax.baselines.registry import make_baseline
+from transformer_jax.baselines.seq2seq import hard_attention_sample
 from transformer_jax.losses import (
     hard_attention_surrogate,
     init_reinforce_baseline,
     label_smoothed_cross_entropy,
     score_function_surrogate,
 )
-from transformer_jax.seq2seq import hard_attention_sample
 
 SCORES = jnp.array([[1.0, -0.5, 0.3, 2.0, 0.0, -1.0]])  # [1, S]
 MASK = jnp.array([[True, True, True, True, True, False]])  # the last key is padding

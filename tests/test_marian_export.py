@@ -39,7 +39,7 @@ from transformer_jax import (
 from transformer_jax import (
     save_marian as export_marian,  # helpers.save_marian writes a transformers-made folder
 )
-from transformer_jax.ct2 import ct2_translate, save_ct2
+from transformer_jax.interchange.ct2 import ct2_translate, save_ct2
 
 transformers = pytest.importorskip("transformers")
 torch = pytest.importorskip("torch")

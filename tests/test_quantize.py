@@ -1,5 +1,6 @@
-"""int8 inference (`transformer_jax.quantize`): the quantization itself, the params it writes
-against the quantized model's own, and int8 decoding against float32 within stated bounds."""
+"""int8 inference (`transformer_jax.decoding.quantize`): the quantization itself, the params
+it writes against the quantized model's own, and int8 decoding against float32 within stated
+bounds."""
 
 from __future__ import annotations
 
@@ -9,7 +10,7 @@ import numpy as np
 import pytest
 
 from transformer_jax import Transformer, TransformerConfig, beam_search, greedy_decode
-from transformer_jax.quantize import int8_matmul, quantize_params, quantize_rows
+from transformer_jax.decoding.quantize import int8_matmul, quantize_params, quantize_rows
 
 V = 40
 

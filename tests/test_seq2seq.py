@@ -31,8 +31,8 @@ from translation_checks import (
     run_cached,
 )
 
-from transformer_jax.baselines import BASELINES, make_baseline
-from transformer_jax.seq2seq import (
+from transformer_jax.baselines.registry import BASELINES, make_baseline
+from transformer_jax.baselines.seq2seq import (
     BahdanauSeq2Seq,
     GRUSeq2Seq,
     HardAttentionSeq2Seq,

@@ -36,7 +36,7 @@ from train.core.parallel import DataParallel
 from train.core.task import params_for_inference, restore_for_inference
 from train.data.datasets import load_multi30k
 from train.data.tokenizers import PAD_ID
-from transformer_jax import decode
+from transformer_jax.decoding import decode
 from transformer_jax.model import quantized
 
 SMALL_MODEL = dict(d_model=32, n_heads=2, d_ff=64, n_encoder_layers=1, n_decoder_layers=1)

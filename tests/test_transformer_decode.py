@@ -155,7 +155,7 @@ def test_one_compiled_search_serves_every_length_penalty():
     # one compilation, and the alphas still rank differently (the scores are divided by it).
     # (The search compiles a few programs, `decode._PROGRAMS`: the first alpha compiles them,
     # the other two nothing.)
-    from transformer_jax import decode
+    from transformer_jax.decoding import decode
 
     def compiled():
         return sum(program._cache_size() for program in decode._PROGRAMS)
@@ -255,7 +255,7 @@ def _ragged_model(others_run_on: bool = False):
 def shrunk(monkeypatch):
     """(batch, kept) of every `_keep_rows` call the searches make: whether, and to what, a
     search shrank its batch."""
-    from transformer_jax import decode
+    from transformer_jax.decoding import decode
 
     calls = []
     keep_rows = decode._keep_rows
@@ -328,7 +328,7 @@ def test_returning_only_the_best_beam_lets_a_sentence_leave_once_its_best_is_fin
 
 
 def test_only_a_search_on_cpus_drops_finished_sentences_by_default(shrunk, monkeypatch):
-    from transformer_jax import decode
+    from transformer_jax.decoding import decode
 
     # drop_finished=None drops on CPUs only: on an accelerator the syncs with the host and the
     # programs of each batch size cost more than the rows it saves (decode's H200 figures).
@@ -358,7 +358,7 @@ def test_only_a_search_on_cpus_drops_finished_sentences_by_default(shrunk, monke
 
 
 def test_greedy_argmax_is_jnps_first_maximum():
-    from transformer_jax.search import _argmax
+    from transformer_jax.decoding.search import _argmax
 
     x = np.array(jax.random.normal(jax.random.PRNGKey(0), (6, 50)), np.float32)
     x[1, [3, 7, 40]] = 9.0  # a tie: the first index wins
@@ -377,7 +377,7 @@ def test_a_beam_steps_selection_is_lax_top_k_of_every_candidate(v, w):
     candidate's score returns: the same indices and log-probs, ties to the lower index."""
     from jax import lax
 
-    from transformer_jax.search import _beam_candidates
+    from transformer_jax.decoding.search import _beam_candidates
 
     b, bos_id = 6, 1
     pad_id = v - 1 if v % 2 else 7  # in a last, shorter chunk (OPUS-MT's pad is its last id)
@@ -415,7 +415,7 @@ def test_a_beam_steps_selection_is_lax_top_k_of_every_candidate(v, w):
 def test_float_order_and_top_k_order_rank_as_lax_top_k():
     from jax import lax
 
-    from transformer_jax.search import _float_order, _top_k_order
+    from transformer_jax.decoding.search import _float_order, _top_k_order
 
     x = np.array(
         [-np.inf, -3e38, -1.5, -1e-30, -0.0, 0.0, 1e-30, 1.0, 1.0, 3e38, np.inf], np.float32
@@ -434,7 +434,7 @@ def test_float_order_and_top_k_order_rank_as_lax_top_k():
 
 
 def test_beam_search_with_a_chunked_top_k_equals_plain_top_k(monkeypatch):
-    from transformer_jax import search
+    from transformer_jax.decoding import search
 
     model, params, src = _ragged_model()
     kwargs = dict(beam_size=3, max_len=30, length_penalty=0.6)
@@ -450,7 +450,7 @@ def test_beam_search_with_a_chunked_top_k_equals_plain_top_k(monkeypatch):
 
 
 def test_the_batch_a_search_shrinks_to():
-    from transformer_jax.decode import _smaller_batch
+    from transformer_jax.decoding.decode import _smaller_batch
 
     # A power of two at most half the current batch, never below a sixteenth of the first
     # one (8 of 128): the last few sentences of a batch of 128 go on in 8 rows.
@@ -479,7 +479,7 @@ def test_the_batch_a_search_shrinks_to():
 
 
 def test_a_search_under_jit_or_on_several_devices_is_one_program():
-    from transformer_jax import decode
+    from transformer_jax.decoding import decode
 
     model, params, src = _ragged_model()
     expected = greedy_decode(model, params, src, max_len=12)

@@ -21,7 +21,7 @@ from train.data.datasets import load_multi30k  # noqa: E402
 from train.translate import cli  # noqa: E402
 from train.translate.pretrained import Pretrained, evaluate_pretrained  # noqa: E402
 from transformer_jax import beam_search, greedy_decode, load_marian  # noqa: E402
-from transformer_jax.marian import marian_generation_defaults  # noqa: E402
+from transformer_jax.interchange.marian import marian_generation_defaults  # noqa: E402
 
 
 @pytest.fixture(scope="module")

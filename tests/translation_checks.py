@@ -15,7 +15,7 @@ import jax.numpy as jnp
 import numpy as np
 import optax
 
-from transformer_jax import decode
+from transformer_jax.decoding import decode
 
 PAD, BOS, EOS = 0, 1, 2
 
@@ -107,7 +107,7 @@ def run_cached(model, params, src, tgt) -> jax.Array:
 
 
 def masked_log_softmax(logits) -> np.ndarray:
-    """Log-probs with pad and bos impossible, as decode.py scores tokens."""
+    """Log-probs with pad and bos impossible, as transformer_jax.decoding.search scores tokens."""
     vocab = jnp.arange(logits.shape[-1])
     logits = jnp.where((vocab == PAD) | (vocab == BOS), -jnp.inf, logits)
     return np.asarray(jax.nn.log_softmax(logits, axis=-1))

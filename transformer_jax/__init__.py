@@ -3,8 +3,13 @@ before it.
 
 Released OPUS-MT (Marian) checkpoints load with `load_marian`; `save_marian` writes a
 Transformer back in that format (transformers' `MarianMTModel` loads it), and `save_ct2`
-exports any Transformer to CTranslate2 for serving (`transformer_jax.ct2`, the 'serve'
-extra)."""
+exports any Transformer to CTranslate2 for serving (`transformer_jax.interchange.ct2`, the
+'serve' extra).
+
+The model core is at the top level (config, model, layers, attention, positional, losses,
+optim); three subpackages hold the rest, one concern each: `decoding` (the searches, their
+driver, int8), `baselines` (the seq2seq models before the Transformer) and `interchange`
+(other systems' formats: OPUS-MT/Marian, CTranslate2). Every public name is exported here."""
 
 from transformer_jax.attention import (
     attend,
@@ -14,11 +19,32 @@ from transformer_jax.attention import (
     make_causal_mask,
     make_padding_mask,
 )
-from transformer_jax.baselines import BASELINES, make_baseline
+from transformer_jax.baselines.convs2s import ConvS2S, ConvS2SConfig
+from transformer_jax.baselines.registry import BASELINES, make_baseline
+from transformer_jax.baselines.seq2seq import (
+    BahdanauSeq2Seq,
+    GRUSeq2Seq,
+    HardAttentionSeq2Seq,
+    LuongLocalMSeq2Seq,
+    LuongLocalSeq2Seq,
+    LuongSeq2Seq,
+    RNNSeq2SeqConfig,
+)
 from transformer_jax.config import TransformerConfig
-from transformer_jax.convs2s import ConvS2S, ConvS2SConfig
-from transformer_jax.ct2 import save_ct2
-from transformer_jax.decode import beam_search, greedy_decode, model_step_fn
+from transformer_jax.decoding.decode import beam_search, greedy_decode, model_step_fn
+from transformer_jax.decoding.quantize import quantize_params
+from transformer_jax.decoding.search import cache_stages, search_beam, search_greedy
+from transformer_jax.interchange.ct2 import save_ct2
+from transformer_jax.interchange.marian import (
+    GenerationDefaults,
+    load_marian,
+    marian_config,
+    marian_generation_defaults,
+    marian_params,
+    read_marian_weights,
+)
+from transformer_jax.interchange.marian_export import marian_fields, marian_state, save_marian
+from transformer_jax.interchange.marian_tokenizer import MarianTokenizer
 from transformer_jax.layers import (
     DecoderLayer,
     EncoderLayer,
@@ -33,30 +59,9 @@ from transformer_jax.losses import (
     smoothed_target_distribution,
     token_cross_entropy,
 )
-from transformer_jax.marian import (
-    GenerationDefaults,
-    load_marian,
-    marian_config,
-    marian_generation_defaults,
-    marian_params,
-    read_marian_weights,
-)
-from transformer_jax.marian_export import marian_fields, marian_state, save_marian
-from transformer_jax.marian_tokenizer import MarianTokenizer
 from transformer_jax.model import Transformer, quantized
 from transformer_jax.optim import OptimizerConfig, make_optimizer, noam_schedule, params_ema
 from transformer_jax.positional import PositionalEncoding, sinusoidal_positions, sinusoids_at
-from transformer_jax.quantize import quantize_params
-from transformer_jax.search import cache_stages, search_beam, search_greedy
-from transformer_jax.seq2seq import (
-    BahdanauSeq2Seq,
-    GRUSeq2Seq,
-    HardAttentionSeq2Seq,
-    LuongLocalMSeq2Seq,
-    LuongLocalSeq2Seq,
-    LuongSeq2Seq,
-    RNNSeq2SeqConfig,
-)
 
 __all__ = [
     "attend",

@@ -14,7 +14,7 @@ import numpy as np
 from transformer_jax.attention import IMPLEMENTATIONS
 
 # TransformerConfig.quantize's choices: the weights our own decoding runs with
-# (transformer_jax.quantize computes them). Not CTranslate2's (ct2.CT2_QUANTIZATIONS).
+# (transformer_jax.decoding.quantize computes them). Not CTranslate2's (ct2.CT2_QUANTIZATIONS).
 DECODE_QUANTIZATIONS = ("int8",)
 
 POSITIONAL = ("sinusoidal", "sinusoidal_concat", "learned")
@@ -69,8 +69,9 @@ class TransformerConfig:
         the output projection multiplies in `dtype` with float32 results (its gradient too).
       attention_impl: "auto" (cuDNN's fused kernel on a GPU in half precision where it
         applies, else XLA), "xla" or "cudnn"; see `transformer_jax.attention`.
-      quantize: None, or "int8" for inference with int8 weights (`transformer_jax.quantize`:
-        the params come from `quantize_params`; such a model is not trained).
+      quantize: None, or "int8" for inference with int8 weights
+        (`transformer_jax.decoding.quantize`: the params come from `quantize_params`; such a
+        model is not trained).
     """
 
     src_vocab_size: int = 37000

@@ -4,10 +4,11 @@ Shapes (the project's alphabet, transformer_jax/shapes.py):
   B: batch     S: source length     T: target length     C: decode-cache positions
   H: heads     K: head width        D: model width       V: target vocabulary   L: layers
 
-Follows the translation-model protocol (see `transformer_jax.decode`): `__call__(src, tgt)`,
-`init_decode_cache(src, *, max_len)`, `decode_step(tokens, cache, *, index)`, and the
-attention-map protocol every translation model answers: `attention_maps(src, tgt) ->
-{kind: [B, layers, H, T, S]}`, kind in encoder_self / decoder_self / cross.
+Follows the translation-model protocol (see `transformer_jax.decoding.decode`):
+`__call__(src, tgt)`, `init_decode_cache(src, *, max_len)`, `decode_step(tokens, cache, *,
+index)`, and the attention-map protocol every translation model answers:
+`attention_maps(src, tgt) -> {kind: [B, layers, H, T, S]}`, kind in encoder_self /
+decoder_self / cross.
 
 Dtype policy: parameters float32; activations in `config.dtype`; attention logits/softmax
 and the logits in float32; the tied output projection multiplies in `config.dtype` with
@@ -27,9 +28,9 @@ from jax import lax
 
 from transformer_jax.attention import combine_masks, make_causal_mask, make_padding_mask
 from transformer_jax.config import DECODE_QUANTIZATIONS, TransformerConfig
+from transformer_jax.decoding.quantize import Int8Embed, quantize_params
 from transformer_jax.layers import DecoderLayer, EncoderLayer, dense, layer_norm, output_logits
 from transformer_jax.positional import PositionalEncoding
-from transformer_jax.quantize import Int8Embed, quantize_params
 
 Array = jax.Array
 DecodeCache = dict[str, Any]
@@ -354,8 +355,9 @@ class Transformer(nn.Module):
         """The cache of `init_decode_cache(src, max_len=C)` -> the same state with room for
         `max_len` >= C positions (the new ones empty): what `init_decode_cache(src,
         max_len=max_len)` and the same steps would hold. The searches start with a short cache
-        and grow it (`transformer_jax.search.cache_stages`), so that a step attends to, and a
-        beam reorders, about as many positions as are written, not the longest output's."""
+        and grow it (`transformer_jax.decoding.search.cache_stages`), so that a step attends
+        to, and a beam reorders, about as many positions as are written, not the longest
+        output's."""
         self._check_length(max_len, "max_len")
         grow = max_len - cache["tgt_valid"].shape[1]
         if grow < 0:

@@ -7,7 +7,7 @@ timed as the main job meets it and the second as a steady one:
 
     POL=floor python benchmarks/decode_2026-11-27d/policies.py WORKDIR
 
-POL picks the rule of `transformer_jax.decode._smaller_batch`: `floor` (as shipped: halves,
+POL picks the rule of `transformer_jax.decoding.decode._smaller_batch`: `floor` (as shipped: halves,
 never below a sixteenth of the batch), `half` (the rule before: halves down to one sentence),
 `quarter` (a power of two at most a quarter of the batch), `once` (a quarter of a batch of 64
 or more, once), `ladder8` (a quarter, then a sixteenth, ..., never below 8 sentences), `never`.
@@ -26,7 +26,7 @@ from train.translate.evaluate import translate_pairs
 from train.translate.sources import encode_pairs, multi30k_pairs
 from train.translate.task import TranslationTask
 from train.translate.tokenizer import load_tokenizer
-from transformer_jax import decode
+from transformer_jax.decoding import decode
 
 
 def _pow2(n: int) -> int:

@@ -40,7 +40,7 @@ from train.translate import evaluate  # noqa: E402
 from train.translate.sources import load_split  # noqa: E402
 from train.translate.task import TASK  # noqa: E402
 from train.translate.tokenizer import trained_tokenizer  # noqa: E402
-from transformer_jax import decode  # noqa: E402
+from transformer_jax.decoding import decode  # noqa: E402
 
 
 def wide_stages(max_len: int, first: int = 32) -> tuple[int, ...]:

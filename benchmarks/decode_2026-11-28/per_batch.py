@@ -21,7 +21,7 @@ from train.translate.evaluate import special_ids  # noqa: E402
 from train.translate.sources import load_split  # noqa: E402
 from train.translate.task import TASK  # noqa: E402
 from train.translate.tokenizer import trained_tokenizer  # noqa: E402
-from transformer_jax import decode  # noqa: E402
+from transformer_jax.decoding import decode  # noqa: E402
 
 SIZES = (128, 256)
 

@@ -20,7 +20,7 @@ from train.bench.random_models import (
     sharpen,
     source_batch,
 )
-from transformer_jax import decode
+from transformer_jax.decoding import decode
 from transformer_jax.model import Transformer
 
 VARIANTS = ("drop", "whole")

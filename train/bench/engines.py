@@ -13,9 +13,9 @@ Every engine reads our source ids ([B, S], pad-padded, each row ending with EOS)
 our target ids, one row per source: the tokens, EOS where the output ended, then pad (a row
 may be shorter than max_len). `until_eos` cuts a row to what counts.
 
-- `ours`: `transformer_jax.decode.greedy_decode` and `beam_search` (GNMT length penalty,
+- `ours`: `transformer_jax.decoding.decode.greedy_decode` and `beam_search` (GNMT length penalty,
   best_only), jitted: each source shape compiles once. `ours int8`: the same searches over
-  the model's int8 form (`transformer_jax.quantize`).
+  the model's int8 form (`transformer_jax.decoding.quantize`).
 - `ctranslate2 float32` / `ctranslate2 int8`: a `save_ct2` export in CTranslate2, its weights
   quantized as named, `ct2_translate` (inter_threads 1, intra_threads `threads`).
 - `transformers`: a `save_marian` folder in `MarianMTModel.generate`, where Marian can express
@@ -46,9 +46,9 @@ import jax
 import numpy as np
 
 from train.data.batching import eval_batches
-from transformer_jax import decode
 from transformer_jax.config import TransformerConfig
-from transformer_jax.marian import GenerationDefaults
+from transformer_jax.decoding import decode
+from transformer_jax.interchange.marian import GenerationDefaults
 from transformer_jax.model import Transformer, quantized
 
 
@@ -116,7 +116,7 @@ Factory = Callable[[Served], Engine]
 
 
 def ours(served: Served, *, quantize: str | None = None) -> Engine:
-    """`transformer_jax.decode` on JAX's default device; with quantize="int8", the model's
+    """`transformer_jax.decoding.decode` on JAX's default device; with quantize="int8", the model's
     int8 form (`transformer_jax.model.quantized`: its quantization is the load time)."""
     start = time.perf_counter()
     model, params = Transformer(served.config), served.params
@@ -160,7 +160,7 @@ def ctranslate2_engine(served: Served, *, quantization: str) -> Engine:
         import ctranslate2  # optional: the 'serve' extra
     except ImportError as e:
         raise Unavailable(f"ctranslate2 is not installed ({e})") from None
-    from transformer_jax.ct2 import ct2_translate, save_ct2
+    from transformer_jax.interchange.ct2 import ct2_translate, save_ct2
 
     if served.device == "cuda" and ctranslate2.get_cuda_device_count() == 0:
         raise Unavailable("JAX runs on a GPU, but ctranslate2 sees no CUDA device")
@@ -202,7 +202,7 @@ def ctranslate2_engine(served: Served, *, quantization: str) -> Engine:
 
 def transformers_engine(served: Served) -> Engine:
     """A `save_marian` folder in transformers' `MarianMTModel` (torch)."""
-    from transformer_jax.marian_export import marian_fields, save_marian
+    from transformer_jax.interchange.marian_export import marian_fields, save_marian
 
     try:
         marian_fields(served.config)

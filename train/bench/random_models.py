@@ -41,7 +41,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from transformer_jax.config import TransformerConfig
-from transformer_jax.decode import greedy_decode
+from transformer_jax.decoding.decode import greedy_decode
 from transformer_jax.model import Transformer
 
 SELF_ATTENTION_GAIN = 0.3
@@ -56,11 +56,11 @@ _EOS_BIAS_MAX = 64.0
 
 def opus_mt_config(**overrides: Any) -> TransformerConfig:
     """The Transformer of an OPUS-MT checkpoint (Helsinki-NLP/opus-mt-de-en's config.json, as
-    `transformer_jax.marian.load_marian` builds it): 6+6 layers of 512, 8 heads, FFN 2048 with
-    swish, post-LN with LayerNorm epsilon 1e-5, sines-then-cosines positions, embeddings scaled
-    by sqrt(512), one table for source, target and output plus `final_logits_bias`, a
-    vocabulary of 58,101 (EOS 0, <unk> 1, pad the last id), decoding from pad. 73,944,309
-    parameters; dropout off (it only decodes)."""
+    `transformer_jax.interchange.marian.load_marian` builds it): 6+6 layers of 512, 8 heads,
+    FFN 2048 with swish, post-LN with LayerNorm epsilon 1e-5, sines-then-cosines positions,
+    embeddings scaled by sqrt(512), one table for source, target and output plus
+    `final_logits_bias`, a vocabulary of 58,101 (EOS 0, <unk> 1, pad the last id), decoding
+    from pad. 73,944,309 parameters; dropout off (it only decodes)."""
     fields = dict(
         src_vocab_size=58101,
         tgt_vocab_size=58101,

@@ -5,7 +5,8 @@
 On the run's test set (Multi30k test_2016_flickr, or its first test files) and in the same
 length-sorted batches for every engine, it decodes greedily and with the run's beam size:
 
-- `ours`: `transformer_jax.decode` (greedy_decode, beam_search with the GNMT length penalty);
+- `ours`: `transformer_jax.decoding.decode` (greedy_decode, beam_search with the GNMT length
+  penalty);
 - `ctranslate2 float32` and `ctranslate2 int8`: the `--export_ct2` model (`save_ct2`);
 - `transformers`: the `--export_marian` folder in `MarianMTModel.generate`, where Marian can
   express the model (post-LN, sin-then-cos positions, LayerNorm epsilon 1e-5); else the reason.

@@ -17,7 +17,7 @@ from train.translate.infer import translate_text
 from train.translate.pretrained import Pretrained, evaluate_pretrained
 from train.translate.task import TASK
 from transformer_jax.config import DECODE_QUANTIZATIONS
-from transformer_jax.ct2 import CT2_QUANTIZATIONS, ctranslate2_module
+from transformer_jax.interchange.ct2 import CT2_QUANTIZATIONS, ctranslate2_module
 
 DESCRIPTION = """Train and evaluate a translation model: Multi30k German -> English, or your files.
 
@@ -135,7 +135,7 @@ def make_parser() -> argparse.ArgumentParser:
         choices=DECODE_QUANTIZATIONS,
         default=None,
         help="with --translate, --translate_file or --eval: decode with int8 weights "
-        "(transformer_jax.quantize)",
+        "(transformer_jax.decoding.quantize)",
     )
     parser.add_argument(
         "--greedy",

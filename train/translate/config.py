@@ -492,8 +492,8 @@ PRETRAINED_MAY_CHANGE = ("dropout", "attention_dropout", "dtype", "attention_imp
 def pretrained_model_config(folder: str, overrides: Mapping[str, Any] = ()):
     """The TransformerConfig of a Marian folder's config.json, with the fields of
     PRETRAINED_MAY_CHANGE overridden; any other model field is a ValueError naming it."""
-    from transformer_jax.marian import CONFIG, marian_config
-    from transformer_jax.marian_tokenizer import read_json
+    from transformer_jax.interchange.marian import CONFIG, marian_config
+    from transformer_jax.interchange.marian_tokenizer import read_json
 
     overrides = dict(overrides)
     fixed = sorted(set(overrides) - set(PRETRAINED_MAY_CHANGE))

@@ -16,7 +16,7 @@ import numpy as np
 from train.core.metrics import add_sums, summarize
 from train.core.parallel import DataParallel
 from train.data.batching import eval_batches
-from transformer_jax import decode
+from transformer_jax.decoding import decode
 
 MODEL_INPUTS = ("src", "tgt_in", "tgt_out")
 

@@ -24,8 +24,12 @@ from train.core.task import params_for_inference, saved_config
 from train.translate.task import TASK
 from train.translate.tokenizer import trained_tokenizer
 from transformer_jax.config import TransformerConfig
-from transformer_jax.marian import GenerationDefaults, load_marian, marian_generation_defaults
-from transformer_jax.marian_export import marian_fields, save_marian
+from transformer_jax.interchange.marian import (
+    GenerationDefaults,
+    load_marian,
+    marian_generation_defaults,
+)
+from transformer_jax.interchange.marian_export import marian_fields, save_marian
 
 
 @dataclasses.dataclass(frozen=True)
@@ -91,7 +95,7 @@ def export_marian(exportable: Exportable, folder: str) -> None:
 
 def export_ct2(exportable: Exportable, folder: str, *, quantization: str | None = None) -> None:
     """The CTranslate2 model folder, its weights quantized as asked (None: float32)."""
-    from transformer_jax.ct2 import save_ct2
+    from transformer_jax.interchange.ct2 import save_ct2
 
     save_ct2(
         exportable.config,

@@ -23,7 +23,7 @@ def translate_text(
     """Translates German `sentences` with the checkpoint of `workdir` (default: the best by
     validation loss, else the latest; a run with average_checkpoints N: the mean of its last
     N), by beam search or greedy decoding, in input order; with quantize="int8", by the int8
-    form of the model (`transformer_jax.quantize`). `options` are `DecodeOptions` fields
+    form of the model (`transformer_jax.decoding.quantize`). `options` are `DecodeOptions` fields
     (beam_size, length_penalty, greedy, decode_margin, max_output_len, eval_batch_size): each
     given one replaces the run's own setting."""
     options = DecodeOptions(**options)  # a bad option fails before the checkpoint is read

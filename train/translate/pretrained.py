@@ -17,7 +17,7 @@ from typing import Any
 from train.core.parallel import DataParallel
 from train.translate.config import SPLITS
 from train.translate.evaluate import DecodeOptions, bleu, translate_pairs
-from transformer_jax.marian import load_marian, marian_generation_defaults
+from transformer_jax.interchange.marian import load_marian, marian_generation_defaults
 from transformer_jax.model import quantized
 
 
@@ -46,7 +46,7 @@ class Pretrained:
     def __init__(self, folder: str, *, quantize: str | None = None, **options):
         self.options = DecodeOptions(**options)  # a bad option fails before the folder is read
         self.model, self.params, self.tokenizer = load_marian(folder)
-        if quantize:  # the int8 form decodes in its place (transformer_jax.quantize)
+        if quantize:  # the int8 form decodes in its place (transformer_jax.decoding.quantize)
             self.model, self.params = quantized(self.model, self.params, quantize)
         if self.tokenizer is None:
             raise FileNotFoundError(

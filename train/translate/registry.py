@@ -4,7 +4,7 @@
 config for a run preset ('tiny' for tests, 'cpu' the small default, 'base' the paper-sized
 one, 'wmt14_base' / 'wmt14_big' the paper's WMT14 models, Transformer only);
 `get(name).module_cls(config)` builds the flax module. Every model follows the
-translation-model protocol of `transformer_jax.decode`. Source and target share one joint
+translation-model protocol of `transformer_jax.decoding.decode`. Source and target share one joint
 SentencePiece vocabulary, so both vocabulary sizes are V.
 """
 
@@ -14,10 +14,10 @@ import dataclasses
 from collections.abc import Callable, Mapping
 from typing import Any
 
-from transformer_jax.baselines import BASELINES
+from transformer_jax.baselines.registry import BASELINES
+from transformer_jax.baselines.seq2seq import RNNSeq2SeqConfig
 from transformer_jax.config import TransformerConfig
 from transformer_jax.model import Transformer
-from transformer_jax.seq2seq import RNNSeq2SeqConfig
 
 
 @dataclasses.dataclass(frozen=True)

@@ -39,8 +39,8 @@ from train.translate.evaluate import (
 from train.translate.loss import make_loss_fn
 from train.translate.sources import Split, translation_source
 from train.translate.tokenizer import load_tokenizer
+from transformer_jax.interchange.marian import marian_params, read_marian_weights
 from transformer_jax.losses import init_reinforce_baseline
-from transformer_jax.marian import marian_params, read_marian_weights
 from transformer_jax.optim import make_schedule
 
 # The metrics split (prefix) of a pretrained model's figures before fine-tuning.

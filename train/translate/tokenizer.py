@@ -11,8 +11,8 @@ from train.data.text_files import DataError
 from train.data.tokenizers import SentencePieceTokenizer, model_file_name
 from train.translate.config import TranslateConfig
 from train.translate.sources import translation_source
-from transformer_jax.marian import check_tokenizer
-from transformer_jax.marian_tokenizer import MarianTokenizer, has_tokenizer_files
+from transformer_jax.interchange.marian import check_tokenizer
+from transformer_jax.interchange.marian_tokenizer import MarianTokenizer, has_tokenizer_files
 
 
 def load_tokenizer(config: TranslateConfig, workdir: str) -> SentencePieceTokenizer:

@@ -37,7 +37,7 @@ import numpy as np
 from flax import linen as nn
 
 from transformer_jax.attention import dot_product_attention
-from transformer_jax.seq2seq import BaselinePresets, validate_common
+from transformer_jax.baselines.seq2seq import BaselinePresets, validate_common
 
 Array = jax.Array
 
@@ -262,7 +262,8 @@ class ConvS2SDecoder(nn.Module):
 
 
 class ConvS2S(nn.Module):
-    """The ConvS2S translation model; implements the decode protocol of decode.py."""
+    """The ConvS2S translation model; implements the decode protocol of
+    `transformer_jax.decoding.decode`."""
 
     config: ConvS2SConfig
 

@@ -4,9 +4,9 @@
     # transformers: MarianMTModel.from_pretrained("model-hf"), MarianTokenizer.from_pretrained
     # this library: load_marian("model-hf") -> the same config and the same params
 
-The inverse of `transformer_jax.marian.load_marian` (whose docstring has the name mapping):
-config.json, model.safetensors (float32), generation_config.json and the tokenizer's files.
-Marian is the post-LN Transformer with `positional="sinusoidal_concat"` and
+The inverse of `transformer_jax.interchange.marian.load_marian` (whose docstring has the name
+mapping): config.json, model.safetensors (float32), generation_config.json and the tokenizer's
+files. Marian is the post-LN Transformer with `positional="sinusoidal_concat"` and
 `layer_norm_eps=1e-5`; `marian_fields(config)` says whether a config is one (a ValueError
 naming each field that is not) before anything is converted or written.
 
@@ -44,14 +44,14 @@ import numpy as np
 
 from transformer_jax.config import TransformerConfig
 from transformer_jax.files import staged_folder
-from transformer_jax.marian import (
+from transformer_jax.interchange.marian import (
     CONFIG,
     GENERATION_CONFIG,
     SAFETENSORS,
     GenerationDefaults,
     _name_map,
 )
-from transformer_jax.marian_tokenizer import (
+from transformer_jax.interchange.marian_tokenizer import (
     SOURCE_SPM,
     TARGET_SPM,
     TOKENIZER_CONFIG,

@@ -16,8 +16,8 @@ from typing import Any, NamedTuple
 
 from flax import linen as nn
 
-from transformer_jax.convs2s import ConvS2S, ConvS2SConfig
-from transformer_jax.seq2seq import (
+from transformer_jax.baselines.convs2s import ConvS2S, ConvS2SConfig
+from transformer_jax.baselines.seq2seq import (
     BahdanauSeq2Seq,
     GRUSeq2Seq,
     HardAttentionSeq2Seq,

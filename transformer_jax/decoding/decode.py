@@ -8,7 +8,7 @@ Models reach this file only through the translation-model protocol::
     expand_decode_cache(cache, *, beams) -> cache    optional: B sentences -> B * W beam rows
     reorder_decode_cache(cache, parent [B, W]) -> cache   with expand: a beam step's reorder
 
-`greedy_decode` and `beam_search` run the pure searches of `transformer_jax.search` (whose
+`greedy_decode` and `beam_search` run the pure searches of `transformer_jax.decoding.search` (whose
 docstring gives the conventions both share) on the model's `decode_step`, as compiled
 programs. A model that answers `grow_decode_cache` is decoded in stages of cache length
 (`cache_stages`). Where the source is decoded on a CPU, the host drives the search a few steps
@@ -30,7 +30,7 @@ import jax.numpy as jnp
 import numpy as np
 from jax import lax
 
-from transformer_jax.search import (
+from transformer_jax.decoding.search import (
     Array,
     Cache,
     GrowFn,

@@ -2,9 +2,9 @@
 
 `search_greedy` and `search_beam` take a step function
 `step_fn(tokens [R], cache, index) -> (logits [R, V], cache)` and know nothing of models, so
-they can be tested on hand-written logits. `transformer_jax.decode` runs them on a translation
-model's `decode_step`, as one program or driven from the host a few steps at a time; both are
-built from `Parts`, a search as a loop over fixed shapes.
+they can be tested on hand-written logits. `transformer_jax.decoding.decode` runs them on a
+translation model's `decode_step`, as one program or driven from the host a few steps at a
+time; both are built from `Parts`, a search as a loop over fixed shapes.
 
 Shapes (transformer_jax/shapes.py): B batch, W beams, O = max_len output positions, V vocabulary,
 R = B * W rows fed to the step function.
@@ -223,7 +223,7 @@ def staged_while_loop(cond, body, state, *, stages: Sequence[int], grow: GrowFn 
 
 class Parts(NamedTuple):
     """A search as a loop over fixed shapes, for `search_greedy` / `search_beam` and for the
-    programs of `transformer_jax.decode`, which drive it from the host and drop finished
+    programs of `transformer_jax.decoding.decode`, which drive it from the host and drop finished
     sentences.
 
     init(cache) -> state; cond(state) -> bool scalar; body(state) -> state. State element 0 is

@@ -36,10 +36,11 @@ Shapes (transformer_jax/shapes.py):
   B: batch   T: target length   S: source length   V: vocabulary
   E: embedding width   D: recurrent width   A: additive-attention width
 
-All models follow the translation-model protocol of decode.py: `__call__(src, tgt)`,
-`init_decode_cache(src, max_len=)`, `decode_step(tokens, cache, index=)`, and answer
-`attention_maps(src, tgt) -> {'cross': [B, 1, 1, T, S]}` ({} for GRUSeq2Seq). The decode cache
-is the recurrent state plus the encoder memory; one step costs O(S), whatever the target length.
+All models follow the translation-model protocol of `transformer_jax.decoding.decode`:
+`__call__(src, tgt)`, `init_decode_cache(src, max_len=)`, `decode_step(tokens, cache, index=)`,
+and answer `attention_maps(src, tgt) -> {'cross': [B, 1, 1, T, S]}` ({} for GRUSeq2Seq). The
+decode cache is the recurrent state plus the encoder memory; one step costs O(S), whatever the
+target length.
 
 dtype: everything is float32. The recurrent state is a scan carry that must keep one dtype from
 step to step, and these models are small enough that bf16 would buy little.

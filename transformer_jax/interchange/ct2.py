@@ -25,8 +25,8 @@ What the export holds (model.bin, config.json and the vocabulary JSON files):
     EOS. `ct2_tokens` turns our [B, S] source ids (which carry the EOS) into such pieces.
   * Decoding starts from the piece of `bos_id` ('<pad>' for Marian-style models) at position
     0, as ours does. pad and bos get an output bias of -65504 (float16's lowest), so they are
-    never emitted and the log-probs are renormalised over the rest: `transformer_jax.search`'s
-    rule, with no `suppress_sequences` to pass.
+    never emitted and the log-probs are renormalised over the rest:
+    `transformer_jax.decoding.search`'s rule, with no `suppress_sequences` to pass.
   * Position table: `positions_rows(config)` rows, shared by the encoder and the decoder:
     max_len for learned positions (the table itself; a longer source, or max_decoding_length
     above it, is ctranslate2's "No position encodings" error, as ours refuses it), and for

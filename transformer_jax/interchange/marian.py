@@ -6,9 +6,9 @@
 
 The folder: `config.json` (MarianConfig's fields), `model.safetensors` (or `pytorch_model.bin`,
 read by torch with `weights_only=True`), optionally `generation_config.json`, and the
-tokenizer's `source.spm`, `target.spm`, `vocab.json` (see `transformer_jax.marian_tokenizer`).
-Nothing here needs the `transformers` package. `transformer_jax.marian_export.save_marian`
-writes such a folder.
+tokenizer's `source.spm`, `target.spm`, `vocab.json` (see
+`transformer_jax.interchange.marian_tokenizer`). Nothing here needs the `transformers` package.
+`transformer_jax.interchange.marian_export.save_marian` writes such a folder.
 
 A Marian model is the paper's post-LN Transformer with these options of `TransformerConfig`:
 `positional="sinusoidal_concat"` (sines then cosines, positions from 0), `activation` (swish
@@ -54,7 +54,11 @@ import jax.numpy as jnp
 import numpy as np
 
 from transformer_jax.config import ACTIVATIONS, TransformerConfig
-from transformer_jax.marian_tokenizer import MarianTokenizer, has_tokenizer_files, read_json
+from transformer_jax.interchange.marian_tokenizer import (
+    MarianTokenizer,
+    has_tokenizer_files,
+    read_json,
+)
 from transformer_jax.model import Transformer
 from transformer_jax.positional import sinusoidal_positions
 

@@ -14,7 +14,8 @@ import numpy as np
 from transformer_jax.attention import IMPLEMENTATIONS
 
 # TransformerConfig.quantize's choices: the weights our own decoding runs with
-# (transformer_jax.decoding.quantize computes them). Not CTranslate2's (ct2.CT2_QUANTIZATIONS).
+# (transformer_jax.decoding.quantize computes them). Not CTranslate2's
+# (interchange.ct2.CT2_QUANTIZATIONS).
 DECODE_QUANTIZATIONS = ("int8",)
 
 POSITIONAL = ("sinusoidal", "sinusoidal_concat", "learned")

@@ -292,7 +292,7 @@ class TranslationTask:
     ) -> TranslationData:
         source = translation_source(config)
         source.check(workdir, log)  # a resumed run reads the data it started on
-        tokenizer = load_tokenizer(config, workdir)
+        tokenizer = load_tokenizer(config, workdir, source)
         encoded = source.training_pairs(
             tokenizer, config.cache_dir or os.path.join(workdir, CACHE_DIR), log
         )

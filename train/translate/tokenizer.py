@@ -10,19 +10,22 @@ from train.core.workdir import local_dir
 from train.data.text_files import DataError
 from train.data.tokenizers import SentencePieceTokenizer, model_file_name
 from train.translate.config import TranslateConfig
-from train.translate.sources import translation_source
+from train.translate.sources import TranslationSource, translation_source
 from transformer_jax.interchange.marian import check_tokenizer
 from transformer_jax.interchange.marian_tokenizer import MarianTokenizer, has_tokenizer_files
 
 
-def load_tokenizer(config: TranslateConfig, workdir: str) -> SentencePieceTokenizer:
+def load_tokenizer(
+    config: TranslateConfig, workdir: str, source: TranslationSource | None = None
+) -> SentencePieceTokenizer:
     """The run's tokenizer: a pretrained model's own (`pretrained_tokenizer`), else its data
     source's joint SentencePiece model: Multi30k's, or the one trained on a sample of the
-    training files' or TFDS split's sentences the first time."""
+    training files' or TFDS split's sentences the first time. `source`: the run's, when the
+    caller has one (a checked FilesSource knows its files' sha256 and hashes them no more)."""
     directory = tokenizer_dir(config, workdir)
     if config.pretrained is not None:
         return pretrained_tokenizer(config, directory)
-    return translation_source(config).tokenizer(directory)
+    return (source or translation_source(config)).tokenizer(directory)
 
 
 def trained_tokenizer(config: TranslateConfig, workdir: str):

@@ -68,9 +68,9 @@ class LoopConfig:
     nonfinite: 'stop' (raise TrainingDiverged) or 'skip' (go on without that update).
     agree_every: past one process, how often (in steps) the processes agree on stopping.
     fit_to_budget: the state's optimizer keeps its schedule's length (horizon_in_state), and
-    the loop chooses it: from the deadline, after timing fit_measure steps that follow the
-    first fit_skip of this run; `steps` without a deadline. A length already chosen (a
-    resumed run's) is kept, and is where the loop stops.
+      the loop chooses it: from the deadline, after timing fit_measure steps that follow the
+      first fit_skip of this run; `steps` without a deadline. A length already chosen (a
+      resumed run's) is kept, and is where the loop stops.
     """
 
     steps: int
@@ -82,9 +82,8 @@ class LoopConfig:
     nonfinite: str = "stop"
     agree_every: int = 10
     fit_to_budget: bool = False
-    # 200 steps: a translation run's batches come in several shapes whose first executions
-    # fall over its first tens of steps; over 50 the estimate ran 9% slow
-    # (benchmarks/translate_cpu_recipe_2026-11-29/).
+    # Long enough to pass the first executions of a translation run's several batch shapes,
+    # which fall over its first tens of steps (benchmarks/translate_cpu_recipe_2026-11-29/).
     fit_skip: int = 20
     fit_measure: int = 200
 

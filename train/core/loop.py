@@ -63,11 +63,14 @@ class TrainingDiverged(RuntimeError):
 
 @dataclasses.dataclass(frozen=True)
 class LoopConfig:
-    """steps: train until state.step == steps. deadline: time.monotonic() value after which no
-    new step starts (None: no time limit). eval_every / checkpoint_every: 0 = only at the end.
-    nonfinite: 'stop' (raise TrainingDiverged) or 'skip' (go on without that update).
-    agree_every: past one process, how often (in steps) the processes agree on stopping.
-    fit_to_budget: the state's optimizer keeps its schedule's length (horizon_in_state), and
+    """The settings of one training loop.
+
+    - steps: train until state.step == steps.
+    - deadline: time.monotonic() value after which no new step starts (None: no time limit).
+    - eval_every / checkpoint_every: 0 = only at the end.
+    - nonfinite: 'stop' (raise TrainingDiverged) or 'skip' (go on without that update).
+    - agree_every: past one process, how often (in steps) the processes agree on stopping.
+    - fit_to_budget: the state's optimizer keeps its schedule's length (horizon_in_state), and
       the loop chooses it: from the deadline, after timing fit_measure steps that follow the
       first fit_skip of this run; `steps` without a deadline. A length already chosen (a
       resumed run's) is kept, and is where the loop stops.

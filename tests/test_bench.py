@@ -1078,7 +1078,7 @@ def test_cpu_vs_torch_compares_the_cpu_presets_at_equal_parameter_counts():
     from train.core.state import count_params
 
     config = BenchConfig.full()
-    assert config.torch_shapes == ((32, 16), (64, 32)) and config.torch_xl_batch == 16
+    assert config.torch_shapes == ((32, 16), (64, 32)) and config.torch_xl_batch == 24
     assert config.torch_transformer == translate.make_config(
         "transformer", "cpu"
     ).model_config.replace(dropout=0.0)

@@ -91,7 +91,7 @@ def test_validation_during_training_scores_the_ema(trained):
     tokenizer = translate.load_tokenizer(config, workdir)
     pairs = translate.load_split(config, tokenizer, "validation").pairs
     nll = {
-        which: teacher_forced_nll(model, jax.device_get(params), pairs, config.model_config)[0]
+        which: teacher_forced_nll(jax.device_get(params), pairs, config.model_config)[0]
         for which, params in (("ema", find_params_ema(state.opt_state)), ("raw", state.params))
     }
     assert math.isclose(logged["nll"], nll["ema"], rel_tol=1e-5), (logged, nll)

@@ -633,7 +633,7 @@ def test_the_reported_perplexity_is_the_teacher_forced_nll_of_the_saved_model(st
     name = "validation" if split == "val" else config.test_split
     pairs = translate.load_split(config, tokenizer, name).pairs
     assert len(pairs) == config.eval_sentences
-    nll, _ = teacher_forced_nll(model, params, pairs, config.model_config)
+    nll, _ = teacher_forced_nll(params, pairs, config.model_config)
     assert math.isclose(nll, final[f"{split}_nll"], rel_tol=1e-5), (nll, final[f"{split}_nll"])
     assert math.isclose(math.exp(nll), final[f"{split}_ppl"], rel_tol=1e-5)
 

@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import math
 import re
 
 import chex
@@ -11,7 +10,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
-from helpers import full_size_residuals, matmul_dtypes, np_dense, np_multi_head_attention
+from helpers import full_size_residuals, matmul_dtypes, np_transformer
 
 from transformer_jax import (
     Transformer,
@@ -51,95 +50,6 @@ def _batch(seed=0):
 def _init(cfg, seed=0):
     src, tgt = _batch()
     return Transformer(cfg), Transformer(cfg).init(jax.random.PRNGKey(seed), src, tgt)["params"]
-
-
-# ------------------------------------------------------------------ NumPy reference model
-
-
-def _np_layer_norm(x, p, eps=1e-6):
-    mu = x.mean(-1, keepdims=True)
-    var = ((x - mu) ** 2).mean(-1, keepdims=True)
-    return (x - mu) / np.sqrt(var + eps) * np.asarray(p["scale"]) + np.asarray(p["bias"])
-
-
-def _np_sublayer(x, p_norm, fn, norm_first, eps=1e-6):
-    if norm_first:
-        return x + fn(_np_layer_norm(x, p_norm, eps))
-    return _np_layer_norm(x + fn(x), p_norm, eps)
-
-
-_NP_ACTIVATIONS = {
-    "relu": lambda x: np.maximum(x, 0.0),
-    "swish": lambda x: x / (1 + np.exp(-x)),
-    "gelu": lambda x: 0.5 * x * (1 + np.vectorize(math.erf)(x / np.sqrt(2.0))),
-}
-
-
-def _np_ffn(x, p, activation="relu"):
-    return np_dense(_NP_ACTIVATIONS[activation](np_dense(x, p["inner"])), p["outer"])
-
-
-def _np_positions(length, d, layout="interleaved"):
-    pe = np.zeros((length, d))
-    for pos in range(length):
-        for i in range(d // 2):
-            sin_at, cos_at = (i, d // 2 + i) if layout == "concat" else (2 * i, 2 * i + 1)
-            pe[pos, sin_at] = np.sin(pos / 10000 ** (2 * i / d))
-            pe[pos, cos_at] = np.cos(pos / 10000 ** (2 * i / d))
-    return pe
-
-
-def np_transformer(params, cfg, src, tgt):
-    """Section 3 of the paper, written directly (sinusoidal positions, tied embeddings), and
-    the options Marian needs: activation, LayerNorm epsilon, unscaled embeddings, the concat
-    sinusoid, a logits bias and decoding from pad (then no target pad is masked)."""
-    src, tgt = np.asarray(src), np.asarray(tgt)
-    emb = np.asarray(params["tgt_embed"]["embedding"], np.float64)
-    d, nf, eps = cfg.d_model, cfg.norm_first, cfg.layer_norm_eps
-    scale = np.sqrt(d) if cfg.scale_embeddings else 1.0
-    layout = "concat" if cfg.positional == "sinusoidal_concat" else "interleaved"
-    src_mask = (src != cfg.pad_id)[:, None, None, :]
-    t_ = tgt.shape[1]
-    tgt_keys = (tgt != cfg.pad_id) | (cfg.bos_id == cfg.pad_id)
-    tgt_mask = np.tril(np.ones((t_, t_), bool))[None, None] & tgt_keys[:, None, None, :]
-
-    def ffn(h, p):
-        return _np_ffn(h, p, cfg.activation.replace("silu", "swish"))
-
-    x = emb[src] * scale + _np_positions(src.shape[1], d, layout)
-    for i in range(cfg.n_encoder_layers):
-        p = params["encoder"][f"layers_{i}"]
-        x = _np_sublayer(
-            x,
-            p["self_attn_residual"]["norm"],
-            lambda h, p=p: np_multi_head_attention(h, h, p["self_attn"], src_mask, cfg.n_heads),
-            nf,
-            eps,
-        )
-        x = _np_sublayer(x, p["ffn_residual"]["norm"], lambda h, p=p: ffn(h, p["ffn"]), nf, eps)
-    if nf:
-        x = _np_layer_norm(x, params["encoder"]["final_norm"], eps)
-    y = emb[tgt] * scale + _np_positions(t_, d, layout)
-    for i in range(cfg.n_decoder_layers):
-        p = params["decoder"][f"layers_{i}"]
-        y = _np_sublayer(
-            y,
-            p["self_attn_residual"]["norm"],
-            lambda h, p=p: np_multi_head_attention(h, h, p["self_attn"], tgt_mask, cfg.n_heads),
-            nf,
-            eps,
-        )
-        y = _np_sublayer(
-            y,
-            p["cross_attn_residual"]["norm"],
-            lambda h, p=p: np_multi_head_attention(h, x, p["cross_attn"], src_mask, cfg.n_heads),
-            nf,
-            eps,
-        )
-        y = _np_sublayer(y, p["ffn_residual"]["norm"], lambda h, p=p: ffn(h, p["ffn"]), nf, eps)
-    if nf:
-        y = _np_layer_norm(y, params["decoder"]["final_norm"], eps)
-    return y @ emb.T + (np.asarray(params["output_bias"]) if cfg.output_bias else 0.0)
 
 
 @pytest.mark.slow

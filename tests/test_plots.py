@@ -65,13 +65,13 @@ def test_lr_schedule_png_draws_each_schedule_at_its_values(tmp_path):
 
 
 def test_lr_schedule_png_draws_a_constant_rate_flat(tmp_path):
-    # Adam at a constant rate (the CPU preset's before its cosine): optax's constant schedule
-    # returns one scalar for an array of steps, which must still draw as a line over every
-    # step.
+    # Adam at a constant rate without a warm-up (the CPU preset's before its cosine): optax's
+    # constant schedule returns one scalar for an array of steps, which must still draw as a
+    # line over every step.
     from train.translate.config import make_config
     from transformer_jax.optim import make_schedule
 
-    config = make_config(preset="cpu", optimizer="adam", fit_to_budget=False)
+    config = make_config(preset="cpu", optimizer="adam", adam_warmup_steps=0, fit_to_budget=False)
     fn = make_schedule(config.optimizer_config())
     drawn = plots.plot_lr_schedule({config.optimizer: fn}, 300, str(tmp_path / "lr.png"))
     np.testing.assert_allclose(

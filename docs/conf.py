@@ -53,6 +53,9 @@ extensions = [
     "mathjax_offline",
     "sphinx.ext.viewcode",
     "colab",
+    # The notebooks not yet in jupyter-cache run side by side before reading (one per core),
+    # not one after another as Sphinx reads them.
+    "parallel_notebooks",
 ]
 
 exclude_patterns = [

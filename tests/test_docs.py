@@ -1,9 +1,9 @@
 """The documentation site's sources: the tutorials, their Colab notebooks, the table of contents.
 
 The site itself (every tutorial executed, warnings as errors) is built by `.ci/run` with the
-README's command; these tests check, in a second, what a build does not: that each Colab
-notebook is its source's, and that each notebook installs the library from the repository the
-site links to.
+README's command; these tests check, in seconds, what a build does not: that each Colab
+notebook is its source's, that each notebook installs the library from the repository the
+site links to, and what the build's notebook runner does with a notebook that fails.
 """
 
 import importlib.util
@@ -74,3 +74,67 @@ def test_the_table_of_contents_lists_every_tutorial_and_only_existing_ones():
     listed = {line.strip() for line in toc.splitlines()[1:] if line.strip() and ":" not in line}
     pages = {p.stem for p in TUTORIALS.glob("*.md")} - {"index"}
     assert listed == pages
+
+
+def _notebook_md(code: str) -> str:
+    head = _notebook_sources()[0].read_text().split("\n---\n", 1)[0]  # a tutorial's front matter
+    return f"{head}\n---\n\n# A page\n\n```{{code-cell}} ipython3\n{code}\n```\n"
+
+
+def test_the_notebooks_not_yet_cached_run_side_by_side_before_reading(tmp_path):
+    """docs/_ext/parallel_notebooks.py: each notebook jupyter-cache lacks runs before Sphinx
+    reads it; one that fails is left uncached (reading runs it again and fails the build with
+    myst-nb's traceback); another execution mode runs nothing."""
+    from types import SimpleNamespace
+
+    from jupyter_cache import get_cache
+    from myst_nb.core.read import myst_nb_reader_plugin
+
+    spec = importlib.util.spec_from_file_location(
+        "parallel_notebooks", DOCS / "_ext" / "parallel_notebooks.py"
+    )
+    extension = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(extension)
+
+    src = tmp_path / "src"
+    (src / "tutorials").mkdir(parents=True)
+    (src / "_build").mkdir()
+    pages = {
+        "one": src / "results.md",
+        "two": src / "tutorials" / "two.md",
+        "fails": src / "tutorials" / "fails.md",
+    }
+    pages["one"].write_text(_notebook_md("print(6 * 7)"))
+    pages["two"].write_text(_notebook_md("print('two')"))
+    pages["fails"].write_text(_notebook_md("raise ValueError('planted')"))
+    (src / "plain.md").write_text("# Not a notebook\n")
+    (src / "_build" / "old.md").write_text(_notebook_md("raise SystemExit"))  # never a source
+    assert extension._notebooks(src) == sorted(pages.values())
+
+    def cached(path):
+        try:
+            return cache.match_cache_notebook(myst_nb_reader_plugin(str(path)))
+        except KeyError:
+            return None
+
+    cache_path = tmp_path / "jupyter_cache"
+    cache = get_cache(str(cache_path))
+
+    def app(mode):
+        config = SimpleNamespace(
+            nb_execution_mode=mode,
+            nb_execution_cache_path=str(cache_path),
+            nb_execution_timeout=120,
+        )
+        return SimpleNamespace(config=config, srcdir=str(src))
+
+    extension._execute_stale(app("force"))
+    assert all(cached(p) is None for p in pages.values())
+
+    extension._execute_stale(app("cache"))
+    assert cached(pages["fails"]) is None
+    for name in ("one", "two"):
+        record = cached(pages[name])
+        assert record is not None, name
+        outputs = cache.get_cache_bundle(record.pk).nb.cells[0].outputs
+        assert "".join(o.get("text", "") for o in outputs) == ("42\n" if name == "one" else "two\n")

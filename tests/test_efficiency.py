@@ -238,16 +238,22 @@ def test_xl_step_does_not_keep_a_score_tensor_per_layer():
 
 
 # ----------------------------------------------------------------------------- recompilation
-def test_trainer_compiles_once_per_shape_then_never_again_over_100_bucketed_steps(tmp_path):
-    rng = np.random.default_rng(0)
-    pairs = [
+def _random_pairs(seed: int, n: int) -> list[tuple[list[int], list[int]]]:
+    """n (source, target) id lists of 2-21 and 1-21 tokens over ids 4..31."""
+    rng = np.random.default_rng(seed)
+    return [
         (
             list(rng.integers(4, 32, rng.integers(2, 22))),
             list(rng.integers(4, 32, rng.integers(1, 22))),
         )
-        for _ in range(400)
+        for _ in range(n)
     ]
-    batcher = TokenBatcher(pairs, tokens_per_batch=512, buckets=(8, 16, 24), num_devices=8)
+
+
+def test_trainer_compiles_once_per_shape_then_never_again_over_100_bucketed_steps(tmp_path):
+    batcher = TokenBatcher(
+        _random_pairs(0, 400), tokens_per_batch=512, buckets=(8, 16, 24), num_devices=8
+    )
     shapes = batcher.shape_set()
     assert len(shapes) == 3
     # The warm-up: the steps until every shape has appeared once (the stream is seeded).
@@ -297,3 +303,54 @@ def test_trainer_compiles_once_per_shape_then_never_again_over_100_bucketed_step
     assert max(during) < warm_steps
     # Bounded by the batcher's shape set, and counted by the step.
     assert step.compiled_shapes == len(shapes)
+
+
+def test_shapes_compiled_in_the_background_run_the_steps_a_lazy_step_runs():
+    """`compile_for(background=True)` returns once the shapes are lowered; each step of a
+    shape then waits for its executable or, when its compilation has not started, compiles
+    it itself. Every shape gets one executable, `on_done` runs once with their count, and the
+    losses equal a lazily compiled step's to the bit."""
+    batcher = TokenBatcher(
+        _random_pairs(1, 200), tokens_per_batch=256, buckets=(8, 16, 24), num_devices=1
+    )
+    stream = list(zip(range(12), batcher.iterate(0)))
+    examples = {}
+    for _, batch in stream:
+        examples.setdefault(batch["src"].shape, batch)
+    assert len(examples) == 3  # the 12 steps meet every shape
+    loss_fn, init = _transformer()
+    dp = _one_device()
+    losses, done = {}, []
+
+    class Lowerings:  # the step's jitted function, counting its lowerings
+        def __init__(self, jitted):
+            self.jitted, self.count = jitted, 0
+
+        def lower(self, *args):
+            self.count += 1
+            return self.jitted.lower(*args)
+
+    for background in (False, True):
+        state = dp.put_state(init)
+        step = dp.compile_train_step(loss_fn, state)
+        step.jitted = lowerings = Lowerings(step.jitted)
+        if background:
+            # One thread, and the last shape's batch first: its compilation is still queued
+            # behind the others', so that step compiles it itself.
+            order = sorted(
+                examples.values(), key=lambda b: b["src"].shape != stream[0][1]["src"].shape
+            )
+            assert (
+                dp.compile_ahead(
+                    step, state, order[::-1], workers=1, background=True, on_done=done.append
+                )
+                == 3
+            )
+        losses[background] = []
+        for _, batch in stream:
+            state, metrics = step(state, dp.put_batch(batch))
+            losses[background].append((float(metrics["loss_sum"]), float(metrics["grad_norm"])))
+        step.wait_compiled()
+        assert step.compiled_shapes == 3 and lowerings.count == 3  # none compiled twice
+    assert done == [3]
+    assert losses[True] == losses[False]

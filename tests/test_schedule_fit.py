@@ -80,6 +80,7 @@ def run(
     eval_seconds: float = 0.0,
     checkpoint_every: int = 0,
     stop_at: int | None = None,
+    wrap_step=None,
 ):
     """A toy run fitted to `minutes` of `clock`, each step costing `step_seconds` (and each
     validation `eval_seconds`), from `workdir`'s checkpoint if any; with `stop_at`, stopped
@@ -98,6 +99,9 @@ def run(
     def step(state, batch):
         clock.now += step_seconds
         return compiled(state, batch)
+
+    if wrap_step is not None:
+        step = wrap_step(step)
 
     def evaluate(state):
         clock.now += eval_seconds
@@ -157,6 +161,34 @@ def test_the_length_is_the_budget_over_the_step_time_and_the_decay_ends_at_the_l
     assert rate[121] == pytest.approx(FLOOR, rel=1e-6)
     assert rate[120] > FLOOR * 1.0001
     assert rate[4] == pytest.approx(PEAK * 4 / WARMUP, rel=1e-6)  # the warm-up, before the choice
+
+
+def test_the_timed_steps_start_once_the_background_compilations_are_done(tmp_path):
+    """A train step still compiling batch shapes in the background (CompiledStep) is waited
+    for before the steps that set the length are timed: its stalls are not step time."""
+    clock, calls, waited_at = FakeClock(), [], []
+
+    class CompilingInTheBackground:
+        def __init__(self, step):
+            self.step, self.compiling = step, True
+
+        def __call__(self, state, batch):
+            calls.append(1)
+            clock.now += 2.0 if self.compiling else 0.0  # a stall, or a core shared
+            return self.step(state, batch)
+
+        def wait_compiled(self):
+            waited_at.append(len(calls))
+            clock.now += 5.0
+            self.compiling = False
+
+    result, lines = run(
+        tmp_path, clock, step_seconds=0.5, minutes=1.01, wrap_step=CompilingInTheBackground
+    )
+    assert waited_at == [SKIP]  # once, right before the first timed step
+    # 2 steps at 2.5 s and the 5 s wait, then 4 timed at 0.5 s: 48.6 s left, 97 more.
+    assert any("0.5 s/step measured over 4 steps: schedule set to 103 steps" in x for x in lines)
+    assert int(result.state.step) == 103 and result.reason == "steps"
 
 
 def test_the_length_counts_the_validations_made_within_the_budget(tmp_path):

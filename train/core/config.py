@@ -94,9 +94,10 @@ class RunConfig:
       plots: write W/plots/ at the end.
       on_nonfinite: what a step with a NaN or infinite loss or gradient does (its update is
         never applied): 'stop' the run naming the step, or 'skip' it and go on.
-      compile_ahead: compile the train step for every batch shape the task names, in
-        threads, before the first step (else each compiles when its first batch comes); the
-        same executables either way, so the same losses.
+      compile_ahead: lower the train step for every batch shape the task names before the
+        first step and compile them in background threads while the first steps run (else
+        each compiles when its first batch comes); the same executables either way, so the
+        same losses.
     """
 
     preset: str = "cpu"

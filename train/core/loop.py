@@ -488,6 +488,10 @@ def train_loop(
             )
         while reason is None and more_to_do():
             if measure and step == measure.start:
+                # Batch shapes still compiling in the background would stall timed steps.
+                wait_compiled = getattr(train_step, "wait_compiled", None)
+                if wait_compiled is not None:
+                    wait_compiled()
                 measure.begin(state)
             state, metrics = train_step(state, dp.put_batch(next(batches)))
             step += 1

@@ -26,6 +26,7 @@ from __future__ import annotations
 import concurrent.futures
 import hashlib
 import os
+import threading
 from collections.abc import Callable, Sequence
 from typing import Any, Literal
 
@@ -358,22 +359,30 @@ class DataParallel:
         batches: Sequence[PyTree],
         *,
         workers: int | None = None,
+        background: bool = False,
+        on_done: Callable[[int], None] | None = None,
     ) -> int:
-        """Compiles `train_step` (from `compile_train_step`) now for the shape of each of
-        `batches` (host batches as `put_batch` takes them) -> how many shapes it compiled.
+        """Compiles `train_step` (from `compile_train_step`) for the shape of each of
+        `batches` (host batches as `put_batch` takes them) -> how many shapes it compiles.
 
         Tracing and lowering hold the GIL, so they run in turn here; XLA's compilations release
-        it and run in `workers` threads (default: one per shape, at most one per CPU core).
-        Each executable is the one the step would build at that shape's first batch, so the
-        numbers do not change. The pmap path stays lazy (0).
+        it and run in `workers` threads (default: one per shape, at most one per CPU core),
+        before this returns or, with `background`, while the first steps run
+        (`CompiledStep.compile_for`). Each executable is the one the step would build at that
+        shape's first batch, so the numbers do not change. The pmap path stays lazy (0).
+        `on_done(n)` runs once they are compiled (`CompiledStep.compile_for`; at once for pmap).
         """
         if not isinstance(train_step, CompiledStep):
+            if on_done is not None:
+                on_done(0)
             return 0
         placed = {}
         for batch in batches:
             batch = self.put_batch(batch)
             placed.setdefault(batch_signature(batch), batch)
-        return train_step.compile_for(state, list(placed.values()), workers=workers)
+        return train_step.compile_for(
+            state, list(placed.values()), workers=workers, background=background, on_done=on_done
+        )
 
     def compile_eval_step(self, loss_fn: LossFn, state: TrainState):
         """-> eval(params, batch, extra) -> (sums, extra), always in the global layout (params
@@ -413,7 +422,8 @@ class CompiledStep:
     """step(state, batch) -> (state, metrics) through one executable per batch signature,
     each compiled by the public ahead-of-time path (`jitted.lower(state, batch).compile()`):
     the first batch of a new shape compiles its executable (as jit would), and
-    `compile_for` compiles a set of them ahead, in threads. `compiled_shapes` counts them.
+    `compile_for` compiles a set of them ahead, in threads, now or in the background while
+    the first steps run. `compiled_shapes` counts them.
 
     jitted: the jit-wrapped step (its shardings and donation are the executables').
     """
@@ -421,33 +431,112 @@ class CompiledStep:
     def __init__(self, jitted):
         self.jitted = jitted
         self.executables: dict[tuple, jax.stages.Compiled] = {}
+        # Background compilations not yet claimed by a step: signature -> future.
+        self._pending: dict[tuple, concurrent.futures.Future] = {}
+        self._lowered: dict[tuple, jax.stages.Lowered] = {}
+        self._lock = threading.Lock()
+        self._left = 0  # of the background set, executables still to come
+        self._on_done: Callable[[int], None] | None = None
+        self._ahead = 0
 
     def __call__(self, state, batch):
         signature = batch_signature(batch)
         executable = self.executables.get(signature)
         if executable is None:
-            executable = self.executables[signature] = self.jitted.lower(state, batch).compile()
+            executable = self._claim(signature, state, batch)
         return executable(state, batch)
+
+    def _claim(self, signature, state, batch):
+        """The executable of a shape met for the first time: a background one (waited for
+        when it is compiling, compiled here when it has not started) or a new one."""
+        future = self._pending.pop(signature, None)
+        if future is None:
+            executable = self.executables[signature] = self.jitted.lower(state, batch).compile()
+        elif future.cancel():  # not started: compiled here, from its lowering
+            executable = self._lowered[signature].compile()
+            self._compiled(signature, executable)
+        else:
+            future.result()  # compiling (or compiled) in the background; re-raises its error
+            executable = self.executables[signature]
+        return executable
+
+    def _compiled(self, signature, executable) -> None:
+        with self._lock:
+            self.executables[signature] = executable
+            self._lowered.pop(signature, None)
+            self._left -= 1
+            done = self._left == 0
+        if done and self._on_done is not None:
+            self._on_done(self._ahead)
 
     def lower(self, state, batch):
         """The jitted step lowered for (state, batch): `.compile()` gives its executable."""
         return self.jitted.lower(state, batch)
 
-    def compile_for(self, state, batches: Sequence[PyTree], *, workers: int | None = None) -> int:
+    def compile_for(
+        self,
+        state,
+        batches: Sequence[PyTree],
+        *,
+        workers: int | None = None,
+        background: bool = False,
+        on_done: Callable[[int], None] | None = None,
+    ) -> int:
         """Compiles the executables of `batches` (placed batches) not compiled yet, the XLA
-        compilations in threads -> how many were compiled."""
+        compilations in threads -> how many it compiles.
+
+        background: return once they are lowered (tracing and lowering hold the GIL, so they
+        run here, in turn) and compile them in the threads while steps run. A step whose
+        shape is compiling waits for it; one whose shape has not started compiles it itself.
+        `on_done(n)` (n: how many it compiled) runs once all of them have an executable, in
+        whichever thread finished last (here, without `background` or with nothing to do).
+        `wait_compiled` waits for them all.
+        """
         todo = {}
         for batch in batches:
             signature = batch_signature(batch)
-            if signature not in self.executables:
+            if signature not in self.executables and signature not in self._pending:
                 todo.setdefault(signature, batch)
         if not todo:
+            if on_done is not None:
+                on_done(0)
             return 0
         lowered = [self.jitted.lower(state, batch) for batch in todo.values()]
         workers = workers or min(len(lowered), os.cpu_count() or 1)
-        with concurrent.futures.ThreadPoolExecutor(max_workers=workers) as pool:
-            self.executables.update(zip(todo, pool.map(lambda low: low.compile(), lowered)))
+        if not background:
+            with concurrent.futures.ThreadPoolExecutor(max_workers=workers) as pool:
+                self.executables.update(zip(todo, pool.map(lambda low: low.compile(), lowered)))
+            if on_done is not None:
+                on_done(len(todo))
+            return len(todo)
+        self._left, self._ahead, self._on_done = len(todo), len(todo), on_done
+        self._lowered.update(zip(todo, lowered))
+        pool = concurrent.futures.ThreadPoolExecutor(
+            max_workers=workers, thread_name_prefix="compile-ahead"
+        )
+        for signature, low in zip(todo, lowered):
+            self._pending[signature] = pool.submit(
+                lambda sig=signature, low=low: self._compiled(sig, low.compile())
+            )
+        pool.shutdown(wait=False)  # its threads end once the queue is done
         return len(todo)
+
+    def wait_compiled(self) -> None:
+        """Returns once every background compilation has its executable (re-raising the
+        error of one that failed)."""
+        for signature, future in list(self._pending.items()):
+            if future.cancelled():  # a step claimed it and compiled it itself
+                continue
+            future.result()
+            self._pending.pop(signature, None)
+
+    def cancel_compiles(self) -> None:
+        """Drops the background compilations that have not started (a stopping run need not
+        wait for them); those running finish in their threads."""
+        for signature, future in list(self._pending.items()):
+            if future.cancel():
+                del self._pending[signature]
+                self._lowered.pop(signature, None)
 
     @property
     def compiled_shapes(self) -> int:

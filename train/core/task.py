@@ -44,6 +44,7 @@ from train.core.config import RunConfig, config_from_dict, config_to_dict
 from train.core.loop import LoopConfig, LoopResult, printer, stop_on_signals, train_loop
 from train.core.metrics import MetricsWriter
 from train.core.parallel import (
+    CompiledStep,
     DataParallel,
     check_same_on_every_process,
     maybe_initialize_distributed,
@@ -396,20 +397,27 @@ def train_and_evaluate(task: Task, config: RunConfig, workdir: str) -> dict[str,
                 + (f" or until {_wall_clock(loop.deadline)}" if loop.deadline else "")
                 + "; SIGTERM saves a checkpoint and stops"
             )
-            result = train_loop(
-                dstate,
-                dp=run.dp,
-                train_step=train_step,
-                batches=data.batches(step, run.dp.local_rows),
-                config=loop,
-                writer=run.writer,
-                checkpoints=run.checkpoints,
-                evaluate=evaluate,
-                elapsed=elapsed,
-                stop=stop,
-                log=log,
-                carried=carried,
-            )
+            try:
+                result = train_loop(
+                    dstate,
+                    dp=run.dp,
+                    train_step=train_step,
+                    batches=data.batches(step, run.dp.local_rows),
+                    config=loop,
+                    writer=run.writer,
+                    checkpoints=run.checkpoints,
+                    evaluate=evaluate,
+                    elapsed=elapsed,
+                    stop=stop,
+                    log=log,
+                    carried=carried,
+                )
+            except BaseException:
+                _end_compiles(train_step, wait=False)  # exit without compiling what is left
+                raise
+            # A short run may end before the background compilations: their log line comes
+            # first. A signal's stop does not wait for those not started.
+            _end_compiles(train_step, wait=not result.interrupted)
             state = run.dp.get_state(result.state)
             log_stop(result, state, train_step, workdir, log)
             final = {
@@ -514,21 +522,37 @@ def _compiled_train_step(
     run: _Run, loss_fn: LossFn, dstate: TrainState, data: TaskData, step: int, log
 ) -> Callable:
     """The run's train step, compiled ahead for every batch shape the data can yield
-    (RunConfig.compile_ahead) when there are steps left to train."""
+    (RunConfig.compile_ahead) when there are steps left to train: lowered here, compiled in
+    background threads while the first steps run (a step whose shape is not ready waits for
+    it or compiles it), and logged once all are compiled."""
     config, dp = run.config, run.dp
     train_step = dp.compile_train_step(loss_fn, dstate, lr_schedule=run.schedule)
     # A run fitted to its budget may train past `steps` (its length without one).
     if config.compile_ahead and (step < config.steps or config.fit_to_budget):
         t0 = time.monotonic()
-        with CacheTally() as cache:
-            batches = data.example_batches(dp.local_rows)
-            ahead = dp.compile_ahead(train_step, dstate, batches)
-        if ahead:
-            log(
-                f"compiled the train step for {ahead} batch shape(s) ahead in "
-                f"{time.monotonic() - t0:.1f}s{cache.describe()}"
-            )
+        cache = CacheTally().__enter__()
+
+        def compiled(ahead: int) -> None:
+            cache.__exit__(None, None, None)
+            if ahead:
+                log(
+                    f"compiled the train step for {ahead} batch shape(s) ahead in "
+                    f"{time.monotonic() - t0:.1f}s{cache.describe()}"
+                )
+
+        batches = data.example_batches(dp.local_rows)
+        dp.compile_ahead(train_step, dstate, batches, background=True, on_done=compiled)
     return train_step
+
+
+def _end_compiles(train_step, *, wait: bool) -> None:
+    """Waits for the train step's background compilations, or drops those not started."""
+    if not isinstance(train_step, CompiledStep):
+        return
+    if wait:
+        train_step.wait_compiled()
+    else:
+        train_step.cancel_compiles()
 
 
 def _final_evaluation(

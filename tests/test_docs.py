@@ -8,6 +8,8 @@ site links to, and what the build's notebook runner does with a notebook that fa
 
 import importlib.util
 import re
+import subprocess
+import sys
 from pathlib import Path
 
 import pytest
@@ -84,15 +86,14 @@ def _notebook_md(code: str) -> str:
 def test_the_notebooks_not_yet_cached_run_side_by_side_before_reading(tmp_path):
     """docs/_ext/parallel_notebooks.py: each notebook jupyter-cache lacks runs before Sphinx
     reads it; one that fails is left uncached (reading runs it again and fails the build with
-    myst-nb's traceback); another execution mode runs nothing."""
-    from types import SimpleNamespace
-
+    myst-nb's traceback); another execution mode runs nothing. The extension runs in a fresh
+    interpreter, as in a build: its process pool forks, which a test process holding JAX's
+    and tensorboardX's threads must not do."""
     from jupyter_cache import get_cache
     from myst_nb.core.read import myst_nb_reader_plugin
 
-    spec = importlib.util.spec_from_file_location(
-        "parallel_notebooks", DOCS / "_ext" / "parallel_notebooks.py"
-    )
+    extension_path = DOCS / "_ext" / "parallel_notebooks.py"
+    spec = importlib.util.spec_from_file_location("parallel_notebooks", extension_path)
     extension = importlib.util.module_from_spec(spec)
     spec.loader.exec_module(extension)
 
@@ -110,31 +111,37 @@ def test_the_notebooks_not_yet_cached_run_side_by_side_before_reading(tmp_path):
     (src / "plain.md").write_text("# Not a notebook\n")
     (src / "_build" / "old.md").write_text(_notebook_md("raise SystemExit"))  # never a source
     assert extension._notebooks(src) == sorted(pages.values())
+    cache_path = tmp_path / "jupyter_cache"
+
+    def build(mode):
+        script = f"""
+import importlib.util
+from types import SimpleNamespace
+spec = importlib.util.spec_from_file_location("parallel_notebooks", {str(extension_path)!r})
+extension = importlib.util.module_from_spec(spec)
+spec.loader.exec_module(extension)
+config = SimpleNamespace(
+    nb_execution_mode={mode!r}, nb_execution_cache_path={str(cache_path)!r},
+    nb_execution_timeout=120,
+)
+extension._execute_stale(SimpleNamespace(config=config, srcdir={str(src)!r}))
+"""
+        subprocess.run([sys.executable, "-c", script], check=True, timeout=300)
 
     def cached(path):
         try:
-            return cache.match_cache_notebook(myst_nb_reader_plugin(str(path)))
+            return get_cache(str(cache_path)).match_cache_notebook(myst_nb_reader_plugin(str(path)))
         except KeyError:
             return None
 
-    cache_path = tmp_path / "jupyter_cache"
-    cache = get_cache(str(cache_path))
-
-    def app(mode):
-        config = SimpleNamespace(
-            nb_execution_mode=mode,
-            nb_execution_cache_path=str(cache_path),
-            nb_execution_timeout=120,
-        )
-        return SimpleNamespace(config=config, srcdir=str(src))
-
-    extension._execute_stale(app("force"))
+    build("force")
     assert all(cached(p) is None for p in pages.values())
 
-    extension._execute_stale(app("cache"))
+    build("cache")
     assert cached(pages["fails"]) is None
     for name in ("one", "two"):
         record = cached(pages[name])
         assert record is not None, name
-        outputs = cache.get_cache_bundle(record.pk).nb.cells[0].outputs
-        assert "".join(o.get("text", "") for o in outputs) == ("42\n" if name == "one" else "two\n")
+        bundle = get_cache(str(cache_path)).get_cache_bundle(record.pk)
+        text = "".join(o.get("text", "") for o in bundle.nb.cells[0].outputs)
+        assert text == ("42\n" if name == "one" else "two\n")

@@ -436,8 +436,7 @@ class CompiledStep:
         self._lowered: dict[tuple, jax.stages.Lowered] = {}
         self._lock = threading.Lock()
         self._left = 0  # of the background set, executables still to come
-        self._on_done: Callable[[int], None] | None = None
-        self._ahead = 0
+        self._on_done: Callable[[], None] | None = None
 
     def __call__(self, state, batch):
         signature = batch_signature(batch)
@@ -467,7 +466,7 @@ class CompiledStep:
             self._left -= 1
             done = self._left == 0
         if done and self._on_done is not None:
-            self._on_done(self._ahead)
+            self._on_done()
 
     def lower(self, state, batch):
         """The jitted step lowered for (state, batch): `.compile()` gives its executable."""
@@ -488,9 +487,9 @@ class CompiledStep:
         background: return once they are lowered (tracing and lowering hold the GIL, so they
         run here, in turn) and compile them in the threads while steps run. A step whose
         shape is compiling waits for it; one whose shape has not started compiles it itself.
-        `on_done(n)` (n: how many it compiled) runs once all of them have an executable, in
-        whichever thread finished last (here, without `background` or with nothing to do).
-        `wait_compiled` waits for them all.
+        Without `background` it returns once all are compiled. `on_done(n)` (n: how many it
+        compiled) runs once all of them have an executable, in whichever thread finished last
+        (here when there is nothing to compile). `wait_compiled` waits for them all.
         """
         todo = {}
         for batch in batches:
@@ -503,13 +502,8 @@ class CompiledStep:
             return 0
         lowered = [self.jitted.lower(state, batch) for batch in todo.values()]
         workers = workers or min(len(lowered), os.cpu_count() or 1)
-        if not background:
-            with concurrent.futures.ThreadPoolExecutor(max_workers=workers) as pool:
-                self.executables.update(zip(todo, pool.map(lambda low: low.compile(), lowered)))
-            if on_done is not None:
-                on_done(len(todo))
-            return len(todo)
-        self._left, self._ahead, self._on_done = len(todo), len(todo), on_done
+        self._left = len(todo)
+        self._on_done = None if on_done is None else lambda: on_done(len(todo))
         self._lowered.update(zip(todo, lowered))
         pool = concurrent.futures.ThreadPoolExecutor(
             max_workers=workers, thread_name_prefix="compile-ahead"
@@ -519,16 +513,16 @@ class CompiledStep:
                 lambda sig=signature, low=low: self._compiled(sig, low.compile())
             )
         pool.shutdown(wait=False)  # its threads end once the queue is done
+        if not background:
+            self.wait_compiled()
         return len(todo)
 
     def wait_compiled(self) -> None:
         """Returns once every background compilation has its executable (re-raising the
         error of one that failed)."""
         for signature, future in list(self._pending.items()):
-            if future.cancelled():  # a step claimed it and compiled it itself
-                continue
             future.result()
-            self._pending.pop(signature, None)
+            del self._pending[signature]
 
     def cancel_compiles(self) -> None:
         """Drops the background compilations that have not started (a stopping run need not

@@ -91,3 +91,17 @@ def test_the_tally_counts_what_the_persistent_cache_saved():
     compile_once()  # after the block: not counted
     assert (second.hits, second.misses) == (1, 0)
     assert compile_cache.CacheTally().describe() == ""
+
+
+def test_a_cache_slower_than_compiling_is_said_so_not_as_a_negative_saving():
+    # JAX's figure is the entry's compile time less the time to read it back: negative
+    # when the program compiled faster than it reads.
+    tally = compile_cache.CacheTally()
+    tally._event("/jax/compilation_cache/cache_hits")
+    tally._duration("/jax/compilation_cache/compile_time_saved_sec", -0.34)
+    assert tally.describe() == (
+        "; 1 of 1 program(s) from the persistent compilation cache "
+        "(reading them took 0.3s more than compiling them had)"
+    )
+    tally._duration("/jax/compilation_cache/compile_time_saved_sec", 2.0)
+    assert tally.describe().endswith("(1.7s of compiling saved)")

@@ -446,7 +446,13 @@ def test_beam_search_with_a_chunked_top_k_equals_plain_top_k(monkeypatch):
         jax.clear_caches()  # the width is read when a search is traced
         outputs.append(beam_search(model, params, src, **kwargs))
     jax.clear_caches()
-    chex.assert_trees_all_equal(*outputs)
+    (tokens, scores), (plain_tokens, plain_scores) = outputs
+    # The same hypotheses, token for token. Their scores are the same arithmetic in two
+    # programs that XLA fuses differently, so they agree to float32 rounding (bitwise with
+    # XLA:CPU's default emitters; a few ulps apart with the legacy ones the suite compiles
+    # with, conftest.py).
+    chex.assert_trees_all_equal(tokens, plain_tokens)
+    chex.assert_trees_all_close(scores, plain_scores, rtol=1e-5, atol=0)
 
 
 def test_the_batch_a_search_shrinks_to():

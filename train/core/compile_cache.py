@@ -112,11 +112,19 @@ class CacheTally:
 
     def describe(self) -> str:
         """'; 2 of 3 programs from the persistent compilation cache (42.0 s of compiling
-        saved)', or '' when no program went through the cache."""
+        saved)', or '' when no program went through the cache. A hit that cost more time than
+        its compilation had is said as such."""
         looked_up = self.hits + self.misses
         if not looked_up:
             return ""
+        # JAX's saving is negative when reading the entries back took longer than compiling
+        # them had (small programs, fast compiles): said so, not as a negative saving.
+        saved = (
+            f"{self.saved_s:.1f}s of compiling saved"
+            if self.saved_s >= 0
+            else f"reading them took {-self.saved_s:.1f}s more than compiling them had"
+        )
         return (
             f"; {self.hits} of {looked_up} program(s) from the persistent compilation cache "
-            f"({self.saved_s:.1f}s of compiling saved)"
+            f"({saved})"
         )

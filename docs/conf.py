@@ -20,13 +20,14 @@ os.environ["PYTHONPATH"] = os.pathsep.join(
     [str(ROOT), *filter(None, [os.environ.get("PYTHONPATH")])]
 )
 
-# The notebooks compile many small programs and run each a few times: XLA:CPU's code generation
-# at its lowest optimisation level takes a good part off that (as in tests/conftest.py), and the
-# programs and their results are the same. A notebook may ask for more per program
-# (`jax.jit(..., compiler_options=...)`), as the seq2seq tutorial does for ConvS2S.
-os.environ["XLA_FLAGS"] = " ".join(
-    [os.environ.get("XLA_FLAGS", ""), "--xla_backend_optimization_level=0"]
-).strip()
+# The notebooks compile many small programs and run each a few times: the test suite's cheap
+# XLA:CPU compile settings (tests/fast_compile.py) take a good part off that. A notebook may
+# ask for more per program (`jax.jit(..., compiler_options=...)`), as the seq2seq tutorial
+# does for ConvS2S.
+sys.path.insert(0, str(ROOT / "tests"))
+from fast_compile import xla_flags  # noqa: E402
+
+os.environ["XLA_FLAGS"] = " ".join([os.environ.get("XLA_FLAGS", ""), xla_flags()]).strip()
 
 # The shape glossary page includes the alphabet from its one source, transformer_jax/shapes.py.
 _generated = DOCS / "_generated"

@@ -7,38 +7,17 @@ touches only configuration (importing jax is fine; creating an array is not).
 import os
 import tempfile
 
+import fast_compile
+
 os.environ.setdefault("JAX_PLATFORMS", "cpu")
 # With JAX_PLATFORMS=cuda,cpu (the GPU-only tests), each of the two pytest-xdist workers would
 # otherwise take 75% of the GPU's memory up front: the second one's autotuner then failed with
 # CUDA_ERROR_OUT_OF_MEMORY (one H100, 2026-11-26). Allocating on demand lets both share it.
 os.environ.setdefault("XLA_PYTHON_CLIENT_PREALLOCATE", "false")
-# XLA:CPU's code generation at LLVM's lowest optimisation level: compiling is most of the
-# suite's CPU time (hundreds of tiny programs, each run a few times), and this takes about a
-# third off it (test_xl_model + test_transformer_decode: 156 -> 105 CPU-seconds on the 2-core
-# Intel Xeon, 2026-11-25). The programs (HLO, fusion, buffers) are XLA's usual ones; only
-# their machine code is less tuned. Runs the tests start as subprocesses get it too
+# XLA:CPU settings that compile the suite's hundreds of tiny programs fast (fast_compile.py,
+# shared with the docs build). Runs the tests start as subprocesses get them too
 # (helpers.subprocess_xla_flags).
-TEST_XLA_FLAGS = "--xla_backend_optimization_level=0"
-# And XLA:CPU's older (elemental IR) fusion emitters instead of its MLIR ones, which take
-# longer to compile the suite's many small programs: the suite's compile time halves, its wall
-# time falls by a third (benchmarks/ci_time_2026-11-29/). Both are emitters XLA ships; programs
-# fused differently may differ in the last bits of a float32 result, which no test depends on.
-# Only where this XLA knows the flag: it stops a process on an unknown one, and XLA is retiring
-# that route. The probe runs once per test run (pytest-xdist's workers inherit its answer).
-_LEGACY_EMITTERS = "--xla_cpu_use_fusion_emitters=false"
-if "_TEST_LEGACY_EMITTERS" not in os.environ:
-    import subprocess
-    import sys
-
-    _probe = subprocess.run(
-        [sys.executable, "-c", "import jax; jax.numpy.zeros(1).block_until_ready()"],
-        env=dict(os.environ, JAX_PLATFORMS="cpu", XLA_FLAGS=_LEGACY_EMITTERS),
-        capture_output=True,
-        timeout=120,
-    )
-    os.environ["_TEST_LEGACY_EMITTERS"] = "1" if _probe.returncode == 0 else "0"
-if os.environ["_TEST_LEGACY_EMITTERS"] == "1":
-    TEST_XLA_FLAGS += " " + _LEGACY_EMITTERS
+TEST_XLA_FLAGS = fast_compile.xla_flags()
 # Older jax versions read the flag; newer ones the config option. Setting both is harmless.
 os.environ["XLA_FLAGS"] = " ".join(
     [os.environ.get("XLA_FLAGS", ""), TEST_XLA_FLAGS, "--xla_force_host_platform_device_count=8"]

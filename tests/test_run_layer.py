@@ -4,11 +4,15 @@ a resume (the resumed writer purges what the lost steps logged)."""
 
 from __future__ import annotations
 
+import importlib.util
 import json
 import os
 import struct
+import subprocess
+import sys
 
 import pytest
+from helpers import REPO
 
 from train import lm
 from train.core.checkpoint import CONFIG_FILE, check_run_config, save_run_config
@@ -109,3 +113,29 @@ def test_tensorboard_shows_each_step_once_after_a_resume(tmp_path, lm_straight):
         if any(v.tag == "_hparams_/session_start_info" for v in e.summary.value)
     ]
     assert hparams  # the run's config, for TensorBoard's hyperparameter view
+
+
+@pytest.mark.skipif(importlib.util.find_spec("torch") is None, reason="needs torch installed")
+def test_tensorboard_logging_leaves_torch_unimported_and_importable(tmp_path):
+    # tensorboardX imports torch whenever it is installed: more than a second of every run's
+    # start-up, for nothing a run logs. A fresh interpreter, as a run is.
+    script = f"""
+import sys
+from train.core.metrics import MetricsWriter
+with MetricsWriter({str(tmp_path)!r}) as writer:
+    writer.hparams({{"lr": 0.1}})
+    writer.write(1, "train", {{"loss": 2.0}})
+assert "torch" not in sys.modules, "tensorboardX imported torch"
+import torch  # still importable afterwards
+print("ok", torch.tensor([1]).item())
+"""
+    done = subprocess.run(
+        [sys.executable, "-c", script],
+        cwd=REPO,
+        env=dict(os.environ, JAX_PLATFORMS="cpu", PYTHONPATH=REPO),
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
+    assert done.returncode == 0 and done.stdout.split() == ["ok", "1"], done.stderr
+    assert os.listdir(tmp_path / TENSORBOARD_DIR)  # the events were written

@@ -12,6 +12,7 @@ from __future__ import annotations
 import json
 import math
 import os
+import sys
 from collections.abc import Iterable, Mapping
 from typing import Any
 
@@ -21,6 +22,24 @@ from train.core.workdir import local_dir
 
 METRICS_FILE = "metrics.jsonl"
 TENSORBOARD_DIR = "tensorboard"
+
+
+def _tensorboardx():
+    """tensorboardX, imported when a run first writes to TensorBoard (only process 0 does),
+    and without PyTorch: its writer imports torch whenever torch is installed, only to accept
+    torch tensors, which no run logs. That import was more than a second of each run's
+    start-up. A process that has imported torch already keeps it, and torch stays importable
+    afterwards."""
+    if "torch" in sys.modules:
+        import tensorboardX.summary  # noqa: PLC0415
+
+        return tensorboardX
+    sys.modules["torch"] = None  # `import torch` raises ImportError, which tensorboardX takes
+    try:
+        import tensorboardX.summary  # noqa: PLC0415
+    finally:
+        del sys.modules["torch"]
+    return tensorboardX
 
 
 def summarize(sums: Mapping[str, float]) -> dict[str, float]:
@@ -102,8 +121,7 @@ class MetricsWriter:
         """The run's config as TensorBoard hyperparameters (flattened, dotted names)."""
         if not self.enabled:
             return
-        from tensorboardX.summary import hparams  # noqa: PLC0415 - with the lazy writer
-
+        hparams = _tensorboardx().summary.hparams
         flat = {
             k: v if isinstance(v, (bool, int, float, str)) else str(v)
             for k, v in _flatten(config).items()
@@ -145,9 +163,7 @@ class MetricsWriter:
 
     def _writer(self):
         if self._board is None:
-            from tensorboardX import SummaryWriter  # noqa: PLC0415 - slow; only process 0
-
-            self._board = SummaryWriter(
+            self._board = _tensorboardx().SummaryWriter(
                 self.tensorboard_dir, purge_step=self._purge_step, flush_secs=30
             )
         return self._board

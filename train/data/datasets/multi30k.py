@@ -103,7 +103,7 @@ class Multi30k(sources.SourceBuilder):
     def _info(self) -> tfds.core.DatasetInfo:
         # DatasetInfo directly, not dataset_info_from_configs: that one looks for metadata
         # files (README, CITATIONS.bib) next to the module, which this package does not have.
-        return tfds.core.DatasetInfo(
+        return sources.LocalDatasetInfo(
             builder=self,
             description="Multi30k task 1: German-English image descriptions, raw cased text.",
             features=tfds.features.FeaturesDict({lang: tfds.features.Text() for lang in LANGUAGES}),

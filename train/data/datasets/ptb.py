@@ -105,7 +105,7 @@ class Ptb(sources.SourceBuilder):
     code_path = epath.Path(__file__)  # see sources.SourceBuilder
 
     def _info(self) -> tfds.core.DatasetInfo:
-        return tfds.core.DatasetInfo(
+        return sources.LocalDatasetInfo(
             builder=self,
             description=(
                 "Penn Treebank, Mikolov's language-modelling version, one line per example."

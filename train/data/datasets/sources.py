@@ -159,6 +159,16 @@ def check_source(source: str | os.PathLike) -> str | os.PathLike:
     return source
 
 
+class LocalDatasetInfo(tfds.core.DatasetInfo):
+    """The package's builders' DatasetInfo (their `_info` returns one): TFDS's, less its look
+    for pre-computed metadata on TFDS's bucket, which these datasets do not have. TFDS does that
+    look whenever a builder is made over a directory holding no prepared copy (every run that
+    reads the shipped files), and it leaves an empty temporary folder behind each time."""
+
+    def initialize_from_bucket(self) -> None:
+        return None
+
+
 class SourceBuilder(tfds.core.GeneratorBasedBuilder):
     """Base of the package's builders: the `source` and `verify_checksums` options.
 

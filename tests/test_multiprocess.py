@@ -182,10 +182,13 @@ def test_two_processes_train_evaluate_and_resume_as_one(tmp_path, data_dir, lm_s
     assert Checkpoints(two).all_steps() == [3, 6]
 
 
-def test_two_processes_translate_and_decode_as_one(tmp_path, data_dir):
+def test_two_processes_translate_and_decode_as_one(tmp_path, data_dir, tokenizer_dir):
+    # The session's tokenizer (conftest.py), so the processes only read it.
     common = [
         "--preset",
         "tiny",
+        "--tokenizer_dir",
+        str(tokenizer_dir),
         "--steps",
         "3",
         "--log_every",
@@ -215,21 +218,10 @@ def test_two_processes_translate_and_decode_as_one(tmp_path, data_dir):
     ]
     one = tmp_path / "one"
     _one("train.translate", [*common, "--workdir", str(one)])
-    # The tokenizer the reference trained, so the two processes only read it. Their parameters
-    # are split over both processes (fsdp): decoding gathers them from the other host.
+    # The two processes' parameters are split over both (fsdp): decoding gathers them from the
+    # other host.
     two = str(tmp_path / "two")
-    results = _pair(
-        "train.translate",
-        [
-            *common,
-            "--workdir",
-            two,
-            "--tokenizer_dir",
-            str(one / "tokenizer"),
-            "--sharding",
-            "fsdp",
-        ],
-    )
+    results = _pair("train.translate", [*common, "--workdir", two, "--sharding", "fsdp"])
     for code, out in results:
         assert code == 0, out[-3000:]
     a, b = _records(one, "train"), _records(two, "train")

@@ -471,6 +471,8 @@ def test_cli_sigterm_saves_then_workdir_alone_resumes_then_translates(
         str(tokenizer_dir),
         "--progress",
         "false",
+        "--plots",
+        "false",
         "--eval_sentences",
         "8",
         "--eval_batch_size",

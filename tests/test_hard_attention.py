@@ -13,7 +13,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import optax
-from translation_checks import SRC, TGT, fast_jit, jit_apply, random_params
+from translation_checks import SRC, TGT, jit_apply, random_params
 
 from transformer_jax import greedy_decode
 from transformer_jax.baselines.registry import make_baseline
@@ -52,7 +52,7 @@ def test_the_model_samples_its_first_step_from_its_attention():
     params = random_params(model, SRC, TGT)
     src, tgt = SRC[2:], TGT[2:]
 
-    @fast_jit
+    @jax.jit
     def positions(keys):
         def one(key):
             aux = model.apply(
@@ -178,7 +178,7 @@ def test_hard_attention_trains_on_the_copy_task():
         surrogate, baseline = hard_attention_surrogate(logits, tgt_out, aux, baseline, pad_id=0)
         return (loss_sum + surrogate) / n_tokens, (loss_sum / n_tokens, baseline)
 
-    @fast_jit
+    @jax.jit
     def train(params):
         def step(carry, xs):
             params, opt_state, baseline = carry

@@ -19,14 +19,6 @@ from transformer_jax.decoding import decode
 
 PAD, BOS, EOS = 0, 1, 2
 
-# Tests run tiny models where XLA's optimisation passes cost more time than they save.
-FAST_COMPILE = {"xla_backend_optimization_level": 0}
-
-
-def fast_jit(fn, **kwargs):
-    """jax.jit with the cheap compile settings above."""
-    return jax.jit(fn, compiler_options=FAST_COMPILE, **kwargs)
-
 
 @functools.cache
 def _jitted(model, method, static: tuple):
@@ -35,7 +27,7 @@ def _jitted(model, method, static: tuple):
     def run(params, *args, rngs=None):
         return model.apply({"params": params}, *args, method=method, rngs=rngs, **kwargs)
 
-    return fast_jit(run)
+    return jax.jit(run)  # with the suite's cheap compile settings (fast_compile.py)
 
 
 # A batch of three sentence pairs of different lengths, padded at the end.
@@ -169,7 +161,7 @@ def overfit_losses(model, *, steps: int, lr: float = 1e-2) -> tuple[float, float
         losses = optax.softmax_cross_entropy_with_integer_labels(logits, tgt_out)
         return (losses * weights).sum() / weights.sum()
 
-    @fast_jit
+    @jax.jit
     def train(params):
         def step(carry, _):
             params, state = carry

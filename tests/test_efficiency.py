@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import json
 import re
+import threading
 
 import jax
 import jax.monitoring
@@ -26,7 +27,7 @@ import pytest
 
 from train.core.loop import LoopConfig, train_loop
 from train.core.metrics import MetricsWriter
-from train.core.parallel import DataParallel
+from train.core.parallel import CompiledStep, DataParallel
 from train.core.state import TrainState
 from train.data.batching import TokenBatcher
 from train.lm import make_loss_fn as lm_loss_fn
@@ -354,3 +355,48 @@ def test_shapes_compiled_in_the_background_run_the_steps_a_lazy_step_runs():
         assert step.compiled_shapes == 3 and lowerings.count == 3  # none compiled twice
     assert done == [3]
     assert losses[True] == losses[False]
+
+
+def test_the_background_set_ends_once_however_its_compilations_end():
+    """`on_done` runs exactly once, when every member of the background set is over:
+    compiled, failed in its thread, or dropped by `cancel_compiles` (a stopping run). A
+    run's cache tally stops listening there, so a run that stops or fails before its shapes
+    are compiled leaves no listener behind. Its count is the shapes that got an executable."""
+    gate = threading.Event()
+
+    class Lowered:  # a lowering whose compilation waits for the gate; width 3 fails
+        def __init__(self, width):
+            self.width = width
+
+        def compile(self):
+            gate.wait(timeout=60)
+            if self.width == 3:
+                raise RuntimeError("XLA could not compile width 3")
+            return f"executable for width {self.width}"
+
+    class Jitted:
+        def lower(self, state, batch):
+            return Lowered(batch["x"].shape[0])
+
+    def batches(*widths):
+        return [{"x": np.zeros((w,), np.int32)} for w in widths]
+
+    # One thread: width 1 is compiling (held at the gate) while widths 2 and 4 wait in
+    # its queue; the stopping run drops them.
+    step, done = CompiledStep(Jitted()), []
+    assert (
+        step.compile_for(None, batches(1, 2, 4), workers=1, background=True, on_done=done.append)
+        == 3
+    )
+    step.cancel_compiles()
+    assert done == []  # width 1 is still compiling
+    gate.set()
+    step.wait_compiled()
+    assert done == [1] and step.compiled_shapes == 1
+
+    # A compilation that fails in its thread ends the set too; its error reaches the waiter.
+    step, done = CompiledStep(Jitted()), []
+    step.compile_for(None, batches(2, 3), workers=1, background=True, on_done=done.append)
+    with pytest.raises(RuntimeError, match="width 3"):
+        step.wait_compiled()
+    assert done == [1] and step.compiled_shapes == 1

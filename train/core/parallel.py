@@ -370,7 +370,8 @@ class DataParallel:
         before this returns or, with `background`, while the first steps run
         (`CompiledStep.compile_for`). Each executable is the one the step would build at that
         shape's first batch, so the numbers do not change. The pmap path stays lazy (0).
-        `on_done(n)` runs once they are compiled (`CompiledStep.compile_for`; at once for pmap).
+        `on_done(n)` runs once each is compiled, failed or dropped (`CompiledStep.compile_for`;
+        at once for pmap).
         """
         if not isinstance(train_step, CompiledStep):
             if on_done is not None:
@@ -435,8 +436,10 @@ class CompiledStep:
         self._pending: dict[tuple, concurrent.futures.Future] = {}
         self._lowered: dict[tuple, jax.stages.Lowered] = {}
         self._lock = threading.Lock()
-        self._left = 0  # of the background set, executables still to come
-        self._on_done: Callable[[], None] | None = None
+        # The background set: its members not yet compiled, failed or dropped, and how many
+        # of it have an executable.
+        self._left = self._made = 0
+        self._on_done: Callable[[int], None] | None = None
 
     def __call__(self, state, batch):
         signature = batch_signature(batch)
@@ -452,21 +455,37 @@ class CompiledStep:
         if future is None:
             executable = self.executables[signature] = self.jitted.lower(state, batch).compile()
         elif future.cancel():  # not started: compiled here, from its lowering
-            executable = self._lowered[signature].compile()
-            self._compiled(signature, executable)
+            executable = self._compile(signature, self._lowered[signature])
         else:
             future.result()  # compiling (or compiled) in the background; re-raises its error
             executable = self.executables[signature]
         return executable
 
-    def _compiled(self, signature, executable) -> None:
+    def _compile(self, signature, lowered) -> jax.stages.Compiled:
+        """A member of the background set compiled (here or in a thread) and settled."""
+        try:
+            executable = lowered.compile()
+        except BaseException:
+            self._settle(signature, None)
+            raise
+        self._settle(signature, executable)
+        return executable
+
+    def _settle(self, signature, executable) -> None:
+        """A member of the background set is over: compiled (`executable`), or failed or
+        dropped (None). The last one runs `on_done`, whatever the others' outcome, so its
+        owner (a run's cache tally) always hears that the set has ended."""
         with self._lock:
-            self.executables[signature] = executable
+            if executable is not None:
+                self.executables[signature] = executable
+                self._made += 1
             self._lowered.pop(signature, None)
             self._left -= 1
-            done = self._left == 0
-        if done and self._on_done is not None:
-            self._on_done()
+            on_done, made = (self._on_done, self._made) if self._left == 0 else (None, 0)
+            if on_done is not None:
+                self._on_done = None
+        if on_done is not None:
+            on_done(made)
 
     def lower(self, state, batch):
         """The jitted step lowered for (state, batch): `.compile()` gives its executable."""
@@ -487,9 +506,10 @@ class CompiledStep:
         background: return once they are lowered (tracing and lowering hold the GIL, so they
         run here, in turn) and compile them in the threads while steps run. A step whose
         shape is compiling waits for it; one whose shape has not started compiles it itself.
-        Without `background` it returns once all are compiled. `on_done(n)` (n: how many it
-        compiled) runs once all of them have an executable, in whichever thread finished last
-        (here when there is nothing to compile). `wait_compiled` waits for them all.
+        Without `background` it returns once all are compiled. `on_done(n)` runs once, when
+        every one of them is over (compiled, failed, or dropped by `cancel_compiles`), in
+        whichever thread settled the last (here when there is nothing to compile); n is how
+        many got an executable. `wait_compiled` waits for them all.
         """
         todo = {}
         for batch in batches:
@@ -502,16 +522,13 @@ class CompiledStep:
             return 0
         lowered = [self.jitted.lower(state, batch) for batch in todo.values()]
         workers = workers or min(len(lowered), os.cpu_count() or 1)
-        self._left = len(todo)
-        self._on_done = None if on_done is None else lambda: on_done(len(todo))
+        self._left, self._made, self._on_done = len(todo), 0, on_done
         self._lowered.update(zip(todo, lowered))
         pool = concurrent.futures.ThreadPoolExecutor(
             max_workers=workers, thread_name_prefix="compile-ahead"
         )
         for signature, low in zip(todo, lowered):
-            self._pending[signature] = pool.submit(
-                lambda sig=signature, low=low: self._compiled(sig, low.compile())
-            )
+            self._pending[signature] = pool.submit(self._compile, signature, low)
         pool.shutdown(wait=False)  # its threads end once the queue is done
         if not background:
             self.wait_compiled()
@@ -530,7 +547,7 @@ class CompiledStep:
         for signature, future in list(self._pending.items()):
             if future.cancel():
                 del self._pending[signature]
-                self._lowered.pop(signature, None)
+                self._settle(signature, None)
 
     @property
     def compiled_shapes(self) -> int:

@@ -524,7 +524,8 @@ def _compiled_train_step(
     """The run's train step, compiled ahead for every batch shape the data can yield
     (RunConfig.compile_ahead) when there are steps left to train: lowered here, compiled in
     background threads while the first steps run (a step whose shape is not ready waits for
-    it or compiles it), and logged once all are compiled."""
+    it or compiles it), and logged once all are compiled. The cache tally listens from here
+    until the set is over, however it ends (compiled, failed, dropped by a stopping run)."""
     config, dp = run.config, run.dp
     train_step = dp.compile_train_step(loss_fn, dstate, lr_schedule=run.schedule)
     # A run fitted to its budget may train past `steps` (its length without one).
@@ -540,8 +541,12 @@ def _compiled_train_step(
                     f"{time.monotonic() - t0:.1f}s{cache.describe()}"
                 )
 
-        batches = data.example_batches(dp.local_rows)
-        dp.compile_ahead(train_step, dstate, batches, background=True, on_done=compiled)
+        try:
+            batches = data.example_batches(dp.local_rows)
+            dp.compile_ahead(train_step, dstate, batches, background=True, on_done=compiled)
+        except BaseException:  # no set was started: nothing else will close the tally
+            cache.__exit__(None, None, None)
+            raise
     return train_step
 
 

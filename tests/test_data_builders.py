@@ -7,6 +7,7 @@ the data READMEs give.
 from __future__ import annotations
 
 import gzip
+import os
 import shutil
 import tempfile
 from pathlib import Path
@@ -14,10 +15,11 @@ from pathlib import Path
 import pytest
 import tensorflow_datasets as tfds
 
-from train.data import datasets
+from train.data import datasets, tokenizers
 from train.data.datasets import DatasetSourceError, Multi30k, Ptb, load_multi30k, load_ptb, sources
 from train.data.datasets import multi30k as multi30k_lib
 from train.data.datasets import ptb as ptb_lib
+from train.data.tokenizers import WordVocab
 
 DATA = Path(datasets.__file__).parent / "data"
 
@@ -113,6 +115,41 @@ def test_without_a_prepared_copy_the_loaders_read_the_shipped_files(data_dir, tm
         load_multi30k("valid", data_dir=empty)
     with pytest.raises(ValueError, match="no split 'dev'"):
         load_ptb("word", "dev", data_dir=empty)
+
+
+def test_a_prepared_split_is_decoded_once_until_its_files_change(data_dir, tmp_path, monkeypatch):
+    """A run reads a split several times (the vocabulary and each stream; the tokenizer and
+    the batches): TFDS decodes it once per process while the prepared copy's files stay as
+    they are. A caller's change to its list is its own; a file rewritten since is read again.
+    PTB's vocabulary is counted once for the same lines."""
+    copy = tmp_path / "tfds"
+    shutil.copytree(data_dir / "multi30k", copy / "multi30k")
+    reads, read = [], datasets._read_split
+    monkeypatch.setattr(
+        datasets, "_read_split", lambda b, split: reads.append(split) or read(b, split)
+    )
+    first = load_multi30k("validation", data_dir=copy)
+    first.append(("ein Satz", "a sentence"))
+    again = load_multi30k("validation", data_dir=copy)
+    assert again == first[:-1] and len(again) == MULTI30K_LINES["validation"]
+    assert reads == ["validation"]
+    assert len(load_multi30k("test_2017_mscoco", data_dir=copy)) == 461  # another split: read
+    assert reads == ["validation", "test_2017_mscoco"]
+    (shard,) = (copy / "multi30k").glob("*/multi30k-validation.array_record*")
+    info = shard.stat()
+    os.utime(shard, ns=(info.st_atime_ns, info.st_mtime_ns + 10**9))  # rewritten, same bytes
+    assert load_multi30k("validation", data_dir=copy) == again
+    assert reads == ["validation", "test_2017_mscoco", "validation"]
+
+    counted, count = [], tokenizers.StreamVocab.from_lines.__func__
+    monkeypatch.setattr(
+        tokenizers.StreamVocab,
+        "from_lines",
+        classmethod(lambda cls, lines: counted.append(cls) or count(cls, lines)),
+    )
+    tokenizers._counted.cache_clear()
+    vocabs = [WordVocab.from_ptb(data_dir=data_dir) for _ in range(3)]
+    assert counted == [WordVocab] and vocabs[0].vocab_size == WordVocab.PTB_SIZE
 
 
 def test_loaders_reject_unknown_names(data_dir):

@@ -16,6 +16,7 @@ the char files), and `<eos>` ends every line.
 
 from __future__ import annotations
 
+import functools
 import hashlib
 import io
 import os
@@ -235,7 +236,7 @@ class StreamVocab:
         """The standard vocabulary of the PTB train split at this class's level."""
         from train.data.datasets import load_ptb  # local: importing TFDS is not free
 
-        vocab = cls.from_lines(load_ptb(cls.LEVEL, "train", data_dir=data_dir))
+        vocab = _counted(cls, tuple(load_ptb(cls.LEVEL, "train", data_dir=data_dir)))
         if vocab.vocab_size != cls.PTB_SIZE:
             raise ValueError(
                 f"PTB {cls.LEVEL} train gives {vocab.vocab_size} symbols with "
@@ -280,6 +281,13 @@ class StreamVocab:
     def decode(self, ids: Iterable[int]) -> str:
         """Space-joined symbols of `ids` (`<eos>` included), for inspection."""
         return " ".join(self.symbols[i] for i in np.asarray(ids).reshape(-1).tolist())
+
+
+@functools.lru_cache(maxsize=4)
+def _counted(cls: type[StreamVocab], lines: tuple[str, ...]) -> StreamVocab:
+    """`cls.from_lines(lines)`, counted once per process for the same lines: a PTB run's
+    config, its vocabulary and each split's stream all ask (5M symbols at the char level)."""
+    return cls.from_lines(lines)
 
 
 class WordVocab(StreamVocab):

@@ -11,7 +11,10 @@ TFDS generation step: a fresh machine's first run starts sooner).
 
 from __future__ import annotations
 
+import collections
 import os
+import threading
+from collections.abc import Callable
 
 import tensorflow_datasets as tfds
 from etils import epath
@@ -81,6 +84,48 @@ def _read_split(builder: tfds.core.DatasetBuilder, split: str) -> list[dict]:
         ) from e
 
 
+# Decoded splits of prepared copies, by the copy's files as they are on disk. TFDS decodes
+# example by example (about half a second for PTB's or Multi30k's train split), and a process
+# often reads one split several times: a run's vocabulary and its stream, the tokenizer and the
+# batches, or a notebook's or test's many runs. A file changed since (size or time) is read
+# again.
+_DECODED: collections.OrderedDict[tuple, tuple] = collections.OrderedDict()
+_DECODED_KEPT = 8
+_DECODED_LOCK = threading.Lock()
+
+
+def _files_stamp(directory: str) -> tuple | None:
+    """(name, size, mtime_ns) of each file of a local prepared copy; None for a remote one
+    (not kept: its files' times are not cheap to ask for)."""
+    if not os.path.isdir(directory):
+        return None
+    stamp = []
+    for entry in sorted(os.scandir(directory), key=lambda e: e.name):
+        info = entry.stat()
+        stamp.append((entry.name, info.st_size, info.st_mtime_ns))
+    return tuple(stamp)
+
+
+def _decoded(builder: tfds.core.DatasetBuilder, split: str, decode: Callable) -> list:
+    """`decode(example)` of every example of a prepared `builder`'s `split`, read and decoded
+    once per process while the copy's files stay as they are."""
+    directory = os.fspath(builder.data_dir)
+    stamp = _files_stamp(directory)
+    key = (directory, split, stamp)
+    with _DECODED_LOCK:
+        kept = _DECODED.get(key) if stamp is not None else None
+        if kept is not None:
+            _DECODED.move_to_end(key)
+    if kept is None:
+        kept = tuple(decode(ex) for ex in _read_split(builder, split))
+        if stamp is not None:
+            with _DECODED_LOCK:
+                _DECODED[key] = kept
+                while len(_DECODED) > _DECODED_KEPT:
+                    _DECODED.popitem(last=False)
+    return list(kept)
+
+
 def load_multi30k(
     split: str, *, data_dir: str | os.PathLike | None = None
 ) -> list[tuple[str, str]]:
@@ -93,8 +138,7 @@ def load_multi30k(
     if builder is None:
         _check_split("multi30k", split, multi30k.SPLITS)
         return multi30k.shipped_pairs(split)
-    examples = _read_split(builder, split)
-    return [(ex["de"].decode("utf-8"), ex["en"].decode("utf-8")) for ex in examples]
+    return _decoded(builder, split, lambda ex: (ex["de"].decode("utf-8"), ex["en"].decode("utf-8")))
 
 
 def load_ptb(level: str, split: str, *, data_dir: str | os.PathLike | None = None) -> list[str]:
@@ -110,5 +154,4 @@ def load_ptb(level: str, split: str, *, data_dir: str | os.PathLike | None = Non
     if builder is None:
         _check_split("ptb", split, ptb.SPLITS)
         return ptb.shipped_lines(level, split)
-    examples = _read_split(builder, split)
-    return [ex["text"].decode("utf-8") for ex in examples]
+    return _decoded(builder, split, lambda ex: ex["text"].decode("utf-8"))

@@ -11,6 +11,7 @@ import sysconfig
 import zipfile
 
 import pytest
+from helpers import subprocess_xla_flags
 
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 # Every test here builds a wheel or starts a Python of its own.
@@ -81,8 +82,11 @@ def test_a_fresh_venv_runs_the_main_job_from_another_directory(wheel, tmp_path):
 
     elsewhere = tmp_path / "elsewhere"
     elsewhere.mkdir()
-    env = {k: v for k, v in os.environ.items() if k not in ("PYTHONPATH", "XLA_FLAGS")}
-    env.update(JAX_PLATFORMS="cpu", TFDS_DATA_DIR=str(tmp_path / "tfds"))
+    # The suite's compile settings (not what is under test here), one device.
+    env = {k: v for k, v in os.environ.items() if k != "PYTHONPATH"}
+    env.update(
+        JAX_PLATFORMS="cpu", TFDS_DATA_DIR=str(tmp_path / "tfds"), XLA_FLAGS=subprocess_xla_flags()
+    )
     where = subprocess.run(
         [str(python), "-c", "import train; print(train.__file__)"],
         cwd=elsewhere,

@@ -4,7 +4,9 @@ Importing this package registers the builders `multi30k` and `ptb` (configs `ptb
 `ptb/char`) with TFDS, so `tfds.data_source('multi30k', split='train', data_dir=...)` works
 once a dataset is prepared. The loaders below return plain Python lists: from the prepared
 copy where `data_dir` holds one, else straight from the shipped files (checksums verified, no
-TFDS generation step: a fresh machine's first run starts sooner).
+TFDS generation step: a fresh machine's first run starts sooner). A process decodes each split
+of a local prepared copy once, while the copy's files stay as they are; each call returns a
+list of its own.
 
 `data_dir=None` means what it means to TFDS: $TFDS_DATA_DIR, else ~/tensorflow_datasets.
 """

@@ -140,6 +140,11 @@ def test_a_prepared_split_is_decoded_once_until_its_files_change(data_dir, tmp_p
     os.utime(shard, ns=(info.st_atime_ns, info.st_mtime_ns + 10**9))  # rewritten, same bytes
     assert load_multi30k("validation", data_dir=copy) == again
     assert reads == ["validation", "test_2017_mscoco", "validation"]
+    # A copy whose files cannot all be listed (a dangling link) is read, not kept.
+    (shard.parent / "gone").symlink_to(tmp_path / "nowhere")
+    for _ in range(2):
+        assert load_multi30k("validation", data_dir=copy) == again
+    assert reads == ["validation", "test_2017_mscoco"] + ["validation"] * 3
 
     counted, count = [], tokenizers.StreamVocab.from_lines.__func__
     monkeypatch.setattr(

@@ -98,14 +98,15 @@ _DECODED_LOCK = threading.Lock()
 
 def _files_stamp(directory: str) -> tuple | None:
     """(name, size, mtime_ns) of each file of a local prepared copy; None for a remote one
-    (not kept: its files' times are not cheap to ask for)."""
+    (not kept: its files' times are not cheap to ask for), or one whose files cannot be
+    listed (the read that follows names the problem)."""
     if not os.path.isdir(directory):
         return None
-    stamp = []
-    for entry in sorted(os.scandir(directory), key=lambda e: e.name):
-        info = entry.stat()
-        stamp.append((entry.name, info.st_size, info.st_mtime_ns))
-    return tuple(stamp)
+    try:
+        entries = sorted(os.scandir(directory), key=lambda e: e.name)
+        return tuple((e.name, e.stat().st_size, e.stat().st_mtime_ns) for e in entries)
+    except OSError:
+        return None
 
 
 def _decoded(builder: tfds.core.DatasetBuilder, split: str, decode: Callable) -> list:

@@ -21,7 +21,9 @@ from train.core.checkpoint import Checkpoints
 from train.core.metrics import read_metrics
 from train.core.task import saved_config
 from train.data.text_files import DataError, read_parallel, set_name
+from train.data.tokenizers import SentencePieceTokenizer
 from train.translate import cli as translate_cli
+from train.translate import sources
 from train.translate.sources import multi30k_pairs
 
 
@@ -122,6 +124,42 @@ def test_multi30k_runs_in_either_direction(data_dir):
     de_en = translate.make_config("transformer", "tiny", data_dir=str(data_dir))
     forward, backward = multi30k_pairs(de_en, "validation"), multi30k_pairs(config, "validation")
     assert backward == [(en, de) for de, en in forward]
+
+
+def test_multi30k_training_pairs_are_encoded_once_per_direction_and_model(
+    data_dir, tokenizer_dir, tmp_path, monkeypatch
+):
+    """Runs in one process (a notebook, a test session) encode Multi30k's train split once for
+    the same direction and tokenizer model, wherever its file lies; a caller's change to its
+    list is its own; the other direction, or another model, is encoded again."""
+    calls, encode = [], sources.encode_pairs
+    monkeypatch.setattr(
+        sources, "encode_pairs", lambda t, pairs: calls.append(pairs[0]) or encode(t, pairs)
+    )
+    sources._encoded_corpus.cache_clear()
+    de_en = translate.make_config("transformer", "tiny", data_dir=str(data_dir))
+    en_de = translate.replace(de_en, src_lang="en", tgt_lang="de")
+    source = sources.translation_source(de_en)
+    (model,) = tokenizer_dir.glob("*.model")
+    copied = tmp_path / "elsewhere.model"
+    shutil.copy(model, copied)
+    first = source.training_pairs(SentencePieceTokenizer(model), "unused", print)
+    first.append(([5], [6]))
+    again = source.training_pairs(SentencePieceTokenizer(copied), "unused", print)
+    assert again == first[:-1] and len(calls) == 1
+    assert again == encode(SentencePieceTokenizer(model), multi30k_pairs(de_en, "train"))
+    backward = sources.translation_source(en_de).training_pairs(
+        SentencePieceTokenizer(model), "unused", print
+    )
+    assert len(calls) == 2 and calls[1] == calls[0][::-1]
+    assert backward[0] == encode(SentencePieceTokenizer(model), [calls[1]])[0]
+    # Another model: its own ids.
+    sentences = [s for pair in multi30k_pairs(de_en, "validation") for s in pair]
+    other = SentencePieceTokenizer.train_or_load(sentences, tmp_path, vocab_size=600)
+    assert source.training_pairs(other, "unused", print) == encode(
+        other, multi30k_pairs(de_en, "train")
+    )
+    assert len(calls) == 3
 
 
 # ----------------------------------------------------------------------------- training

@@ -167,6 +167,25 @@ def multi30k_pairs(config: TranslateConfig, split: str) -> list[tuple[str, str]]
 
 
 @dataclasses.dataclass(frozen=True)
+class _ByModel:
+    """A tokenizer as a cache key: equal to another of its type with the same model bytes."""
+
+    tokenizer: SentencePieceTokenizer = dataclasses.field(compare=False)
+    kind: type
+    sha256: str
+
+
+@functools.lru_cache(maxsize=2)
+def _encoded_corpus(
+    by_model: _ByModel, pairs: tuple[tuple[str, str], ...]
+) -> tuple[EncodedPair, ...]:
+    # Kept for the process: a notebook or a test session trains run after run on the same
+    # corpus and vocabulary, and encoding Multi30k's 29k pairs takes a second or two each time.
+    # Keyed by the sentences themselves, so a changed corpus is encoded again.
+    return tuple(encode_pairs(by_model.tokenizer, pairs))
+
+
+@dataclasses.dataclass(frozen=True)
 class Multi30kSource:
     """Multi30k, shipped with the package (or a prepared TFDS copy under data_dir): held in
     memory, 29k training pairs."""
@@ -182,7 +201,11 @@ class Multi30kSource:
         return multi30k_tokenizer(directory, vocab_size=c.vocab_size, data_dir=c.data_dir)
 
     def training_pairs(self, tokenizer, cache_dir: str, log: Log) -> list[EncodedPair]:
-        return encode_pairs(tokenizer, multi30k_pairs(self.config, "train"))
+        """The train split encoded (a new list; its id lists are shared, read-only)."""
+        pairs = tuple(multi30k_pairs(self.config, "train"))
+        return list(
+            _encoded_corpus(_ByModel(tokenizer, type(tokenizer), tokenizer.sha256()), pairs)
+        )
 
     def validation_split(self, tokenizer, log: Log | None = None) -> Split:
         return load_split(self.config, tokenizer, "validation")

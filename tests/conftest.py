@@ -59,6 +59,13 @@ import shutil  # noqa: E402
 
 import pytest  # noqa: E402
 
+# Python's full (oldest-generation) collections made rare: tracing and lowering allocate many
+# objects that live until their module ends, and every automatic full collection scanned them
+# all, again and again (what it cost: benchmarks/ci_time_2026-11-29/). The younger
+# generations are collected as usual, and the fixture below collects everything after each
+# module, so garbage never outlives its module.
+gc.set_threshold(700, 10, 1000)
+
 
 @pytest.fixture(autouse=True, scope="module")
 def _free_compiled_programs():

@@ -13,9 +13,9 @@ list of its own.
 
 from __future__ import annotations
 
-import collections
+import dataclasses
+import functools
 import os
-import threading
 from collections.abc import Callable
 
 import tensorflow_datasets as tfds
@@ -86,16 +86,6 @@ def _read_split(builder: tfds.core.DatasetBuilder, split: str) -> list[dict]:
         ) from e
 
 
-# Decoded splits of prepared copies, by the copy's files as they are on disk. TFDS decodes
-# example by example (about half a second for PTB's or Multi30k's train split), and a process
-# often reads one split several times: a run's vocabulary and its stream, the tokenizer and the
-# batches, or a notebook's or test's many runs. A file changed since (size or time) is read
-# again.
-_DECODED: collections.OrderedDict[tuple, tuple] = collections.OrderedDict()
-_DECODED_KEPT = 8
-_DECODED_LOCK = threading.Lock()
-
-
 def _files_stamp(directory: str) -> tuple | None:
     """(name, size, mtime_ns) of each file of a local prepared copy; None for a remote one
     (not kept: its files' times are not cheap to ask for), or one whose files cannot be
@@ -104,29 +94,41 @@ def _files_stamp(directory: str) -> tuple | None:
         return None
     try:
         entries = sorted(os.scandir(directory), key=lambda e: e.name)
-        return tuple((e.name, e.stat().st_size, e.stat().st_mtime_ns) for e in entries)
+        stats = [(e.name, e.stat()) for e in entries]
     except OSError:
         return None
+    return tuple((name, st.st_size, st.st_mtime_ns) for name, st in stats)
+
+
+@dataclasses.dataclass(frozen=True)
+class _Split:
+    """A prepared copy's split as a cache key: its directory, the split and the copy's files
+    as they are on disk (the builder and the decoding function ride along, not compared)."""
+
+    builder: tfds.core.DatasetBuilder = dataclasses.field(compare=False)
+    decode: Callable = dataclasses.field(compare=False)
+    directory: str
+    split: str
+    stamp: tuple
+
+
+@functools.lru_cache(maxsize=8)
+def _decoded_kept(split: _Split) -> tuple:
+    # TFDS decodes example by example (about half a second for PTB's or Multi30k's train
+    # split), and a process often reads one split several times: a run's vocabulary and its
+    # stream, the tokenizer and the batches, or a notebook's or test's many runs. A file
+    # changed since (size or time) is another key, so it is read again.
+    return tuple(split.decode(ex) for ex in _read_split(split.builder, split.split))
 
 
 def _decoded(builder: tfds.core.DatasetBuilder, split: str, decode: Callable) -> list:
     """`decode(example)` of every example of a prepared `builder`'s `split`, read and decoded
-    once per process while the copy's files stay as they are."""
+    once per process while the copy's files stay as they are (each call gets its own list)."""
     directory = os.fspath(builder.data_dir)
     stamp = _files_stamp(directory)
-    key = (directory, split, stamp)
-    with _DECODED_LOCK:
-        kept = _DECODED.get(key) if stamp is not None else None
-        if kept is not None:
-            _DECODED.move_to_end(key)
-    if kept is None:
-        kept = tuple(decode(ex) for ex in _read_split(builder, split))
-        if stamp is not None:
-            with _DECODED_LOCK:
-                _DECODED[key] = kept
-                while len(_DECODED) > _DECODED_KEPT:
-                    _DECODED.popitem(last=False)
-    return list(kept)
+    if stamp is None:
+        return [decode(ex) for ex in _read_split(builder, split)]
+    return list(_decoded_kept(_Split(builder, decode, directory, split, stamp)))
 
 
 def load_multi30k(

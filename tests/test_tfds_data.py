@@ -20,6 +20,7 @@ import json
 import os
 import shutil
 import sys
+import tempfile
 from pathlib import Path
 
 import numpy as np
@@ -85,7 +86,8 @@ def prepare_offline(builder_cls, splits, data_dir, *, config=None):
                 for split, examples in splits.items()
             }
 
-    builder = Offline(config=config, data_dir=str(data_dir), file_format="array_record")
+    with tfds_source.without_bucket_metadata():
+        builder = Offline(config=config, data_dir=str(data_dir), file_format="array_record")
     builder.download_and_prepare(
         download_config=tfds.download.DownloadConfig(try_download_gcs=False)
     )
@@ -299,6 +301,19 @@ def test_the_tfds_tokenizer_trains_on_at_most_spm_sample_sentences(tfds_dir, tmp
     at = [pairs.index(pair) for pair in drawn]
     assert at == sorted(at)
     assert name.startswith("tfds_spm_bpe300_") and small_name != name  # the sample is in the key
+
+
+def test_an_unprepared_dataset_is_refused_leaving_no_temporary_folder(tmp_path, monkeypatch):
+    # TFDS's own builders, made over a directory without a prepared copy, each made an empty
+    # temporary folder, looking for metadata on TFDS's bucket.
+    scratch = tmp_path / "tmp"
+    scratch.mkdir()
+    monkeypatch.setattr(tempfile, "tempdir", str(scratch))
+    look = tfds.core.DatasetInfo.initialize_from_bucket
+    with pytest.raises(tfds_source.DataError, match="is not prepared in"):
+        tfds_source.open_dataset("tfds:wmt14_translate/de-en", tmp_path / "tfds")
+    assert list(scratch.iterdir()) == []
+    assert tfds.core.DatasetInfo.initialize_from_bucket is look  # TFDS's own, for the others
 
 
 def test_tfds_pairs_with_an_empty_side_are_left_out_counted_and_cached(tmp_path):

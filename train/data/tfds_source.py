@@ -18,6 +18,7 @@ lacks, a missing 'train' split and unreadable records; all before any training.
 from __future__ import annotations
 
 import argparse
+import contextlib
 import dataclasses
 import difflib
 import importlib
@@ -174,6 +175,25 @@ def _root(data_dir: str | os.PathLike | None) -> str:
     return os.fspath(data_dir) if data_dir is not None else tfds.core.constants.DATA_DIR
 
 
+@contextlib.contextmanager
+def without_bucket_metadata():
+    """TFDS's builders made inside skip TFDS's look for a dataset's pre-computed metadata on its
+    bucket. TFDS looks whenever a builder is made over a directory without a prepared copy, and
+    each look leaves an empty temporary folder behind: it makes the folder first, then finds
+    its bucket switched off (as TFDS's releases ship it). Nothing here reads that metadata: a
+    prepared copy carries its own, and preparing computes it. (The package's own builders skip
+    the look through their DatasetInfo: train.data.datasets.sources.)"""
+    import tensorflow_datasets as tfds  # lazy: importing TFDS is not free
+
+    info = tfds.core.DatasetInfo
+    look = info.initialize_from_bucket
+    info.initialize_from_bucket = lambda self: None
+    try:
+        yield
+    finally:
+        info.initialize_from_bucket = look
+
+
 def _builder(name: str, data_dir: str | os.PathLike | None, **kwargs):
     """TFDS's builder of `name` (prepared or not); DataError for an unknown name or config."""
     import tensorflow_datasets as tfds  # lazy: importing TFDS is not free
@@ -184,7 +204,8 @@ def _builder(name: str, data_dir: str | os.PathLike | None, **kwargs):
         except ImportError:  # a collection whose own imports are missing here
             pass
     try:
-        return tfds.builder(name, data_dir=data_dir, **kwargs)
+        with without_bucket_metadata():
+            return tfds.builder(name, data_dir=data_dir, **kwargs)
     except tfds.core.registered.DatasetNotFoundError:
         known = sorted(set(tfds.list_builders(with_community_datasets=False)))
         close = difflib.get_close_matches(name.split("/")[0].split(":")[0], known, n=3)

@@ -54,10 +54,24 @@ os.environ.update(
     JAX_PERSISTENT_CACHE_MIN_ENTRY_SIZE_BYTES="0",
 )
 
+import copy  # noqa: E402
 import gc  # noqa: E402
 import shutil  # noqa: E402
 
+import orbax.checkpoint as ocp  # noqa: E402
 import pytest  # noqa: E402
+
+# Checkpoints saved in the test processes on their 8 fake CPU devices are written by one
+# replica, as orbax writes them on GPUs. Its default elsewhere (replica-parallel: each device
+# writes a slice of every replicated array) splits every array of a save 8 ways in this one
+# process, each slice an eager op compiled per shape: half of the suite's time in orbax's
+# writes (benchmarks/ci_time_2026-11-29/). A user's CPU run has one device and never takes
+# that path; the runs tests start as subprocesses keep orbax's default, so both are run.
+# (orbax has no public switch for it but the handler's constructor, whose default handler
+# also holds an array metadata store built privately: hence the copy.)
+_ARRAY_HANDLER = copy.copy(ocp.type_handlers.get_type_handler(jax.Array))
+_ARRAY_HANDLER._use_replica_parallel = False
+ocp.type_handlers.register_type_handler(jax.Array, _ARRAY_HANDLER, override=True)
 
 # Python's full (oldest-generation) collections made rare: tracing and lowering allocate many
 # objects that live until their module ends, and every automatic full collection scanned them

@@ -54,6 +54,7 @@ os.environ.update(
     JAX_PERSISTENT_CACHE_MIN_ENTRY_SIZE_BYTES="0",
 )
 
+import collections  # noqa: E402
 import copy  # noqa: E402
 import gc  # noqa: E402
 import shutil  # noqa: E402
@@ -79,6 +80,44 @@ ocp.type_handlers.register_type_handler(jax.Array, _ARRAY_HANDLER, override=True
 # generations are collected as usual, and the fixture below collects everything after each
 # module, so garbage never outlives its module.
 gc.set_threshold(700, 10, 1000)
+
+
+# The modules that take longest, longest first (worker-seconds in one whole run of the suite,
+# benchmarks/ci_time_2026-11-29/): the two pytest-xdist workers are handed these before the
+# rest, so that a long module never starts near the end while the other worker runs out of
+# work. pytest-xdist's own order (pyproject.toml turns it off: --no-loadscope-reorder) hands
+# out modules by their number of tests, which put test_multiprocess (7 tests, about 100 s)
+# and test_finetune (5, 40 s) among the last.
+LONGEST_FIRST = (
+    "test_train_translate.py",
+    "test_multiprocess.py",
+    "test_transformer_decode.py",
+    "test_faults.py",
+    "test_bench.py",
+    "test_decode_golden.py",
+    "test_recipes.py",
+    "test_finetune.py",
+    "test_xl_adaptive.py",
+    "test_seq2seq.py",
+    "test_train_lm.py",
+    "test_efficiency.py",
+)
+
+
+@pytest.hookimpl(trylast=True)
+def pytest_collection_modifyitems(items):
+    """Modules in LONGEST_FIRST's order, then the others by number of tests, most first (as
+    pytest-xdist orders them); each module's tests keep their order (the sort is stable)."""
+    module = {item: item.nodeid.split("::")[0] for item in items}
+    tests = collections.Counter(module.values())
+
+    def rank(item):
+        name = os.path.basename(module[item])
+        if name in LONGEST_FIRST:
+            return (0, LONGEST_FIRST.index(name))
+        return (1, -tests[module[item]])
+
+    items.sort(key=rank)
 
 
 @pytest.fixture(autouse=True, scope="module")

@@ -82,25 +82,57 @@ ocp.type_handlers.register_type_handler(jax.Array, _ARRAY_HANDLER, override=True
 gc.set_threshold(700, 10, 1000)
 
 
-# The modules that take longest, longest first (worker-seconds in one whole run of the suite,
+# The modules that take 5 s or more, longest first (worker-seconds in a fresh clone's CI,
 # benchmarks/ci_time_2026-11-29/): the two pytest-xdist workers are handed these before the
-# rest, so that a long module never starts near the end while the other worker runs out of
-# work. pytest-xdist's own order (pyproject.toml turns it off: --no-loadscope-reorder) hands
-# out modules by their number of tests, which put test_multiprocess (7 tests, about 100 s)
-# and test_finetune (5, 40 s) among the last.
+# rest, and the short modules fill in at the end, so that a long module never starts while the
+# other worker runs out of work. pytest-xdist's own order (pyproject.toml turns it off:
+# --no-loadscope-reorder) hands out modules by their number of tests, which put
+# test_multiprocess (7 tests, about 100 s) and test_finetune (5, 40 s) among the last. A
+# module missing here goes with the short ones: the order changes only when the tests end.
 LONGEST_FIRST = (
     "test_train_translate.py",
     "test_multiprocess.py",
     "test_transformer_decode.py",
-    "test_faults.py",
     "test_bench.py",
+    "test_faults.py",
     "test_decode_golden.py",
     "test_recipes.py",
     "test_finetune.py",
     "test_xl_adaptive.py",
     "test_seq2seq.py",
-    "test_train_lm.py",
+    "test_tfds_data.py",
     "test_efficiency.py",
+    "test_train_lm.py",
+    "test_token_cache.py",
+    "test_translate_files.py",
+    "test_xl_fused_attention.py",
+    "test_transformer.py",
+    "test_train_compare.py",
+    "test_xl_model.py",
+    "test_data_builders.py",
+    "test_quantize.py",
+    "test_ct2_export.py",
+    "test_packaging.py",
+    "test_translate_pretrained.py",
+    "test_inference_restore.py",
+    "test_xl_generate.py",
+    "test_train_parallel.py",
+    "test_nnx.py",
+    "test_workdir_errors.py",
+    "test_lm_text.py",
+    "test_marian_export.py",
+    "test_xl_remat.py",
+    "test_marian.py",
+    "test_remote_workdir.py",
+    "test_decode.py",
+    "test_transformer_copy_task.py",
+    "test_schedule_fit.py",
+    "test_host_memory.py",
+    "test_xl_pytorch.py",
+    "test_run_layer.py",
+    "test_fsdp.py",
+    "test_hard_attention.py",
+    "test_convs2s.py",
 )
 
 

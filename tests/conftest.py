@@ -142,12 +142,11 @@ def pytest_collection_modifyitems(items):
     pytest-xdist orders them); each module's tests keep their order (the sort is stable)."""
     module = {item: item.nodeid.split("::")[0] for item in items}
     tests = collections.Counter(module.values())
+    longest = {name: i for i, name in enumerate(LONGEST_FIRST)}
 
     def rank(item):
         name = os.path.basename(module[item])
-        if name in LONGEST_FIRST:
-            return (0, LONGEST_FIRST.index(name))
-        return (1, -tests[module[item]])
+        return (0, longest[name]) if name in longest else (1, -tests[module[item]])
 
     items.sort(key=rank)
 
@@ -161,6 +160,16 @@ def _free_compiled_programs():
     yield
     jax.clear_caches()
     gc.collect()
+
+
+@pytest.fixture
+def scratch_tempdir(tmp_path, monkeypatch):
+    """An empty folder that Python's `tempfile` uses for this test (its `tempdir`), so that the
+    test can assert that nothing was left in it."""
+    scratch = tmp_path / "tmp"
+    scratch.mkdir()
+    monkeypatch.setattr(tempfile, "tempdir", str(scratch))
+    return scratch
 
 
 @pytest.fixture(scope="session")

@@ -43,8 +43,9 @@ def _accepted(flags: str) -> bool:
 
 
 def xla_flags() -> str:
-    """The XLA_FLAGS words above that this jaxlib accepts (one probe process, or one a flag
-    where this XLA refuses them together; once per test run or docs build)."""
+    """The XLA_FLAGS words above that this jaxlib accepts: one probe process for all the
+    optional flags, then one per flag only if they are refused together; once per test run or
+    docs build."""
     if _KNOWN not in os.environ:
         known = OPTIONAL if _accepted(" ".join(OPTIONAL)) else tuple(filter(_accepted, OPTIONAL))
         os.environ[_KNOWN] = " ".join(known)

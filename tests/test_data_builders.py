@@ -9,7 +9,6 @@ from __future__ import annotations
 import gzip
 import os
 import shutil
-import tempfile
 from pathlib import Path
 
 import pytest
@@ -294,12 +293,9 @@ def test_ptb_word_download_reads_plain_text(monkeypatch, tmp_path):
     "make", [lambda d: Multi30k(data_dir=d), lambda d: Ptb(data_dir=d)], ids=["multi30k", "ptb"]
 )
 def test_a_builder_over_an_unprepared_directory_leaves_no_temporary_folder(
-    make, tmp_path, monkeypatch
+    make, tmp_path, scratch_tempdir
 ):
     # Every run that reads the shipped files makes one; TFDS's own DatasetInfo made an empty
     # temporary folder each time, looking for metadata on its bucket.
-    scratch = tmp_path / "tmp"
-    scratch.mkdir()
-    monkeypatch.setattr(tempfile, "tempdir", str(scratch))
     assert not make(tmp_path / "tfds").is_prepared()
-    assert list(scratch.iterdir()) == []
+    assert list(scratch_tempdir.iterdir()) == []

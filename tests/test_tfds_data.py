@@ -20,7 +20,6 @@ import json
 import os
 import shutil
 import sys
-import tempfile
 from pathlib import Path
 
 import numpy as np
@@ -303,16 +302,13 @@ def test_the_tfds_tokenizer_trains_on_at_most_spm_sample_sentences(tfds_dir, tmp
     assert name.startswith("tfds_spm_bpe300_") and small_name != name  # the sample is in the key
 
 
-def test_an_unprepared_dataset_is_refused_leaving_no_temporary_folder(tmp_path, monkeypatch):
+def test_an_unprepared_dataset_is_refused_leaving_no_temporary_folder(tmp_path, scratch_tempdir):
     # TFDS's own builders, made over a directory without a prepared copy, each made an empty
     # temporary folder, looking for metadata on TFDS's bucket.
-    scratch = tmp_path / "tmp"
-    scratch.mkdir()
-    monkeypatch.setattr(tempfile, "tempdir", str(scratch))
     look = tfds.core.DatasetInfo.initialize_from_bucket
     with pytest.raises(tfds_source.DataError, match="is not prepared in"):
         tfds_source.open_dataset("tfds:wmt14_translate/de-en", tmp_path / "tfds")
-    assert list(scratch.iterdir()) == []
+    assert list(scratch_tempdir.iterdir()) == []
     assert tfds.core.DatasetInfo.initialize_from_bucket is look  # TFDS's own, for the others
 
 

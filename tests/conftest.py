@@ -94,6 +94,7 @@ LONGEST_FIRST = (
     "test_multiprocess.py",
     "test_transformer_decode.py",
     "test_bench.py",
+    "test_target.py",
     "test_faults.py",
     "test_decode_golden.py",
     "test_recipes.py",

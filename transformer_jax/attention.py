@@ -21,6 +21,8 @@ from typing import Literal
 import jax
 import jax.numpy as jnp
 
+from transformer_jax.platform import compile_platform
+
 Array = jax.Array
 # The `implementation` choices of `dot_product_attention` (and of the configs' attention_impl).
 IMPLEMENTATIONS = ("auto", "xla", "cudnn")
@@ -155,13 +157,14 @@ def _use_fused(query, key, dropout_rate, deterministic, return_weights, implemen
         return False
     if implementation == "cudnn":
         return True
-    # "auto": cuDNN's fused kernel where it is known to apply: a GPU, half precision, head
-    # width a multiple of 8 up to 128 (wt103_base's 41 is not), more than one query (a
+    # "auto": cuDNN's fused kernel where it is known to apply: a program compiled for a GPU
+    # (the devices it is placed on, not this process's: `compile_platform`), half precision,
+    # head width a multiple of 8 up to 128 (wt103_base's 41 is not), more than one query (a
     # decoding step's single row gains nothing). `jax.nn.dot_product_attention` must be told
     # so explicitly: its own default (implementation=None) is the XLA path.
     k = query.shape[-1]
     return (
-        jax.default_backend() == "gpu"
+        compile_platform(query, key) == "gpu"
         and query.dtype in (jnp.bfloat16, jnp.float16)
         and key.dtype == query.dtype
         and k % 8 == 0
@@ -197,8 +200,9 @@ def dot_product_attention(
       scale: defaults to K ** -0.5.
       dropout_rate, dropout_rng, deterministic: attention dropout (on the weights).
       implementation: "xla" computes here; "cudnn" forces `jax.nn.dot_product_attention`'s
-        fused cuDNN kernel; "auto" takes it on a GPU in bf16/fp16 when there is no attention
-        dropout, no weights are asked for, and the head width suits it (K % 8 == 0, K <= 128).
+        fused cuDNN kernel; "auto" takes it in a program compiled for a GPU, in bf16/fp16,
+        when there is no attention dropout, no weights are asked for, and the head width
+        suits it (K % 8 == 0, K <= 128).
         A fully masked row (a pad query) gets zero output from the XLA path and, from the
         fused one, a mix of every key; neither is read by a model.
       return_weights: also return the [B, H, T, S] float32 weights.

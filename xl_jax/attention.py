@@ -23,6 +23,7 @@ import numpy as np
 
 from transformer_jax.attention import dot_product_attention
 from transformer_jax.layers import LayerNorm
+from transformer_jax.platform import compile_platform
 from xl_jax import fused_attention
 from xl_jax.config import TransformerXLConfig
 
@@ -194,5 +195,5 @@ def use_fused_kernel(
         head_width=q.shape[-1],
         q_len=q.shape[1],
         mem_len=mem_len,
-        on_gpu=jax.default_backend() == "gpu",
+        on_gpu=compile_platform(q) == "gpu",
     )

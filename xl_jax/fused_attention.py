@@ -40,6 +40,8 @@ import jax.numpy as jnp
 import numpy as np
 from jax.experimental import pallas as pl
 
+from transformer_jax.platform import compile_platform
+
 Array = jax.Array
 
 # The attention core's masked score (transformer_jax.attention): finite, so a fully masked
@@ -574,13 +576,14 @@ def relative_attention(
         `dropout_rng` gives (None or rate 0: no dropout).
       block: query and key block size (a power of two dividing T and M); default: the
         largest up to MAX_BLOCK (at least 16 on a GPU, 8 interpreted).
-      interpret: Pallas interpret mode; default: on unless JAX's backend is a GPU.
+      interpret: Pallas interpret mode; default: on unless the program is compiled for a GPU
+        (`transformer_jax.platform.compile_platform`).
     Returns:
       [B, T, H, K] in qu's dtype: what `xl_jax.attention`'s XLA path gives with the same
       mask (and, with dropout, the mask of `reference_keep_mask`).
     """
     if interpret is None:
-        interpret = jax.default_backend() != "gpu"
+        interpret = compile_platform(qu, k) != "gpu"
     b, t, h, kw = qu.shape
     s = k.shape[1]
     if s != mem_len + t or r.shape != (s, h, kw):

@@ -13,8 +13,10 @@ from typing import Any
 
 import jax
 
-from train.bench.config import DEFAULT_SECTIONS, SECTIONS, BenchConfig
+from train.bench.config import DEFAULT_SECTIONS, SECTIONS, TARGET_SECTIONS, BenchConfig
+from train.bench.targets import get_target
 from train.core import cli
+from train.core.config import SHARDINGS
 from transformer_jax.attention import IMPLEMENTATIONS
 from xl_jax.config import ATTENTION_IMPLS, REMAT_MODES
 
@@ -55,6 +57,13 @@ class BenchOptions:
       torch_compile: cpu_vs_torch also times a `torch.compile`d PyTorch step.
       data_pairs, data_lm_tokens: the data section's corpus: sentence pairs and LM tokens
         (None: the preset's, 1M and 100M).
+      target: compile the training sections for this device instead of running them, on
+        this host without it: a GPU (h200, h100, a100) or a TPU topology (v5e:2x2, ...);
+        prints and writes OUT/target_NAME.{json,md}: memory against the chip's, kernels by
+        category, the largest kernels, an estimated step time ('': run on this host).
+      target_devices: devices of the target the step is spread over (None: all the
+        target's: one GPU, every chip of a TPU topology).
+      sharding: the parameters' layout over those devices: replicated or fsdp.
     """
 
     quick: bool = False
@@ -82,6 +91,9 @@ class BenchOptions:
     torch_compile: bool = True
     data_pairs: int | None = None
     data_lm_tokens: int | None = None
+    target: str = ""
+    target_devices: int | None = None
+    sharding: str = "replicated"
 
     def __post_init__(self):
         unknown = sorted(set(self.only) - set(SECTIONS))
@@ -97,6 +109,20 @@ class BenchOptions:
             value = getattr(self, name)
             if value and value not in allowed:
                 raise ValueError(f"{name}: expected one of {list(allowed)}, got {value!r}")
+        if self.sharding not in SHARDINGS:
+            raise ValueError(f"sharding: expected one of {list(SHARDINGS)}, got {self.sharding!r}")
+        if self.target:
+            get_target(self.target)  # an unknown name is refused here, naming the choices
+            others = [s for s in self.only if s not in TARGET_SECTIONS]
+            if self.only != DEFAULT_SECTIONS and others:
+                raise ValueError(
+                    f"only: --target compiles the training sections {list(TARGET_SECTIONS)}; "
+                    f"{others} run only on this host's devices"
+                )
+        elif self.target_devices is not None or self.sharding != "replicated":
+            raise ValueError("target_devices and sharding apply only with --target")
+        if self.target_devices is not None and self.target_devices < 1:
+            raise ValueError(f"target_devices: must be >= 1, got {self.target_devices}")
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -122,7 +148,9 @@ def config_from_options(options: BenchOptions) -> BenchConfig:
     """The preset (`quick` or `full`, in the resolved dtype) with the options' changes."""
     dtype = options.dtype
     if dtype == "auto":
-        dtype = "float32" if jax.default_backend() == "cpu" else "bfloat16"
+        # The devices the steps are compiled for: a --target is an accelerator.
+        on_cpu = not options.target and jax.default_backend() == "cpu"
+        dtype = "float32" if on_cpu else "bfloat16"
     config = BenchConfig.quick(dtype) if options.quick else BenchConfig.full(dtype)
     changes: dict[str, Any] = {}
     if options.steps is not None:

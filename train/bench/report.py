@@ -114,6 +114,17 @@ def to_markdown(results: Mapping[str, Any]) -> str:
         ]
         for formula in dict.fromkeys(r["flops"]["formula"] for r in train):
             lines.append(f"- {formula}")
+        estimated = [r for r in train if r.get("program")]
+        if estimated:
+            lines += ["", "Measured beside the estimate from the compiled program "
+                      "(`train.bench.program`; the same figure `--target` gives without the "
+                      "device):", ""]  # fmt: skip
+            lines += [
+                f"- {r['name']}: measured {r['step_s_median'] * 1e3:.1f} ms a step, estimated "
+                f"{r['program']['estimate']['step_s'] * 1e3:.1f} ms "
+                f"({r['program']['kernels']:,} kernels)"
+                for r in estimated
+            ]
         lines.append("")
         for r in train:
             lines += _profile_lines(r["name"], r.get("profile"), r["step_s_median"])

@@ -18,10 +18,17 @@ import flax
 import jax
 import jaxlib
 
-from train.bench import cpu_vs_torch, data, decode, train_steps, xl_eval
-from train.bench.config import DEFAULT_SECTIONS, SECTIONS, XL_SECTIONS, BenchConfig
+from train.bench import cpu_vs_torch, data, decode, deviceless, train_steps, xl_eval
+from train.bench.config import (
+    DEFAULT_SECTIONS,
+    SECTIONS,
+    TARGET_SECTIONS,
+    XL_SECTIONS,
+    BenchConfig,
+)
 from train.bench.options import BenchOptions, config_from_options, parse_options
 from train.bench.report import merge_results, to_markdown, write_results
+from train.bench.targets import get_target
 from train.bench.timing import measure_matmul_rate, nominal_bf16_peak
 from train.core.host_memory import keep_host_memory
 
@@ -228,7 +235,10 @@ def run_and_report(
     log: Callable[[str], None] = lambda m: print(m, flush=True),
 ) -> int:
     """Runs the benchmarks `options` choose, writes OUT/bench.{json,md}, prints the tables;
-    -> the exit status (1 if a section failed)."""
+    -> the exit status (1 if a section failed). With `options.target`, compiles the training
+    sections for that device instead (`run_target_and_report`)."""
+    if options.target:
+        return run_target_and_report(options, command=command, log=log)
     results = run_benchmarks(
         config_from_options(options),
         sections=options.only,
@@ -246,6 +256,60 @@ def run_and_report(
         f"results: {os.path.join(options.out, 'bench.json')}, "
         f"{os.path.join(options.out, 'bench.md')}"
     )
+    return 1 if results["errors"] else 0
+
+
+def target_benches(config: BenchConfig, sections: Sequence[str]) -> dict[str, Callable]:
+    """The chosen training sections -> their TrainBench builders (an XL section the config
+    has no model for is left out, as in `run_benchmarks`)."""
+    benches: dict[str, Callable] = {}
+    if "train_transformer" in sections:
+        benches["train_transformer"] = lambda: train_steps.transformer_train_setup(config)
+    for section, key in XL_SECTIONS.items():
+        entry = next((x for x in config.xl if x[0].startswith(key)), None)
+        if section in sections and entry is not None:
+            name, xl_cfg, b = entry
+            benches[section] = lambda name=name, xl_cfg=xl_cfg, b=b: train_steps.xl_train_setup(
+                name, xl_cfg, b, config
+            )
+    return benches
+
+
+def run_target_and_report(
+    options: BenchOptions,
+    *,
+    command: str,
+    log: Callable[[str], None] = print,
+) -> int:
+    """`--target`: the training sections compiled for the target, nothing run; prints each
+    report and writes OUT/target_NAME.{json,md} (-> 1 if a section failed)."""
+    target = get_target(options.target)
+    sections = [s for s in options.only if s in TARGET_SECTIONS]
+    results = deviceless.run_target(
+        target_benches(config_from_options(options), sections),
+        target,
+        devices=options.target_devices,
+        sharding=options.sharding,
+        log=log,
+    )
+    meta = {
+        "date": datetime.datetime.now(datetime.UTC).isoformat(timespec="seconds"),
+        "command": command,
+        "quick": options.quick,
+        "jax": jax.__version__,
+        "jaxlib": jaxlib.__version__,
+        "host": "compiled on this host for the target; nothing ran on a device",
+    }
+    results = {"meta": meta, **results}
+    slug = "".join(c if c.isalnum() else "_" for c in target.name)
+    stem = os.path.join(options.out, f"target_{slug}")
+    os.makedirs(options.out, exist_ok=True)
+    with open(stem + ".json", "w") as f:
+        json.dump(results, f, indent=1)
+    with open(stem + ".md", "w") as f:
+        f.write(f"`{command}`, {meta['date']}\n\n")
+        f.write("\n\n".join(deviceless.format_report(r) for r in results["train"]) + "\n")
+    log(f"results: {stem}.json, {stem}.md")
     return 1 if results["errors"] else 0
 
 

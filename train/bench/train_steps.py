@@ -17,9 +17,11 @@ import jax.numpy as jnp
 import numpy as np
 import optax
 
+from train.bench import program
 from train.bench.config import BenchConfig
 from train.bench.flops import FlopCount, jaxpr_matmul_flops, transformer_flops, xl_flops, xla_flops
 from train.bench.profile import profile_summary
+from train.bench.targets import target_for_device_kind
 from train.bench.timing import compiled_memory, device_peak_bytes, time_calls, utilisation
 from train.core.parallel import DataParallel
 from train.core.state import TrainState, count_params
@@ -189,6 +191,15 @@ def bench_train_step(
             time_calls(one_step, warmup=0, repeats=PROFILED_STEPS)
         profile = profile_summary(trace_dir, steps=PROFILED_STEPS, hlo_text=compiled.as_text())
     loss = float(metrics["loss_sum"] / metrics["n_tokens"])
+    # On a device `--target` knows, the estimate it would give without the device, beside
+    # what is measured here.
+    target = target_for_device_kind(device.device_kind)
+    estimate = None
+    if target is not None:
+        summary = program.summarize(
+            program.program_kernels(compiled.as_text()), program.pricing_for(target)
+        )
+        estimate = {k: summary[k] for k in ("kernels", "bytes", "categories", "estimate")}
     median = statistics.median(times)
     flops = bench.flops
     model_flops = flops.training()
@@ -234,6 +245,7 @@ def bench_train_step(
         "real_mfu_vs_nominal_bf16": utilisation(real_flops, median, nominal_peak),
         "final_loss": loss,
         "profile": profile,
+        "program": estimate,
     }
 
 

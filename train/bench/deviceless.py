@@ -45,15 +45,31 @@ def compile_for_target(
     *,
     devices: int | None = None,
     sharding: str = "replicated",
-) -> tuple[jax.stages.Compiled, float]:
-    """The bench's train step compiled for `target` (-> the compiled program, seconds)."""
+) -> tuple[jax.stages.Compiled, float, str | None]:
+    """The bench's train step compiled for `target` (-> the compiled program, seconds, a note
+    on how it was compiled when it differs from the device's own compile, else None).
+
+    Without the device nothing is autotuned, and XLA's untuned Triton GEMM tiling can find no
+    tile for some products (wt103_base's 410-wide ones); such a step is compiled again with
+    its GEMMs on cuBLAS, as the note says."""
     dp = DataParallel("jit", devices=compile_only_devices(target.name, devices), sharding=sharding)
     state, batch = abstract_arguments(bench, dp)
     step = dp.compile_train_step(bench.loss_fn, state)
     start = time.perf_counter()
+    note = None
     with compiling_for(target):
-        compiled = step.lower(state, batch).compile()
-    return compiled, time.perf_counter() - start
+        lowered = step.lower(state, batch)
+        try:
+            compiled = lowered.compile()
+        except jax.errors.JaxRuntimeError as e:
+            if "find output tile sizes" not in str(e):
+                raise
+            note = (
+                "XLA's untuned Triton GEMM tiling found no tile for a product "
+                "(xla_gpu_enable_triton_gemm=False: every GEMM on cuBLAS)"
+            )
+            compiled = lowered.compile(compiler_options={"xla_gpu_enable_triton_gemm": False})
+    return compiled, time.perf_counter() - start, note
 
 
 def target_train_report(
@@ -66,7 +82,9 @@ def target_train_report(
     """One training bench on `target`: memory per device against the chip's, the kernels by
     category with their bytes and FLOPs, the ten largest, and the estimated step time and
     MFU (labelled estimates)."""
-    compiled, compile_s = compile_for_target(bench, target, devices=devices, sharding=sharding)
+    compiled, compile_s, note = compile_for_target(
+        bench, target, devices=devices, sharding=sharding
+    )
     memory = compiled_memory(compiled)
     kernels = program.program_kernels(compiled.as_text())
     summary = program.summarize(kernels, program.pricing_for(target))
@@ -81,6 +99,7 @@ def target_train_report(
         "devices": n_devices,
         "sharding": sharding,
         "compile_s": compile_s,
+        "compile_note": note,
         "tokens_per_step": bench.flops.tokens,
         "memory": memory,
         "chip_memory_bytes": target.memory_bytes,
@@ -102,6 +121,7 @@ def format_report(report: dict[str, Any]) -> str:
         f"## {report['name']} on {report['target']} ({report['device_kind']}, "
         f"{report['devices']} device(s), {report['sharding']}): compiled in "
         f"{report['compile_s']:.1f} s, nothing run",
+        *([f"note: {report['compile_note']}"] if report.get("compile_note") else []),
         "",
         f"memory per device: {mem.get('footprint', 0) / gb:.3f} GB "
         f"(arguments {mem.get('argument', 0) / gb:.3f}, temporaries {mem.get('temp', 0) / gb:.3f}, "
@@ -157,8 +177,10 @@ def run_target(
         try:
             report = target_train_report(setup(), target, devices=devices, sharding=sharding)
         except Exception as e:  # noqa: BLE001 - one failed section must not lose the others
-            log(f"[bench] {section} FAILED: {type(e).__name__}: {e}")
-            results["errors"].append({"section": section, "error": f"{type(e).__name__}: {e}"})
+            # XLA's messages carry the whole Python stack: its first lines say what failed.
+            error = f"{type(e).__name__}: " + "\n".join(str(e).splitlines()[:3])
+            log(f"[bench] {section} FAILED: {error}")
+            results["errors"].append({"section": section, "error": error})
             continue
         results["train"].append({"section": section, **report})
         log(format_report(report))

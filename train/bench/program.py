@@ -373,11 +373,13 @@ def attention_kind(kernel: Kernel) -> tuple[str, bool] | None:
 
 
 def _attention_shape(kernel: Kernel) -> tuple[int, int, int, int, int] | None:
-    # cuDNN's and the Pallas kernels' first operands are q [B, T, H, K] and k [B, S, H, K].
+    """(B, H, T, S, K) of a cuDNN or Pallas attention call: its first [B, T, H, K] operand
+    is the queries; the longest operand of the same B, H and K, the keys."""
     four = [s for s in kernel.shapes if len(s) == 4]
     if len(four) < 2:
         return None
-    (b, t, h, k), (_, s, _, _) = four[0], four[1]
+    b, t, h, k = four[0]
+    s = max(x[1] for x in four if (x[0], x[2], x[3]) == (b, h, k))
     return b, h, t, s, k
 
 

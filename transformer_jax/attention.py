@@ -32,6 +32,13 @@ IMPLEMENTATIONS = ("auto", "xla", "cudnn")
 _MASK_VALUE = -0.7 * float(jnp.finfo(jnp.float32).max)
 
 
+def _large_negative(dtype) -> Array:
+    """The masked score JAX's cuDNN wrapper gives a bool mask in `dtype`: -2^41 in bf16 and
+    -2^15 in fp16 (moderate values: cuDNN mishandles the difference of two huge negatives)."""
+    value = {jnp.dtype(jnp.bfloat16): -(2.0**41), jnp.dtype(jnp.float16): -(2.0**15)}
+    return jnp.asarray(value.get(jnp.dtype(dtype), _MASK_VALUE), dtype)
+
+
 def make_padding_mask(tokens: Array, pad_id: int = 0) -> Array:
     """[B, S] token ids -> [B, 1, 1, S] bool, True where the key is a real token."""
     return (tokens != pad_id)[:, None, None, :]
@@ -150,6 +157,20 @@ def attend(
     return out, weights
 
 
+def uses_fused_kernel(
+    query: Array,
+    key: Array,
+    *,
+    dropout_rate: float = 0.0,
+    deterministic: bool = True,
+    implementation: str = "auto",
+) -> bool:
+    """Whether `dot_product_attention` with these arguments (and no weights asked for) runs
+    cuDNN's fused kernel: a caller that builds a bias for it can then build it in the query's
+    dtype, the kernel's, instead of float32."""
+    return _use_fused(query, key, dropout_rate, deterministic, False, implementation)
+
+
 def _use_fused(query, key, dropout_rate, deterministic, return_weights, implementation) -> bool:
     if implementation == "xla" or return_weights:
         return False
@@ -229,6 +250,12 @@ def dot_product_attention(
             mask = mask | ~jnp.any(mask, axis=-1, keepdims=True)
         if bias is not None:
             bias = jnp.broadcast_to(bias, (b, h, t, s)).astype(query.dtype)
+            if mask is not None:
+                # The mask folded into the bias here, in the fusion that makes the bias: JAX's
+                # wrapper would add a -large array to it in a pass of its own over [B, H, T, S]
+                # (the same values: -large plus a finite bias is -large in half precision).
+                bias = jnp.where(mask, bias, _large_negative(query.dtype))
+                mask = None
         return jax.nn.dot_product_attention(
             query, key, value, bias=bias, mask=mask, scale=scale, implementation="cudnn"
         )

@@ -22,6 +22,7 @@ from jax import lax
 from transformer_jax.attention import beam_attention, dot_product_attention
 from transformer_jax.config import ACTIVATIONS, TransformerConfig
 from transformer_jax.decoding.quantize import Int8Dense
+from transformer_jax.platform import compile_platform
 
 Array = jax.Array
 DecoderLayerCache = dict[str, Array]
@@ -100,40 +101,50 @@ def dense_dot_general(lhs, rhs, dimension_numbers, precision=None, preferred_ele
 
 
 def output_logits(y: Array, table: Array, dtype) -> Array:
-    """The tied pre-softmax projection: y [..., D], table [V, D] float32 -> [..., V] float32.
+    """The tied pre-softmax projection: y [..., D], table [V, D] float32 -> [..., V].
 
     In float32 it is a float32 product. In half precision both operands are cast to `dtype`,
-    the products accumulate and return in float32, and the backward products take their
-    operands in `dtype` too: left to autodiff, the float32 cotangent of the logits pulls both
-    gradient products back to float32 (TF32 on a GPU). With V 37000 this layer is about a
-    third of the Transformer base step's FLOPs.
+    the products accumulate in float32, and the backward products take their operands in
+    `dtype` too: left to autodiff, the float32 cotangent of the logits pulls both gradient
+    products back to float32 (TF32 on a GPU). With V 37000 this layer is about a third of the
+    Transformer base step's FLOPs.
+
+    The logits come back in float32 on a CPU, and in `dtype` in a program compiled for a GPU
+    or a TPU (`compile_platform`), as Flax's and MaxText's examples return them: the loss's
+    passes over the [N, V] array (its largest; softmax and loss still compute in float32)
+    then read half the bytes (benchmarks/target_h200_2026-12-02/).
     """
     dtype = jnp.dtype(dtype)
     if dtype not in (jnp.dtype(jnp.bfloat16), jnp.dtype(jnp.float16)):
         dtype = jnp.dtype(jnp.float32)
-    return tied_logits(y.astype(dtype), table.astype(dtype))
+    half_out = dtype != jnp.dtype(jnp.float32) and compile_platform(y) != "cpu"
+    return tied_logits(y.astype(dtype), table.astype(dtype), dtype if half_out else None)
 
 
-@jax.custom_vjp
-def tied_logits(y: Array, table: Array) -> Array:
-    """y [..., D], table [V, D], both in one dtype -> y table^T [..., V] in float32 (float64
-    for float64 operands).
+def tied_logits(y: Array, table: Array, out_dtype=None) -> Array:
+    """y [..., D], table [V, D], both in one dtype -> y table^T [..., V] in `out_dtype`,
+    default float32 (float64 for float64 operands); the products accumulate in float32 either
+    way.
 
     Its VJP keeps the cotangent [..., V] in the operands' dtype and writes the table's
     gradient as (y^T grad)^T, [D, V] transposed, rather than grad^T y: autodiff's form made
     XLA's CPU backend copy the whole [N, V] logits gradient into a transposed layout (the
     largest array of a translation step) where this form transposes y [N, D] and the result.
     """
-    return jnp.einsum(
-        "...d,vd->...v", y, table, preferred_element_type=jnp.promote_types(y.dtype, jnp.float32)
-    )
+    out_dtype = jnp.promote_types(y.dtype, jnp.float32) if out_dtype is None else out_dtype
+    return _tied_logits(y, table, jnp.dtype(out_dtype))
 
 
-def _tied_logits_fwd(y, table):
-    return tied_logits(y, table), (y, table)
+@partial(jax.custom_vjp, nondiff_argnums=(2,))
+def _tied_logits(y: Array, table: Array, out_dtype) -> Array:
+    return jnp.einsum("...d,vd->...v", y, table, preferred_element_type=out_dtype)
 
 
-def _tied_logits_bwd(saved, grad):
+def _tied_logits_fwd(y, table, out_dtype):
+    return _tied_logits(y, table, out_dtype), (y, table)
+
+
+def _tied_logits_bwd(out_dtype, saved, grad):
     y, table = saved
     grad = grad.astype(y.dtype)  # [..., V]
     acc = jnp.promote_types(y.dtype, jnp.float32)
@@ -142,7 +153,7 @@ def _tied_logits_bwd(saved, grad):
     return d_y.astype(y.dtype), d_table.astype(table.dtype)
 
 
-tied_logits.defvjp(_tied_logits_fwd, _tied_logits_bwd)
+_tied_logits.defvjp(_tied_logits_fwd, _tied_logits_bwd)
 
 
 @partial(jax.custom_vjp, nondiff_argnums=(3,))

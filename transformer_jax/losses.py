@@ -11,6 +11,8 @@ import functools
 import jax
 import jax.numpy as jnp
 
+from transformer_jax.platform import compile_platform
+
 Array = jax.Array
 
 
@@ -71,17 +73,52 @@ def _smoothing_weights(vocab: int, smoothing: float, excluded_id: int | None) ->
 def _token_cross_entropy_fwd(logits, targets, smoothing, excluded_id):
     vocab = logits.shape[-1]
     x = logits.astype(jnp.promote_types(logits.dtype, jnp.float32))
-    lse = jax.nn.logsumexp(x, axis=-1)  # [...]
-    true_lp = jnp.take_along_axis(x, targets[..., None], axis=-1)[..., 0] - lse
+    if compile_platform(logits) == "cpu":
+        lse = jax.nn.logsumexp(x, axis=-1)  # [...]
+        total = jnp.sum(x, axis=-1) if smoothing else None
+        true_logit = jnp.take_along_axis(x, targets[..., None], axis=-1)[..., 0]
+    else:
+        lse, total, true_logit = _one_pass_statistics(x, targets)
+    true_lp = true_logit - lse
     loss = -(1.0 - smoothing) * true_lp
     if smoothing:
         # Sum of log p over the ids that share the smoothing mass: all but the target and
         # the excluded id.
-        rest_lp = jnp.sum(x, axis=-1) - vocab * lse - true_lp
+        rest_lp = total - vocab * lse - true_lp
         if excluded_id is not None:
             rest_lp = rest_lp - (x[..., excluded_id] - lse)
         loss = loss - _smoothing_weights(vocab, smoothing, excluded_id) * rest_lp
     return loss, (logits, lse, targets)
+
+
+def _one_pass_statistics(x: Array, targets: Array) -> tuple[Array, Array, Array]:
+    """(logsumexp, sum, the target's logit) over the last axis of x [..., V], targets [...],
+    in one pass: a reduction of (running max, sum of exp below it, sum, target logit), the
+    first two as an online softmax keeps them.
+
+    The two-pass form (max, then the sum of exp(x - max); the sum and the target's logit
+    apart) reads the [N, V] logits four times; on a GPU that was most of a Transformer
+    step's elementwise bytes (benchmarks/target_h200_2026-12-02/). The CPU keeps that form,
+    and its numbers: this one rounds differently (partial sums are rescaled as the maximum
+    grows).
+    """
+    # A finite floor instead of -inf as the identity: exp(floor - floor) is 1, never NaN.
+    floor = jnp.asarray(jnp.finfo(x.dtype).min, x.dtype)
+    zero = jnp.zeros((), x.dtype)
+    is_target = jax.lax.broadcasted_iota(jnp.int32, x.shape, x.ndim - 1) == targets[..., None]
+
+    def combine(a, b):
+        (m1, s1, t1, y1), (m2, s2, t2, y2) = a, b
+        m = jnp.maximum(m1, m2)
+        return m, s1 * jnp.exp(m1 - m) + s2 * jnp.exp(m2 - m), t1 + t2, y1 + y2
+
+    m, s, total, target = jax.lax.reduce(
+        (x, jnp.ones_like(x), x, jnp.where(is_target, x, zero)),
+        (floor, zero, zero, zero),
+        combine,
+        (x.ndim - 1,),
+    )
+    return m + jnp.log(s), total, target
 
 
 def _token_cross_entropy_bwd(smoothing, excluded_id, saved, grad):

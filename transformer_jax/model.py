@@ -12,7 +12,9 @@ decoder_self / cross.
 
 Dtype policy: parameters float32; activations in `config.dtype`; attention logits/softmax
 and the logits in float32; the tied output projection multiplies in `config.dtype` with
-float32 accumulation (an untied one is float32).
+float32 accumulation (an untied one is float32). In a program compiled for a GPU or TPU in
+half precision, the tied projection returns the logits in `config.dtype` (the loss still
+computes in float32: `layers.output_logits`).
 """
 
 from __future__ import annotations
@@ -213,8 +215,8 @@ class Transformer(nn.Module):
         return self.embed_dropout(x.astype(cfg.dtype), deterministic=deterministic)
 
     def _logits(self, y: Array) -> Array:
-        """[..., D] -> [..., V] float32 (tied: multiplied in config.dtype, see
-        `output_logits`)."""
+        """[..., D] -> [..., V] float32 (tied: multiplied in config.dtype, and returned in it
+        on a GPU or TPU in half precision: `output_logits`)."""
         cfg = self.config
         if not cfg.tie_output:
             return self.output(y.astype(jnp.float32))
@@ -222,7 +224,7 @@ class Transformer(nn.Module):
             logits = self.tgt_embed.attend(y)
         else:
             logits = output_logits(y, self.tgt_embed.embedding, cfg.dtype)
-        return logits + self.output_bias if cfg.output_bias else logits
+        return logits + self.output_bias.astype(logits.dtype) if cfg.output_bias else logits
 
     def _target_keys(self, tgt: Array) -> Array:
         """tgt [B, T] -> [B, T] bool: which target positions the decoder may attend to.

@@ -21,7 +21,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from transformer_jax.attention import dot_product_attention
+from transformer_jax.attention import dot_product_attention, uses_fused_kernel
 from transformer_jax.layers import LayerNorm
 from transformer_jax.platform import compile_platform
 from xl_jax import fused_attention
@@ -54,6 +54,33 @@ def rel_shift(x: Array) -> Array:
     # Dropping the first T entries of the flat buffer is dropping the first row of the
     # [S + 1, T] view; the next T * S entries, read as [T, S], are the shifted rows.
     return flat[..., t:].reshape(*lead, t, s)
+
+
+def position_bias(qv: Array, r: Array, *, scale: float, for_fused_kernel: bool) -> Array:
+    """Terms (b) + (d) of the relative scores, aligned to keys: rel_shift(qv . r) * scale.
+
+    Args:
+      qv: [B, T, H, K] queries plus v (`r_r_bias`).
+      r: [S, H, K] the projected position embeddings for distances S-1 ... 0.
+      for_fused_kernel: the bias goes to cuDNN's fused attention, which takes it in qv's dtype.
+    Returns:
+      [B, H, T, S]: float32 (float64 for float64 inputs), or qv's dtype for the fused kernel.
+
+    For the fused kernel the scores are made in its dtype and batched over (B, H), with R
+    broadcast over the batch (B * S * H * K more reads, small beside [B, H, T, S]): the product
+    then writes [B, H, T, S] in place, and the shift, scale and mask are one pass over it.
+    Made in float32 as [H, S] x [B * T] products, the step moved the scores through float32
+    transposes and a padded copy, forward and backward (benchmarks/target_h200_2026-12-02/).
+    The values are the same but for one rounding (the scale after it, not before).
+    """
+    if not for_fused_kernel:
+        scores = jnp.einsum(
+            "bthk,shk->bhts", qv, r, preferred_element_type=jnp.promote_types(qv.dtype, jnp.float32)
+        )
+        return rel_shift(scores) * scale
+    r = jnp.broadcast_to(r.astype(qv.dtype), (qv.shape[0], *r.shape))  # [B, S, H, K]
+    scores = jnp.einsum("bthk,bshk->bhts", qv, r, preferred_element_type=qv.dtype)
+    return rel_shift(scores) * jnp.asarray(scale, qv.dtype)
 
 
 def sinusoid_embedding(distances: Array, d_model: int, dtype=jnp.float32) -> Array:
@@ -150,14 +177,16 @@ class RelativeMultiHeadAttention(nn.Module):
                 dropout_rng=dropout_rng,
             )  # [B, T, H, K]
         else:
-            # (b) + (d), once per distance, then aligned to keys.
-            pos_scores = jnp.einsum(
-                "bthk,shk->bhts",
-                qv,
-                r,
-                preferred_element_type=jnp.promote_types(q.dtype, jnp.float32),
+            implementation = "auto" if cfg.attention_impl == "pallas" else cfg.attention_impl
+            fused = uses_fused_kernel(
+                qu,
+                k,
+                dropout_rate=cfg.dropatt,
+                deterministic=deterministic,
+                implementation=implementation,
             )
-            pos_bias = rel_shift(pos_scores) * scale  # [B, H, T, S]
+            # (b) + (d), once per distance, then aligned to keys.
+            pos_bias = position_bias(qv, r, scale=scale, for_fused_kernel=fused)  # [B, H, T, S]
             # (a) + (c) and the softmax/dropatt/mix in the shared core.
             attn = dot_product_attention(
                 qu,
@@ -169,7 +198,7 @@ class RelativeMultiHeadAttention(nn.Module):
                 dropout_rate=cfg.dropatt,
                 dropout_rng=dropout_rng,
                 deterministic=deterministic,
-                implementation="auto" if cfg.attention_impl == "pallas" else cfg.attention_impl,
+                implementation=implementation,
             )  # [B, T, H, K]
         out = nn.DenseGeneral(cfg.d_model, axis=(-2, -1), name="o_net", **dense)(attn)
         out = nn.Dropout(cfg.dropout)(out, deterministic=deterministic)

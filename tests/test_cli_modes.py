@@ -108,7 +108,8 @@ def test_each_mode_takes_its_flags_and_refuses_every_other_one(module, mode, bas
                 module.check_modes(parser, parser.parse_args(argv))
             err = capsys.readouterr().err
             assert e.value.code == cli.EXIT_USAGE, argv
-            assert f"--{dest}" in err.splitlines()[-1], (argv, err)
+            # The message's line (the one before the pointer to --help) names the flag.
+            assert f"--{dest}" in err.splitlines()[-2], (argv, err)
         checked += 1
     assert checked > 40  # every run field and model field went through
 
@@ -198,3 +199,108 @@ def test_generate_passes_every_sampling_flag_to_the_sampler(tmp_path, monkeypatc
     assert capsys.readouterr().out == "sampled\nsampled\n"
     options = dict(num_tokens=7, temperature=0.5, top_k=3, top_p=0.9, seed=4)
     assert calls == [(str(tmp_path), "the", options), (str(tmp_path), "the", {})]
+
+
+# ----------------------------------------------------------------- the error contract, --help
+def _usage_error(parser, argv, capsys) -> list[str]:
+    with pytest.raises(SystemExit) as e:
+        parser.parse_args(argv)
+    assert e.value.code == cli.EXIT_USAGE
+    return capsys.readouterr().err.strip().splitlines()
+
+
+def test_a_bad_flag_is_two_lines_with_the_nearest_flag_and_no_usage(capsys):
+    parser = translate_cli.make_parser()
+    lines = _usage_error(parser, ["--minuts", "1"], capsys)
+    assert lines == [
+        "python -m train.translate: error: unrecognized arguments: --minuts 1",
+        "--minuts: did you mean --minutes?",
+        "(python -m train.translate --help lists every flag)",
+    ]
+    lines = _usage_error(parser, ["--steps", "x"], capsys)
+    assert len(lines) == 2 and "--steps" in lines[0] and "usage:" not in " ".join(lines)
+    # Nothing near enough: no guess.
+    assert len(_usage_error(parser, ["--zzzz"], capsys)) == 2
+
+
+@pytest.mark.parametrize(
+    "argv, says",
+    [
+        (["--steps", "-1"], "--steps: must be an integer >= 0, got -1"),
+        # The cpu preset's cosine decays over the steps: the message names --steps, not the
+        # schedule's decay_steps that the user never typed.
+        (["--steps", "0"], "--steps: the cosine schedule decays over the run's steps"),
+        (["--model.n_heads", "0"], "n_heads"),
+    ],
+)
+def test_a_bad_value_names_the_flag_typed(argv, says, capsys):
+    with pytest.raises(SystemExit) as e:
+        translate_cli.config_from_args(argv)
+    assert e.value.code == cli.EXIT_USAGE
+    lines = capsys.readouterr().err.strip().splitlines()
+    assert len(lines) == 2 and says in lines[0], lines
+
+
+def test_boolean_flags_stand_alone_or_take_a_value():
+    parser = translate_cli.make_parser()
+    assert parser.parse_args(["--progress"]).progress is True
+    assert parser.parse_args(["--no-progress"]).progress is False
+    assert parser.parse_args(["--progress", "false"]).progress is False
+    assert parser.parse_args(["--progress", "yes", "--steps", "3"]).steps == 3
+    assert parser.parse_args(["--model.norm_first"]).__dict__["model.norm_first"] is True
+    with pytest.raises(SystemExit):
+        parser.parse_args(["--progress", "maybe"])
+
+
+def test_help_gives_each_flag_its_meaning_default_and_preset_values():
+    text = " ".join(translate_cli.make_parser().format_help().split())
+    assert (
+        "--steps STEPS stop after this many optimizer steps (a resumed run may change it); "
+        "cpu preset 2500, gpu preset 100000 (int; default 100000)" in text
+    )
+    assert "--progress [BOOL], --no-progress [BOOL] a progress bar on a terminal" in text
+    # Model flags grouped by the models that have them, with the first one's meaning.
+    assert "model fields of every --model: --model.src_vocab_size" in text
+    assert "model fields of convs2s: --model.hid_dim HID_DIM convolution width (D)" in text
+    # A choice lists its values.
+    lm = " ".join(lm_cli.make_parser().format_help().split())
+    assert "(one of attention, full, none; default attention)" in lm
+    assert "A.en \\ --valid_src" in text  # an example's line break is shown, not swallowed
+
+
+def test_bench_help_shows_examples_and_sections():
+    from train.bench.options import build_parser
+
+    text = build_parser().format_help()
+    assert "python -m train.bench --target h200" in text
+    assert "train_xl_wt103      Transformer-XL wt103_base's step" in text
+    assert "--quick [BOOL], --no-quick [BOOL]" in text
+
+
+def test_an_inference_error_leaves_the_training_run_s_error_log_alone(tmp_path, capsys):
+    workdir = tmp_path / "W"
+    workdir.mkdir()
+    (workdir / cli.ERROR_LOG).write_text("the training run's traceback\n")
+
+    def fails(args):
+        raise ValueError("the checkpoint cannot be decoded")
+
+    parser = translate_cli.make_parser()
+    argv = ["--workdir", str(workdir), "--translate", "Hallo."]
+    code = cli.main_of(parser, fails, argv, is_inference=translate_cli._inference)
+    assert code == cli.EXIT_ERROR
+    assert (workdir / cli.ERROR_LOG).read_text() == "the training run's traceback\n"
+    assert "cannot be decoded" in (workdir / cli.INFERENCE_ERROR_LOG).read_text()
+    assert "inference_error.log" in capsys.readouterr().err
+    # Training's own errors still go to W/error.log.
+    assert cli.main_of(parser, fails, ["--workdir", str(workdir)]) == cli.EXIT_ERROR
+    assert "cannot be decoded" in (workdir / cli.ERROR_LOG).read_text()
+
+
+def test_unknown_prompt_words_are_named():
+    from train.lm.generate import unknown_in_prompt
+    from train.lm.text import TextVocab
+
+    vocab = TextVocab(["<eos>", "<unk>", "the", "cat"], "word")
+    assert unknown_in_prompt(vocab, "the dog saw the dog cat", level="word") == ["dog", "saw"]
+    assert unknown_in_prompt(vocab, "the cat", level="word") == []

@@ -314,8 +314,9 @@ def test_int8(tmp_path):
 
 
 def test_plain_text_pieces(tmp_path):
-    """With our joint SentencePiece tokenizer, translate_batch on a text's pieces as
-    SentencePiece gives them (no EOS) is our greedy decoding of its ids plus EOS."""
+    """With our joint SentencePiece tokenizer, translate_batch on a text's pieces as the
+    export's own SentencePiece model gives them (no EOS) is our greedy decoding of its ids
+    plus EOS."""
     import sentencepiece
 
     from train.data.tokenizers import SentencePieceTokenizer, write_model
@@ -337,7 +338,11 @@ def test_plain_text_pieces(tmp_path):
     ours = np.asarray(greedy_decode(Transformer(config), params, jnp.asarray(src), max_len=MAX_LEN))
 
     translator = ctranslate2.Translator(str(tmp_path / "ct2"), device="cpu")
-    spm = sentencepiece.SentencePieceProcessor(model_file=str(tmp_path / "spm.model"))
+    # The export carries its SentencePiece model, for both sides: the folder is all it needs.
+    model_bytes = (tmp_path / "spm.model").read_bytes()
+    for name in ("source.spm", "target.spm"):
+        assert (tmp_path / "ct2" / name).read_bytes() == model_bytes
+    spm = sentencepiece.SentencePieceProcessor(model_file=str(tmp_path / "ct2" / "source.spm"))
     pieces = [spm.encode(text, out_type=str) for text in texts]
     results = translator.translate_batch(
         pieces, beam_size=1, max_decoding_length=MAX_LEN, min_decoding_length=0

@@ -145,3 +145,27 @@ extension._execute_stale(SimpleNamespace(config=config, srcdir={str(src)!r}))
         bundle = get_cache(str(cache_path)).get_cache_bundle(record.pk)
         text = "".join(o.get("text", "") for o in bundle.nb.cells[0].outputs)
         assert text == ("42\n" if name == "one" else "two\n")
+
+
+def test_the_readme_s_transformer_code_runs_and_its_step_trains_with_dropout():
+    import jax
+    import numpy as np
+
+    with open(DOCS.parent / "README.md", encoding="utf-8") as f:
+        section = f.read().split("## The Transformer\n", 1)[1].split("\n## ", 1)[0]
+    blocks = re.findall(r"```python\n(.*?)```", section, re.S)
+    assert len(blocks) >= 2
+    namespace: dict = {}
+    exec(compile("\n".join(blocks[:1]), "README.md", "exec"), namespace)
+    before = namespace["params"]
+    exec(compile("\n".join(blocks[1:]), "README.md", "exec"), namespace)
+    assert np.isfinite(float(namespace["loss"]))
+    changed = jax.tree.map(lambda a, b: bool(np.any(a != b)), before, namespace["params"])
+    assert all(jax.tree.leaves(changed))
+    # The step's dropout is on: the same parameters and batch give another loss with
+    # another key.
+    ns = namespace
+    loss = lambda key: ns["train_step"](  # noqa: E731
+        ns["params"], ns["opt_state"], ns["src"], ns["tgt"], ns["jnp"].array([[8, 9, 2]]), key
+    )[2]
+    assert float(loss(jax.random.PRNGKey(5))) != float(loss(jax.random.PRNGKey(6)))

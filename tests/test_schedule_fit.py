@@ -11,17 +11,20 @@ fixed run of its steps, number for number.
 
 from __future__ import annotations
 
+import dataclasses
+
 import chex
 import jax
 import jax.numpy as jnp
 import numpy as np
 import optax
 import pytest
-from helpers import tiny_lm_config, toy_loss, train_losses
+from helpers import tiny_lm_config, toy_loss, train_losses, tree_of
 
 from train import lm, translate
 from train.core.budget import StepCosts, fitted_steps
 from train.core.checkpoint import Checkpoints
+from train.core.config import UsageError
 from train.core.loop import LoopConfig, StopFlag, schedule_length, train_loop
 from train.core.metrics import MetricsWriter, read_metrics
 from train.core.parallel import DataParallel
@@ -81,6 +84,8 @@ def run(
     checkpoint_every: int = 0,
     stop_at: int | None = None,
     wrap_step=None,
+    steps: int = 10_000,
+    steps_given: bool = False,
 ):
     """A toy run fitted to `minutes` of `clock`, each step costing `step_seconds` (and each
     validation `eval_seconds`), from `workdir`'s checkpoint if any; with `stop_at`, stopped
@@ -120,7 +125,8 @@ def run(
             train_step=step,
             batches=batches_from(int(state.step)),
             config=LoopConfig(
-                steps=10_000,  # the length without a budget: never reached here
+                steps=steps,  # the length without a budget: never reached unless given
+                steps_given=steps_given,
                 deadline=clock() + 60.0 * minutes,
                 log_every=1,
                 eval_every=eval_every,
@@ -304,3 +310,47 @@ def test_a_fitted_run_without_a_budget_is_the_fixed_run_of_its_steps(lm_straight
     assert lrs(tmp_path)[6] == pytest.approx(0.0, abs=1e-9)  # the cosine's end at step 6
     with pytest.raises(ValueError, match="decay_steps"):
         tiny_lm_config(config.data_dir, fit_to_budget=True)  # its decay_steps=6 is fixed
+
+
+def test_a_steps_given_on_resume_is_where_the_run_stops(tmp_path):
+    # Chosen before the stop: the run stops at the given step, its schedule keeps the length
+    # it chose (the rates are the uninterrupted run's up to there).
+    straight, _ = run(tmp_path / "straight", FakeClock(), step_seconds=0.5, minutes=1.01)
+    run(tmp_path / "chosen", FakeClock(), step_seconds=0.5, minutes=1.01, stop_at=50)
+    resumed, lines = run(
+        tmp_path / "chosen", FakeClock(), step_seconds=0.5, minutes=1.01, steps=70, steps_given=True
+    )
+    assert int(resumed.state.step) == 70 and resumed.reason == "steps"
+    assert schedule_length(resumed.state) == 121
+    assert any("stopping at step 70 (--steps); the schedule keeps" in x for x in lines)
+    assert lrs(tmp_path / "chosen") == {
+        s: r for s, r in lrs(tmp_path / "straight").items() if s <= 70
+    }
+    # Stopped before it chose: the given steps are its length, not fitted to the budget.
+    run(tmp_path / "early", FakeClock(), step_seconds=0.5, minutes=1.01, stop_at=3)
+    resumed, lines = run(
+        tmp_path / "early", FakeClock(), step_seconds=0.5, minutes=1.01, steps=9, steps_given=True
+    )
+    assert int(resumed.state.step) == 9 and schedule_length(resumed.state) == 9
+    assert any("--steps 9: schedule set to 9 steps, not fitted" in x for x in lines)
+    assert lrs(tmp_path / "early")[9] == pytest.approx(FLOOR, rel=1e-6)
+
+
+def test_a_budget_too_short_to_fit_is_warned_of_and_said_to_have_ended_unfitted(tmp_path):
+    # Each step 10 s and a minute: the budget ends at step 6, as the timing window does.
+    result, lines = run(tmp_path, FakeClock(), step_seconds=10.0, minutes=0.9)
+    assert result.reason == "time" and schedule_length(result.state) == 0
+    assert any(x.startswith("warning: 54 s of the time budget are left") for x in lines)
+    assert any("before the run had timed its steps (steps 2-6)" in x for x in lines)
+    # A budget that fits the window says neither.
+    _, lines = run(tmp_path / "long", FakeClock(), step_seconds=0.5, minutes=2)
+    assert not any("warning" in x or "never fitted" in x for x in lines)
+
+
+@pytest.mark.slow
+def test_a_resume_with_steps_below_its_checkpoint_is_refused_and_changes_nothing(lm_straight):
+    config, workdir, _ = lm_straight  # a checkpoint at step 6
+    before = tree_of(workdir)
+    with pytest.raises(UsageError, match=r"--steps 4: the run in .* is already at step 6"):
+        lm.train_and_evaluate(dataclasses.replace(config, steps=4), str(workdir))
+    assert tree_of(workdir) == before

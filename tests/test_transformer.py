@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import functools
 import re
 
 import chex
@@ -448,3 +449,20 @@ def test_presets():
 def test_bad_configs_raise_value_error_naming_the_field(overrides, field):
     with pytest.raises(ValueError, match=field):
         TransformerConfig.tiny(**overrides)
+
+
+def test_bad_token_inputs_are_errors_that_say_so():
+    cfg = _config()
+    model, params = _init(cfg)
+    src, tgt = _batch()
+    apply = functools.partial(model.apply, {"params": params})
+    with pytest.raises(ValueError, match=r"src: expected \[B, L\] token ids .* shape \(6,\)"):
+        apply(src[0], tgt)
+    with pytest.raises(ValueError, match=rf"tgt: token ids must be in \[0, {V}\) .* to {V}"):
+        apply(src, tgt.at[1, 2].set(V))
+    with pytest.raises(ValueError, match="src: token ids must be in .* from -1"):
+        apply(src.at[0, 0].set(-1), tgt)
+    with pytest.raises(ValueError, match="integer token ids, got float32"):
+        apply(src.astype(jnp.float32), tgt)
+    # Under jit only what is static is checked (a value check would cost a transfer).
+    assert jax.jit(lambda s: apply(s, tgt))(src.at[0, 0].set(V)).shape == (2, 5, V)

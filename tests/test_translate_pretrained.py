@@ -165,3 +165,29 @@ def test_a_folder_without_tokenizer_cannot_translate(tmp_path):
     save_marian(tmp_path)
     with pytest.raises(FileNotFoundError, match="no tokenizer"):
         Pretrained(str(tmp_path))
+
+
+def test_translate_file_is_checked_as_training_files_and_keeps_blank_lines(
+    folder, tmp_path, capsys
+):
+    source = tmp_path / "de.txt"
+    source.write_text(f"{SOURCE_TEXT[0]}\n\n   \n{SOURCE_TEXT[1]}\n", encoding="utf-8")
+    out = tmp_path / "en.txt"
+    argv = ["--pretrained", str(folder), "--greedy", "--translate_file", str(source)]
+    assert cli.main([*argv, "--output", str(out)]) == 0
+    written = out.read_text(encoding="utf-8").split("\n")
+    assert written[1:3] == ["", ""]  # blank lines translated as blank lines
+    assert written[0] and written[3]
+    capsys.readouterr()
+    assert cli.main(["--pretrained", str(folder), "--greedy", "--translate", SOURCE_TEXT[1]]) == 0
+    assert capsys.readouterr().out.strip() == written[3]
+    # A missing file and bytes that are not UTF-8: a usage error naming the file (and line).
+    for path, says in [
+        (tmp_path / "missing.txt", "missing.txt: no such file"),
+        (tmp_path / "latin1.txt", "latin1.txt, line 2: not UTF-8"),
+    ]:
+        if path.name == "latin1.txt":
+            path.write_bytes(b"ein Haus\nein \xfcberaus gutes Haus\n")
+        code = cli.main(["--pretrained", str(folder), "--translate_file", str(path)])
+        err = capsys.readouterr().err.strip().splitlines()
+        assert code == 2 and len(err) == 1 and says in err[0], err

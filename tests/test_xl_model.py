@@ -350,3 +350,17 @@ def test_cudnn_attention_matches_xla_in_bf16_loss_and_gradients():
     (l_fused, g_fused), (l_xla, g_xla) = loss("cudnn"), loss("xla")
     np.testing.assert_allclose(float(l_fused), float(l_xla), rtol=2e-2)
     chex.assert_trees_all_close(g_fused, g_xla, atol=2e-2, rtol=1e-1)
+
+
+def test_a_memory_of_another_batch_or_bad_tokens_are_errors_that_say_so():
+    config = TransformerXLConfig.tiny(vocab_size=50)
+    model = TransformerXL(config)
+    tokens = jnp.zeros((2, config.tgt_len), jnp.int32)
+    params = model.init(jax.random.PRNGKey(0), tokens, init_memory(config, 2))["params"]
+    apply = functools.partial(model.apply, {"params": params})
+    with pytest.raises(ValueError, match=r"memory: \[3\] rows for tokens of batch 2"):
+        apply(tokens, init_memory(config, 3))
+    with pytest.raises(ValueError, match=r"tokens: expected \[B, L\]"):
+        apply(tokens[0], init_memory(config, 2))
+    with pytest.raises(ValueError, match=r"targets: token ids must be in \[0, 50\)"):
+        apply(tokens, init_memory(config, 2), targets=tokens + 50)

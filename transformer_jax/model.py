@@ -33,6 +33,7 @@ from transformer_jax.config import DECODE_QUANTIZATIONS, TransformerConfig
 from transformer_jax.decoding.quantize import Int8Embed, quantize_params
 from transformer_jax.layers import DecoderLayer, EncoderLayer, dense, layer_norm, output_logits
 from transformer_jax.positional import PositionalEncoding
+from transformer_jax.shapes import check_token_ids
 
 Array = jax.Array
 DecodeCache = dict[str, Any]
@@ -241,6 +242,7 @@ class Transformer(nn.Module):
     def encode(self, src: Array, *, deterministic: bool = True, return_weights: bool = False):
         """src [B, S] int32 (pad_id padded) -> encoded [B, S, D] (and the encoder's
         self-attention weights [B, L, H, S, S] if `return_weights`)."""
+        check_token_ids(src, self.config.src_vocab_size, "src")
         self._check_length(src.shape[1], "source length")
         x = self._embed(self.src_embed, src, jnp.arange(src.shape[1]), deterministic=deterministic)
         return self.encoder(
@@ -264,6 +266,7 @@ class Transformer(nn.Module):
         With `return_weights`, also {'decoder_self': [B, L, H, T, T], 'cross':
         [B, L, H, T, S]}."""
         cfg = self.config
+        check_token_ids(tgt, cfg.tgt_vocab_size, "tgt")
         self._check_length(tgt.shape[1], "target length")
         y = self._embed(self.tgt_embed, tgt, jnp.arange(tgt.shape[1]), deterministic=deterministic)
         # The decoder's self-attention sees neither future positions nor pad.

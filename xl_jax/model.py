@@ -30,6 +30,7 @@ import jax
 import jax.numpy as jnp
 
 from transformer_jax.layers import LayerNorm
+from transformer_jax.shapes import check_token_ids
 from xl_jax.adaptive import AdaptiveEmbedding, ProjectedAdaptiveLogSoftmax
 from xl_jax.attention import RelativeMultiHeadAttention, relative_positions, sinusoid_embedding
 from xl_jax.config import TransformerXLConfig
@@ -232,12 +233,21 @@ class TransformerXL(nn.Module):
         log-probabilities [B, T, V] (float32, float64 under a float64 config), token order.
         """
         cfg = self.config
+        check_token_ids(tokens, cfg.vocab_size, "tokens")
+        if targets is not None:
+            check_token_ids(targets, cfg.vocab_size, "targets")
         b, t = tokens.shape
         if memory is None:
             memory = init_memory(cfg, b)
         m = memory.length
         if len(memory.hidden) != cfg.n_layers:
             raise ValueError(f"memory has {len(memory.hidden)} layers, config has {cfg.n_layers}")
+        rows = {x.shape[0] for x in (*memory.hidden, memory.valid)}
+        if rows != {b}:
+            raise ValueError(
+                f"memory: {sorted(rows)} rows for tokens of batch {b}; make it with "
+                f"init_memory(config, batch_size={b}), or carry the one this batch returned"
+            )
         if cfg.same_length and m == 0:
             raise ValueError("same_length needs a memory with at least one slot")
 

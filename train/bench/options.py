@@ -125,10 +125,35 @@ class BenchOptions:
             raise ValueError(f"target_devices: must be >= 1, got {self.target_devices}")
 
 
+DESCRIPTION = """Benchmarks: training steps (time, tokens/s, memory, FLOPs, MFU, a profile),
+decoding against CTranslate2 and transformers, Transformer-XL evaluation with memory against a
+sliding window; or the training steps compiled for a device this host does not have.
+
+    python -m train.bench --quick true                 # every default section, CPU sizes
+    python -m train.bench --only train_transformer,train_xl_enwik8 --steps 10   # on a GPU
+    python -m train.bench --only cpu_vs_torch --torch_steps 20   # the CPU step against PyTorch
+    python -m train.bench --only data                  # preparing 1M pairs into the cache
+    python -m train.bench --target h200                # compiled for an H200, nothing run
+    python -m train.bench --target v5e:2x2 --sharding fsdp   # for a TPU slice (libtpu)
+
+Sections (--only, comma-separated; default: all but cpu_vs_torch and data):
+  matmul              the matrix rate, bf16 and float32 (runs first; MFU divides by it)
+  train_transformer   the Transformer base training step (768 x 32 tokens; quick: small)
+  train_xl_enwik8     Transformer-XL enwik8_base's step (batch 22, 512 + 512)
+  train_xl_wt103      Transformer-XL wt103_base's step (batch 60, 150 + 150)
+  decode              our greedy and beam search against CTranslate2 and transformers
+  xl_eval             XL evaluation with memory against a sliding-window Transformer
+  cpu_vs_torch        the CPU training step against eager and compiled PyTorch
+  data                preparing a synthetic 1M-pair corpus into the token cache
+Results go to OUT/bench.json and OUT/bench.md (--target: OUT/target_NAME.{json,md}).
+"""
+
+
 def build_parser() -> argparse.ArgumentParser:
-    parser = argparse.ArgumentParser(
+    parser = cli.ArgumentParser(
         prog="python -m train.bench",
-        description=BenchOptions.__doc__,
+        usage="%(prog)s [--quick] [--only SECTION,...] [--target NAME] [FLAG ...]",
+        description=DESCRIPTION,
         formatter_class=argparse.RawDescriptionHelpFormatter,
     )
     cli.add_dataclass_flags(parser, BenchOptions)

@@ -20,9 +20,13 @@ from __future__ import annotations
 
 import argparse
 import ast
+import dataclasses
+import difflib
+import inspect
 import logging
 import math
 import os
+import re
 import sys
 import time
 import traceback
@@ -43,6 +47,91 @@ from train.core.task import Task, config_from_saved, default_workdir
 from train.core.workdir import local_dir
 
 MODEL_PREFIX = "model."
+
+
+class ArgumentParser(argparse.ArgumentParser):
+    """argparse's parser with the project's error contract: a bad flag or value is two lines
+    on stderr, what is wrong and where the flags are listed, and exit code 2 (EXIT_USAGE), not
+    the whole usage text; an unknown flag names the nearest ones."""
+
+    def error(self, message: str):
+        hints = []
+        unknown = re.match(r"unrecognized arguments: (.*)", message)
+        for token in unknown.group(1).split() if unknown else ():
+            flag = token.split("=", 1)[0]
+            if flag.startswith("--"):
+                options = self._option_string_actions
+                near = difflib.get_close_matches(flag, options, n=2, cutoff=0.75)
+                if near:
+                    hints.append(f"{flag}: did you mean {' or '.join(near)}?")
+        hints.append(f"({self.prog} --help lists every flag)")
+        self.exit(EXIT_USAGE, f"{self.prog}: error: {message}\n" + "\n".join(hints) + "\n")
+
+
+class BoolFlag(argparse.Action):
+    """A boolean flag: `--name` alone is true, `--no-name` false, and `--name VALUE` takes
+    true/false, yes/no, on/off or 1/0."""
+
+    def __init__(self, option_strings, dest, **kwargs):
+        name = option_strings[0].removeprefix("--")
+        kwargs.pop("type", None)
+        super().__init__(
+            [*option_strings, f"--no-{name}"], dest, nargs="?", type=parse_bool, **kwargs
+        )
+
+    def __call__(self, parser, namespace, values, option_string=None):
+        negated = option_string is not None and option_string.startswith("--no-")
+        if negated and values is not None:
+            parser.error(f"{option_string} takes no value")
+        setattr(namespace, self.dest, not negated if values is None else values)
+
+
+def attribute_docs(cls: type) -> dict[str, str]:
+    """{field: the first sentence of its entry} from the `Attributes:` sections of `cls`'s
+    docstring and its bases' (Google style; `a, b: text` documents both)."""
+    docs: dict[str, str] = {}
+    for klass in reversed(cls.__mro__):
+        text = inspect.getdoc(klass) if "__doc__" in vars(klass) else None
+        lines = (text or "").splitlines()
+        if "Attributes:" not in lines:
+            continue
+        entries: list[tuple[list[str], list[str]]] = []
+        for line in lines[lines.index("Attributes:") + 1 :]:
+            if line and not line.startswith(" "):
+                break  # the section ends at the next unindented line
+            entry = re.match(r"^  ([A-Za-z_][\w]*(?:, [A-Za-z_][\w]*)*): ?(.*)$", line)
+            if entry:
+                entries.append(([n.strip() for n in entry.group(1).split(",")], [entry.group(2)]))
+            elif entries and line.strip():
+                entries[-1][1].append(line.strip())
+        for names, words in entries:
+            sentence = re.split(r"(?<=[a-z0-9)'\"])\.(?:\s|$)", " ".join(words), maxsplit=1)[0]
+            for name in names:
+                docs[name] = sentence.rstrip(".")
+    return docs
+
+
+def _default_text(value: Any) -> str:
+    if isinstance(value, (tuple, list)):
+        return ",".join(str(v) for v in value) or "(empty)"
+    if isinstance(value, float) and value.is_integer():
+        return str(value)
+    return getattr(value, "__name__", None) or str(value)
+
+
+def flag_help(cls: type, name: str, hint: Any, extra: str | None = None) -> str:
+    """A flag's help: its one-line description, its type (a choice's allowed values), its
+    default, and `extra`."""
+    field = next(f for f in dataclasses.fields(cls) if f.name == name)
+    if field.default is not dataclasses.MISSING:
+        default = f"default {_default_text(field.default)}"
+    elif field.default_factory is not dataclasses.MISSING:
+        default = f"default {_default_text(field.default_factory())}"
+    else:
+        default = None
+    what = "; ".join(filter(None, [attribute_docs(cls).get(name), extra]))
+    kind = "; ".join(filter(None, [_hint_name(hint), default]))
+    return f"{what} ({kind})" if what else f"({kind})"
 
 
 def parse_bool(text: str) -> bool:
@@ -105,25 +194,40 @@ def add_dataclass_flags(
     group_title: str | None = None,
     helps: Mapping[str, str] | None = None,
 ) -> None:
-    """Adds `--{prefix}{field}` for each field of `cls` (not given -> absent from the args);
-    `helps` gives some fields a sentence of help after their type."""
+    """Adds `--{prefix}{field}` for each field of `cls` (not given -> absent from the args),
+    each with its help (`flag_help`: the docstring's description, type, default); `helps`
+    adds a sentence to some. A boolean field is a `BoolFlag` (`--name`, `--no-name`)."""
     target = parser.add_argument_group(group_title) if group_title else parser
     exclude = set(exclude)
     helps = helps or {}
     for name, hint in field_hints(cls).items():
         if name in exclude:
             continue
+        boolean = hint is bool
         target.add_argument(
             f"--{prefix}{name}",
             dest=f"{prefix}{name}",
             type=converter(hint),
             default=argparse.SUPPRESS,
-            metavar=name.upper(),
-            help=" ".join(filter(None, (f"({_hint_name(hint)})", helps.get(name)))),
+            metavar="BOOL" if boolean else name.upper(),
+            help=flag_help(cls, name, hint, helps.get(name)),
+            **({"action": BoolFlag} if boolean else {}),
         )
 
 
 def _hint_name(hint: Any) -> str:
+    """A type hint as help text: `int`, `int | None`, a choice's allowed values."""
+    origin, args = typing.get_origin(hint), typing.get_args(hint)
+    if origin is Literal:
+        return "one of " + ", ".join(str(a) for a in args)
+    if origin in (typing.Union, types.UnionType):
+        return " | ".join(_hint_name(a) for a in args)
+    if origin is tuple:
+        return f"comma-separated {_hint_name(args[0]) if args else 'values'}"
+    if hint is Any:
+        return "a value"
+    if hint is type(None):
+        return "None"
     return getattr(hint, "__name__", None) or str(hint).replace("typing.", "")
 
 
@@ -181,8 +285,9 @@ def task_parser(
     --preset, --dtype, --set, one flag per run field (`helps`: the help of some), `--model.FIELD`
     for every field of any of the task's model configs (text, typed by `resolve`), and the
     per-process flags (`training_flags` names them all but the last)."""
-    parser = argparse.ArgumentParser(
+    parser = ArgumentParser(
         prog=f"python -m train.{task.name}",
+        usage=f"%(prog)s [--workdir W] [--{task.choice_flag} NAME] [--preset NAME] [FLAG ...]",
         description=description,
         formatter_class=argparse.RawDescriptionHelpFormatter,
     )
@@ -197,9 +302,17 @@ def task_parser(
         f"--{task.choice_flag}",
         default=argparse.SUPPRESS,
         type=choice_type(choices),
-        metavar="{" + ",".join(c + "NAME" if c.endswith(":") else c for c in choices) + "}",
+        metavar="NAME",
+        help=f"one of {', '.join(c + 'NAME' if c.endswith(':') else c for c in choices)} "
+        f"(default {task.default_choice})",
     )
-    parser.add_argument("--preset", default=argparse.SUPPRESS, choices=list(task.presets))
+    parser.add_argument(
+        "--preset",
+        default=argparse.SUPPRESS,
+        choices=list(task.presets),
+        help="the recipe every run and model field starts from (default: gpu where JAX sees a "
+        "GPU or TPU, else cpu); a field's help names the cpu and gpu presets' values",
+    )
     parser.add_argument(
         "--dtype",
         default=argparse.SUPPRESS,
@@ -213,27 +326,57 @@ def task_parser(
         metavar="FIELD=VALUE",
         help="set any run field, or a model field (model.FIELD=VALUE)",
     )
+    presets = getattr(task, "preset_fields", {})
+    preset_notes = {
+        name: ", ".join(
+            f"{p} preset {_default_text(presets[p][name])}"
+            for p in ("cpu", "gpu")
+            if name in presets.get(p, {})
+        )
+        for name in field_hints(task.config_cls)
+    }
     add_dataclass_flags(
         parser,
         task.config_cls,
         exclude=(task.choice_flag, "preset", "model_config"),
         group_title="run",
-        helps=helps,
+        helps={
+            name: " ".join(filter(None, [(helps or {}).get(name), preset_notes.get(name)]))
+            for name in field_hints(task.config_cls)
+        },
     )
-    model_fields = _model_fields(task)
-    group = parser.add_argument_group(
-        f"model (fields of the chosen --{task.choice_flag}'s model config)"
-    )
-    for name, hint in model_fields.items():
-        group.add_argument(
+    _add_model_flags(parser, task)
+    add_distributed_flags(parser)
+    return parser
+
+
+def _add_model_flags(parser: argparse.ArgumentParser, task: Task) -> None:
+    """`--model.FIELD` for every field of any of the task's model configs, grouped by the
+    choices whose config has it; each flag's help from the first such config. Values stay
+    text, typed by `resolve` once the (chosen or saved) model is known; a boolean field of
+    every config that has it is a `BoolFlag`."""
+    owners: dict[str, list[str]] = {}
+    for choice in task.choices():
+        for name in field_hints(task.model_config_cls(choice)):
+            owners.setdefault(name, []).append(choice)
+    every = list(task.choices())
+    groups: dict[tuple[str, ...], argparse._ArgumentGroup] = {}
+    for name, choices in owners.items():
+        key = tuple(choices)
+        if key not in groups:
+            which = f"every --{task.choice_flag}" if choices == every else ", ".join(choices)
+            groups[key] = parser.add_argument_group(f"model fields of {which}")
+        cls = task.model_config_cls(choices[0])
+        hints = {field_hints(task.model_config_cls(c))[name] for c in choices}
+        boolean = hints == {bool}
+        groups[key].add_argument(
             f"--{MODEL_PREFIX}{name}",
             dest=f"{MODEL_PREFIX}{name}",
             default=argparse.SUPPRESS,
-            metavar=name.upper(),
-            help=f"({_hint_name(hint)})",
+            metavar="BOOL" if boolean else name.upper(),
+            help=flag_help(cls, name, field_hints(cls)[name]),
+            **({"action": BoolFlag} if boolean else {}),
         )
-    add_distributed_flags(parser)
-    return parser
 
 
 def _model_fields(task: Task) -> dict[str, Any]:
@@ -372,6 +515,7 @@ def resolve(
     the work directory is --workdir or a new one under runs/. A bad value is a usage error
     (exit 2) naming the field, raised before anything is written."""
     flag = task.choice_flag
+    model_cls = None
     try:
         choice = getattr(args, flag, None)
         model_cls = task.model_config_cls(choice or (saved or {}).get(flag, task.default_choice))
@@ -398,8 +542,21 @@ def resolve(
                 )
             config = replace(config, model_overrides=model, **run)
     except (ValueError, TypeError) as e:
-        parser.error(str(e))
+        parser.error(_as_flags(str(e), task, model_cls))
     return config, args.workdir or default_workdir(task, config)
+
+
+def _as_flags(message: str, task: Task, model_cls: type | None) -> str:
+    """A config error as the user typed it: 'steps: ...' -> '--steps: ...', 'd_model: ...'
+    -> '--model.d_model: ...' (a message about anything else is left as it is)."""
+    name, sep, rest = message.partition(": ")
+    if not sep or not re.fullmatch(r"\w+", name):
+        return message
+    if name in field_hints(task.config_cls):
+        return f"--{name}: {rest}"
+    if model_cls is not None and name in field_hints(model_cls):
+        return f"--{MODEL_PREFIX}{name}: {rest}"
+    return message
 
 
 def config_from_args(
@@ -419,6 +576,7 @@ EXIT_USAGE = 2  # bad flags (argparse)
 EXIT_DIVERGED = 3  # the loss or gradient became NaN / infinite, or the result is infinite
 EXIT_INTERRUPTED = 75  # stopped by SIGTERM / SIGINT after saving (EX_TEMPFAIL: run again)
 ERROR_LOG = "error.log"
+INFERENCE_ERROR_LOG = "inference_error.log"  # --translate, --eval, --export_*, --generate
 # What these mean is known: one message says what went wrong and where.
 EXPECTED_ERRORS = (ValueError, OSError, RuntimeError)
 
@@ -443,18 +601,24 @@ def main_of(
     parser: argparse.ArgumentParser,
     run: Callable[[argparse.Namespace], int],
     argv: Sequence[str] | None,
+    *,
+    is_inference: Callable[[argparse.Namespace], bool] = lambda args: False,
 ) -> int:
     """An entry point's main: parse argv (a bad flag exits with EXIT_USAGE), then `run(args)`
-    under `run_command` -> the exit code (0 done, 1 error, 2 bad flags or values, 3 diverged,
-    75 stopped by a signal after saving)."""
+    under `run_command` -> the exit code (0 done, 1 error, 2 bad flags, values or input files,
+    3 diverged, 75 stopped by a signal after saving). A mode that only reads the run
+    (`is_inference`) writes its tracebacks to W/inference_error.log, never into the training
+    run's W/error.log."""
     args = parser.parse_args(sys.argv[1:] if argv is None else argv)
-    return run_command(lambda: run(args), workdir=args.workdir)
+    log_name = INFERENCE_ERROR_LOG if is_inference(args) else ERROR_LOG
+    return run_command(lambda: run(args), workdir=args.workdir, log_name=log_name)
 
 
-def run_command(body: Callable[[], int], *, workdir: str | None) -> int:
+def run_command(body: Callable[[], int], *, workdir: str | None, log_name: str = ERROR_LOG) -> int:
     """Runs an entry point's body -> its exit code. An expected error prints one message
-    (the cause and the path it names) to stderr and its traceback to W/error.log, instead of a
-    page of library internals; a training divergence exits with EXIT_DIVERGED."""
+    (the cause and the path it names) to stderr and its traceback to W/`log_name`
+    (W/error.log), instead of a page of library internals; a training divergence exits with
+    EXIT_DIVERGED."""
     _quiet_orbax_leftovers(workdir)
     try:
         return body()
@@ -468,7 +632,7 @@ def run_command(body: Callable[[], int], *, workdir: str | None) -> int:
         print(f"error: {e}", file=sys.stderr, flush=True)
         return EXIT_USAGE
     except EXPECTED_ERRORS as e:
-        where = _log_traceback(workdir)
+        where = _append_error_log(workdir, traceback.format_exc(), name=log_name)
         kind = "training diverged" if isinstance(e, TrainingDiverged) else "error"
         print(
             f"{kind}: {e}" + (f"\n(traceback in {where})" if where else ""),
@@ -478,17 +642,15 @@ def run_command(body: Callable[[], int], *, workdir: str | None) -> int:
         return EXIT_DIVERGED if isinstance(e, TrainingDiverged) else EXIT_ERROR
 
 
-def _log_traceback(workdir: str | None) -> str | None:
-    return _append_error_log(workdir, traceback.format_exc())
-
-
-def _append_error_log(workdir: str | None, text: str, source: str = "") -> str | None:
-    """Appends a dated section holding `text` to W/error.log -> its path, or None when there is
+def _append_error_log(
+    workdir: str | None, text: str, source: str = "", *, name: str = ERROR_LOG
+) -> str | None:
+    """Appends a dated section holding `text` to W/`name` -> its path, or None when there is
     no W to write to (none given, not a directory, a full or read-only disk)."""
     workdir = local_dir(workdir) if workdir else None  # a remote W: its local mirror
     if not workdir or not os.path.isdir(workdir):
         return None
-    path = os.path.join(workdir, ERROR_LOG)
+    path = os.path.join(workdir, name)
     try:
         with open(path, "a") as f:
             f.write(f"--- {time.strftime('%Y-%m-%d %H:%M:%S')}{source}\n{text}\n")

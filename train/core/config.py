@@ -60,10 +60,12 @@ class RunConfig:
     Attributes:
       preset: the named recipe this config started from (each task lists its own).
       model_config: the model's frozen config.
-      steps: stop after this many optimizer steps (a resumed run may change it). With
-        fit_to_budget, the run's length when it has no time budget (minutes 0).
+      steps: stop after this many optimizer steps (a resumed run may change it, not below
+        its checkpoint's step). With fit_to_budget, the run's length when it has no time
+        budget (minutes 0); given on a resume, where the run stops.
       minutes: also stop when this much wall time has passed since the start, data
-        preparation included (0 = no limit); evaluation follows.
+        preparation included (0 = no limit); evaluation follows. Counted from each start: a
+        resumed run gets the whole budget again.
       fit_to_budget: with a time budget (minutes), the run chooses its steps itself: it times
         its first steps after compiling (and a validation, when it validates within the
         budget), sets its length to the steps that fit the time left, and its learning-rate

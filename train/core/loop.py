@@ -74,6 +74,9 @@ class LoopConfig:
       the loop chooses it: from the deadline, after timing fit_measure steps that follow the
       first fit_skip of this run; `steps` without a deadline. A length already chosen (a
       resumed run's) is kept, and is where the loop stops.
+    - steps_given: a fitted run resumed with an explicit --steps: the loop stops there. A run
+      that has not chosen its length yet takes it as its length (no fitting, as a new run
+      given --steps); one that has keeps the length its schedule decays over.
     """
 
     steps: int
@@ -85,16 +88,19 @@ class LoopConfig:
     nonfinite: str = "stop"
     agree_every: int = 10
     fit_to_budget: bool = False
+    steps_given: bool = False
     # Long enough to pass the first executions of a translation run's several batch shapes,
     # which fall over its first tens of steps (benchmarks/translate_cpu_recipe_2026-11-29/).
     fit_skip: int = 20
     fit_measure: int = 200
 
     @classmethod
-    def from_run(cls, run: RunConfig, *, start: float) -> LoopConfig:
+    def from_run(cls, run: RunConfig, *, start: float, steps_given: bool = False) -> LoopConfig:
         """The loop settings of a run config; its `minutes` (0 = no limit) count from `start`,
-        a time.monotonic() value."""
+        a time.monotonic() value (a resumed run's budget starts afresh). steps_given: see the
+        class."""
         return cls(
+            steps_given=steps_given and run.fit_to_budget,
             steps=run.steps,
             deadline=start + 60.0 * run.minutes if run.minutes else None,
             log_every=run.log_every,
@@ -388,6 +394,11 @@ class Reporter:
 
 
 # ----------------------------------------------------------------------------- the loop
+# A fitted run with less time than this left when its loop starts is warned that it may not
+# get to choose its length: it times 200 steps after 20 (about 30 s of the CPU main job).
+SHORT_BUDGET_S = 90.0
+
+
 def train_loop(
     state: TrainState,
     *,
@@ -424,7 +435,15 @@ def train_loop(
     steps, measure = config.steps, None
     if config.fit_to_budget:
         chosen = schedule_length(state)
-        if chosen:
+        if config.steps_given and chosen:
+            log(
+                f"stopping at step {config.steps:,} (--steps); the schedule keeps the length "
+                f"this run chose, {chosen:,} steps"
+            )
+        elif config.steps_given:
+            state = with_schedule_length(dp, state, config.steps)
+            log(f"--steps {config.steps:,}: schedule set to {config.steps:,} steps, not fitted")
+        elif chosen:
             steps = chosen
             log(f"resumed with the schedule length this run chose: {chosen:,} steps")
         elif config.deadline is None:
@@ -432,6 +451,14 @@ def train_loop(
             log(f"no time budget: schedule set to the run's {config.steps:,} steps")
         else:
             steps, measure = None, BudgetMeasure(start_step, config, clock)
+            left = config.deadline - clock()
+            if left < SHORT_BUDGET_S:
+                log(
+                    f"warning: {left:.0f} s of the time budget are left, and the run first "
+                    f"times steps {measure.start}-{measure.end} to fit its schedule to the "
+                    "budget; if the budget ends before, the run stops with its schedule not "
+                    "fitted (still warming up). Give more --minutes, or --steps N"
+                )
     interval = Interval(dp, carried)
     report = Reporter(
         config,
@@ -520,6 +547,11 @@ def train_loop(
                 log(measure.message)
                 measure = None
         reason = reason or "steps"
+        if measure is not None and reason == "time":
+            log(
+                f"the time budget ended at step {step:,}, before the run had timed its steps "
+                f"(steps {measure.start}-{measure.end}): its schedule was never fitted"
+            )
         progressed = step > start_step or (checkpoints and checkpoints.latest_step() is None)
         if reason in SIGNAL_REASONS.values():
             # A complete interval is logged; the steps of one cut short go into the checkpoint,

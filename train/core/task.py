@@ -40,7 +40,7 @@ from train.core.checkpoint import (
     save_run_config,
 )
 from train.core.compile_cache import CacheTally
-from train.core.config import RunConfig, config_from_dict, config_to_dict
+from train.core.config import RunConfig, UsageError, config_from_dict, config_to_dict
 from train.core.loop import LoopConfig, LoopResult, printer, stop_on_signals, train_loop
 from train.core.metrics import MetricsWriter
 from train.core.parallel import (
@@ -386,7 +386,7 @@ def train_and_evaluate(task: Task, config: RunConfig, workdir: str) -> dict[str,
                 data.start(ctx, eval_params(state))
             dstate = run.dp.put_state(state)
             train_step = _compiled_train_step(run, loss_fn, dstate, data, step, log)
-            loop = LoopConfig.from_run(config, start=start)
+            loop = LoopConfig.from_run(config, start=start, steps_given=_steps_given(run.changed))
             log(
                 f"training from step {step} to "
                 + (
@@ -394,7 +394,12 @@ def train_and_evaluate(task: Task, config: RunConfig, workdir: str) -> dict[str,
                     if config.fit_to_budget and loop.deadline
                     else f"{config.steps}"
                 )
-                + (f" or until {_wall_clock(loop.deadline)}" if loop.deadline else "")
+                + (
+                    f" or until {_wall_clock(loop.deadline)} (--minutes {config.minutes:g} "
+                    "from this start)"
+                    if loop.deadline
+                    else ""
+                )
                 + "; SIGTERM saves a checkpoint and stops"
             )
             try:
@@ -453,6 +458,12 @@ class _Run:
     writer: MetricsWriter
 
 
+def _steps_given(changed: Sequence[str]) -> bool:
+    """Whether a resume was given a --steps other than the run's ('steps: saved -> given' in
+    its changed settings)."""
+    return any(c.startswith("steps:") for c in changed)
+
+
 @contextlib.contextmanager
 def _opened(
     task: Task, config: RunConfig, workdir: str, log: Callable[[str], None]
@@ -467,6 +478,13 @@ def _opened(
     dp = DataParallel(config.parallel, sharding=config.sharding)
     tx, schedule = make_optimizer(task.optimizer_config(config))
     checkpoints = Checkpoints(workdir, keep=config.keep_checkpoints)
+    latest = checkpoints.latest_step() if _steps_given(changed) else None
+    if latest is not None and latest > config.steps:
+        checkpoints.close()
+        raise UsageError(
+            f"--steps {config.steps}: the run in {workdir} is already at step {latest:,}; give "
+            f"--steps {latest} or more, or leave it out to keep the run's own"
+        )
     writer = MetricsWriter(workdir)
     try:
         yield _Run(

@@ -93,7 +93,9 @@ def config_from_args(argv: Sequence[str] | None) -> tuple[LMConfig, str, argpars
 def main(argv: Sequence[str] | None = None) -> int:
     """-> the exit code (see train.core.cli.main_of)."""
     parser = make_parser()
-    return cli.main_of(parser, lambda args: _run(parser, args), argv)
+    return cli.main_of(
+        parser, lambda args: _run(parser, args), argv, is_inference=lambda a: a.generate is not None
+    )
 
 
 def _run(parser: argparse.ArgumentParser, args: argparse.Namespace) -> int:

@@ -7,12 +7,14 @@ prompt into every generated segment (`xl_jax.generate`).
 
 from __future__ import annotations
 
+import sys
+
 import jax
 import numpy as np
 
 from train.core.task import params_for_inference
 from train.lm.task import TASK, load_vocab
-from train.lm.text import ByteVocab, TextVocab
+from train.lm.text import ByteVocab, TextVocab, tokens
 from xl_jax.generate import generate
 
 UNK = "<unk>"
@@ -34,6 +36,21 @@ def encode_prompt(vocab, text: str, *, level: str) -> list[int]:
     if unknown:
         raise ValueError(f"prompt: characters {unknown} are not in PTB's character vocabulary")
     return [vocab.token_to_id(s) for s in symbols] or [vocab.eos_id]
+
+
+def unknown_in_prompt(vocab, text: str, *, level: str) -> list[str]:
+    """The prompt's words (or characters) that the run's vocabulary lacks, in order, once
+    each: `encode_prompt` reads them as <unk>."""
+    if isinstance(vocab, ByteVocab):
+        return []  # every byte has an id
+    if isinstance(vocab, TextVocab):
+        symbols = tokens(text, vocab.level)
+        missing = [s for s in symbols if s != UNK and vocab.token_to_id(s) == 1]
+    elif level == "word":
+        missing = [s for s in text.lower().split() if _id_or(vocab, s, None) is None]
+    else:
+        return []  # PTB's characters: an unknown one is an error (encode_prompt)
+    return list(dict.fromkeys(missing))
 
 
 def _id_or(vocab, symbol: str, fallback: str | None) -> int | None:
@@ -69,6 +86,14 @@ def generate_text(
     config, model, params, dp = params_for_inference(TASK, workdir)
     level = config.data_level()
     vocab = load_vocab(config)
+    unknown = unknown_in_prompt(vocab, prompt, level=level)
+    if unknown:
+        shown = ", ".join(repr(s) for s in unknown[:10]) + (", ..." if len(unknown) > 10 else "")
+        print(
+            f"prompt: {len(unknown)} not in the run's vocabulary, read as {UNK}: {shown}",
+            file=sys.stderr,
+            flush=True,
+        )
     ids = np.asarray([encode_prompt(vocab, prompt, level=level)], np.int32)  # [1, P]
     # replicate: a run with sharding='fsdp' may hold parts of the weights on other hosts.
     out = generate(

@@ -190,6 +190,7 @@ class LMTask:
     default_choice = "ptb"
     config_cls = LMConfig
     presets = tuple(PRESETS)
+    preset_fields = PRESETS
 
     def choices(self) -> list[str]:
         return [*sorted(DATASETS), "tfds:"]  # 'tfds:' takes any name after it (tfds:lm1b)

@@ -5,11 +5,13 @@ from __future__ import annotations
 import argparse
 import os
 from collections.abc import Sequence
+from functools import partial
 
 import jax
 
 from train.core import cli
 from train.core.task import train_and_evaluate
+from train.data.text_files import read_lines
 from train.translate.config import TranslateConfig
 from train.translate.evaluate import DecodeOptions, write_lines
 from train.translate.export import export_ct2, export_marian, load_exportable
@@ -35,7 +37,7 @@ DESCRIPTION = """Train and evaluate a translation model: Multi30k German -> Engl
     python -m train.translate --pretrained opus-mt-de-en --translate "Ein Mann fährt Fahrrad."
     python -m train.translate --pretrained opus-mt-de-en --eval     # BLEU on Multi30k test
     python -m train.translate --pretrained opus-mt-de-en --workdir W    # fine-tune on Multi30k
-    python -m train.translate --pretrained opus-mt-de-en --train_src A.de --train_tgt A.en \
+    python -m train.translate --pretrained opus-mt-de-en --train_src A.de --train_tgt A.en \\
         --valid_src V.de --valid_tgt V.en --workdir W      # fine-tune on your files
 
 --pretrained DIR: an OPUS-MT / Marian folder (config.json, model.safetensors, source.spm,
@@ -230,7 +232,13 @@ def finetune_default(args: argparse.Namespace, saved) -> argparse.Namespace:
 def main(argv: Sequence[str] | None = None) -> int:
     """-> the exit code (see train.core.cli.main_of)."""
     parser = make_parser()
-    return cli.main_of(parser, lambda args: _run(parser, args), argv)
+    return cli.main_of(parser, lambda args: _run(parser, args), argv, is_inference=_inference)
+
+
+def _inference(args: argparse.Namespace) -> bool:
+    """Whether the flags ask for a mode that reads a model and trains nothing."""
+    chosen = {name for flags in MODE_FLAGS.values() for name in flags}
+    return any(getattr(args, name, None) for name in chosen)
 
 
 def _given(args: argparse.Namespace, name: str):
@@ -295,13 +303,19 @@ def _run(parser: argparse.ArgumentParser, args: argparse.Namespace) -> int:
     if mode == TRANSLATE:
         sentences = list(args.translate or [])
         if args.translate_file:
-            with open(args.translate_file, encoding="utf-8") as f:
-                sentences += f.read().splitlines()
+            # Checked as training files are: a missing file, or bytes that are not UTF-8
+            # (file and line), is a usage error.
+            sentences += list(read_lines(args.translate_file))
+        # A blank line is translated as a blank line (a model given nothing makes something).
+        keep = [i for i, s in enumerate(sentences) if s.strip()]
         options = decode_options(args)  # each given one wins over the run's or the folder's
         if pretrained:
-            lines = Pretrained(pretrained, quantize=args.quantize, **options).translate(sentences)
+            translate = Pretrained(pretrained, quantize=args.quantize, **options).translate
         else:
-            lines = translate_text(args.workdir, sentences, quantize=args.quantize, **options)
+            translate = partial(translate_text, args.workdir, quantize=args.quantize, **options)
+        lines = [""] * len(sentences)
+        for i, line in zip(keep, translate([sentences[i] for i in keep]), strict=True):
+            lines[i] = line
         # With several processes each holds every line (decoding gathers them); one writes,
         # or two would race on the same output file.
         if jax.process_index() != 0:

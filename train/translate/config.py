@@ -167,6 +167,11 @@ class TranslateConfig(RunConfig):
             object.__setattr__(self, "tgt_lang", self.tgt_lang or "en")
         if self.optimizer not in OPTIMIZERS:
             raise ValueError(f"optimizer: expected one of {OPTIMIZERS}, got {self.optimizer!r}")
+        if self.optimizer == "adam_cosine" and not self.fit_to_budget and self.steps < 1:
+            raise ValueError(
+                f"steps: the cosine schedule decays over the run's steps; give steps >= 1, "
+                f"got {self.steps}"
+            )
         if self.optimizer == "noam" and not hasattr(self.model_config, "d_model"):
             raise ValueError(
                 f"optimizer: 'noam' needs a model with d_model; {self.model} has none (use 'adam')"

@@ -244,6 +244,7 @@ class TranslationTask:
     default_choice = "transformer"
     config_cls = TranslateConfig
     presets = tuple(PRESETS)
+    preset_fields = PRESETS
 
     def choices(self) -> list[str]:
         return registry.names()

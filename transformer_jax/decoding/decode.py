@@ -297,6 +297,9 @@ def greedy_decode(
 ) -> Array:
     """Greedy decoding of any protocol model (compiled; `model` is hashed as a static argument).
 
+    Each new (B, S, max_len) compiles a new program: pad sources to a few lengths (as
+    `train.translate` buckets them) and keep the batch size fixed, so that they are reused.
+
     Args:
       model: a translation model (Transformer or baseline) following the protocol.
       params: its 'params' collection.
@@ -344,6 +347,8 @@ def beam_search(
     drop_finished: bool | None = None,
 ) -> tuple[Array, Array]:
     """Beam search over any protocol model (compiled; `model` is hashed as a static argument).
+
+    Like `greedy_decode`, each new (B, S, max_len) compiles a new program: pad to a few shapes.
 
     Args:
       model, params, src, max_len: as in `greedy_decode`.

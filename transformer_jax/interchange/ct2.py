@@ -52,6 +52,7 @@ from __future__ import annotations
 import math
 import os
 import re
+import shutil
 from collections import Counter
 from collections.abc import Mapping
 from pathlib import Path
@@ -63,6 +64,7 @@ import numpy as np
 
 from transformer_jax.config import TransformerConfig
 from transformer_jax.files import staged_folder
+from transformer_jax.interchange.marian_tokenizer import SOURCE_SPM, TARGET_SPM
 from transformer_jax.model import Transformer
 from transformer_jax.positional import sinusoidal_positions
 
@@ -165,6 +167,23 @@ def save_ct2(
     _check_destination(folder, overwrite=overwrite)  # again: it may have appeared meanwhile
     with staged_folder(folder) as staging:
         spec.save(str(staging))
+        # The SentencePiece model(s) beside the weights, named as OPUS-MT's conversions name
+        # them: `translate_batch` takes pieces, and the folder then holds all it needs.
+        for name, path in _sentencepiece_files(tokenizer).items():
+            shutil.copyfile(path, staging / name)
+
+
+def _sentencepiece_files(tokenizer: Any) -> dict[str, Path]:
+    """{file name in the export: path} of the tokenizer's SentencePiece models: a
+    MarianTokenizer's source.spm and target.spm, or a joint model (`model_path`) as both;
+    none for a tokenizer without a model file."""
+    files = getattr(tokenizer, "files", None)
+    if isinstance(files, Mapping):
+        return {name: Path(p) for name, p in files.items() if str(name).endswith(".spm")}
+    model = getattr(tokenizer, "model_path", None)
+    if model:
+        return {SOURCE_SPM: Path(model), TARGET_SPM: Path(model)}
+    return {}
 
 
 def _check_destination(folder: Path, *, overwrite: bool) -> None:

@@ -255,7 +255,8 @@ def test_boolean_flags_stand_alone_or_take_a_value():
 def test_help_gives_each_flag_its_meaning_default_and_preset_values():
     text = " ".join(translate_cli.make_parser().format_help().split())
     assert (
-        "--steps STEPS stop after this many optimizer steps (a resumed run may change it); "
+        "--steps STEPS stop after this many optimizer steps (a resumed run may change it, not "
+        "below its checkpoint's step); "
         "cpu preset 2500, gpu preset 100000 (int; default 100000)" in text
     )
     assert "--progress [BOOL], --no-progress [BOOL] a progress bar on a terminal" in text
@@ -304,3 +305,40 @@ def test_unknown_prompt_words_are_named():
     vocab = TextVocab(["<eos>", "<unk>", "the", "cat"], "word")
     assert unknown_in_prompt(vocab, "the dog saw the dog cat", level="word") == ["dog", "saw"]
     assert unknown_in_prompt(vocab, "the cat", level="word") == []
+
+
+def test_every_flag_says_what_it_does():
+    """Every flag of the three commands has a line of help before its type and default: a
+    config field without its docstring entry fails here."""
+    from train.bench.options import build_parser
+
+    for parser in (translate_cli.make_parser(), lm_cli.make_parser(), build_parser()):
+        bare = [a.dest for a in actions(parser) if not a.help or a.help.startswith("(")]
+        assert bare == [], (parser.prog, bare)
+
+
+def test_an_error_class_carries_its_exit_code_label_and_logging(tmp_path, capsys):
+    from train.core import errors
+
+    class Unlogged(errors.RunError):
+        exit_code, label, logged = 42, "made up", False
+
+    def raises(error):
+        def body():
+            raise error
+
+        return body
+
+    workdir = tmp_path / "W"
+    workdir.mkdir()
+    # A new class needs no new except: its own code and label, and no traceback logged.
+    assert cli.run_command(raises(Unlogged("what happened")), workdir=str(workdir)) == 42
+    assert capsys.readouterr().err.strip() == "made up: what happened"
+    assert not (workdir / cli.ERROR_LOG).exists()
+    diverged = errors.TrainingDiverged("loss is nan at step 7")
+    assert cli.run_command(raises(diverged), workdir=str(workdir)) == cli.EXIT_DIVERGED
+    assert capsys.readouterr().err.startswith("training diverged: loss is nan at step 7")
+    assert "loss is nan" in (workdir / cli.ERROR_LOG).read_text()
+    # A library's own error: exit 1, logged.
+    assert cli.run_command(raises(OSError("disk full")), workdir=str(workdir)) == cli.EXIT_ERROR
+    assert capsys.readouterr().err.startswith("error: disk full")

@@ -173,3 +173,22 @@ def test_from_ptb_builds_through_the_tfds_dataset(tmp_path, ptb_word):
 
     with pytest.raises(ValueError, match="expected 9999"):
         Wrong.from_ptb(data_dir=tmp_path)
+
+
+def test_a_vocabulary_size_the_text_cannot_give_names_the_sizes_it_can(tmp_path):
+    from train.data.tokenizers import VocabularySizeError, write_model
+
+    sentences = ["ein mann fährt fahrrad", "a man rides a bike", "zwei hunde im schnee"] * 20
+    ranges = set()
+    for size in (4000, 64):
+        with pytest.raises(VocabularySizeError) as e:
+            write_model(tmp_path / "m.model", sentences, vocab_size=size)
+        message = str(e.value)
+        assert message.startswith(f"vocab_size={size}: SentencePiece can make between")
+        assert f"{e.value.low:,} and {e.value.high:,} pieces of these 60 training" in message
+        ranges.add((e.value.low, e.value.high))
+    # Either side's error gives the same range, and both ends of it are sizes it can make.
+    ((low, high),) = ranges
+    assert low == len(set("".join(sentences))) + 256 + 4  # characters, bytes, specials
+    for size in (low, high):
+        write_model(tmp_path / f"{size}.model", sentences, vocab_size=size)

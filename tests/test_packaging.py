@@ -145,3 +145,23 @@ def test_the_model_libraries_need_only_jax_flax_optax_and_numpy():
     )
     assert done.returncode == 0, done.stderr
     assert done.stdout.strip() == "[]"
+
+
+def test_the_model_core_imports_nothing_above_it():
+    """The layers stand below the searches: the model core, the attention core and int8 import
+    nothing from transformer_jax.decoding, the interchange formats or the training library."""
+    import ast
+
+    above = ("transformer_jax.decoding", "transformer_jax.interchange", "train")
+    core = ["model", "layers", "attention", "int8", "losses", "positional", "config", "platform"]
+    for name in core:
+        path = os.path.join(REPO, "transformer_jax", f"{name}.py")
+        with open(path, encoding="utf-8") as f:
+            tree = ast.parse(f.read())
+        imported = [
+            node.module
+            for node in ast.walk(tree)
+            if isinstance(node, ast.ImportFrom) and node.module
+        ] + [a.name for node in ast.walk(tree) if isinstance(node, ast.Import) for a in node.names]
+        bad = [m for m in imported if m == above[2] or m.startswith(tuple(a + "." for a in above))]
+        assert bad == [], (name, bad)

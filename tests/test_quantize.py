@@ -1,4 +1,4 @@
-"""int8 inference (`transformer_jax.decoding.quantize`): the quantization itself, the params
+"""int8 inference (`transformer_jax.int8`): the quantization itself, the params
 it writes against the quantized model's own, and int8 decoding against float32 within stated
 bounds."""
 
@@ -10,7 +10,7 @@ import numpy as np
 import pytest
 
 from transformer_jax import Transformer, TransformerConfig, beam_search, greedy_decode
-from transformer_jax.decoding.quantize import int8_matmul, quantize_params, quantize_rows
+from transformer_jax.int8 import int8_matmul, quantize_params, quantize_rows
 
 V = 40
 

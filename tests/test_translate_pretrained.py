@@ -35,7 +35,9 @@ def folder(tmp_path_factory):
 def test_batched_translation_equals_one_sentence_at_a_time(folder):
     sentences = list(SOURCE_TEXT[:5])
     pretrained = Pretrained(str(folder), greedy=True, eval_batch_size=2)
-    batched = pretrained.translate(sentences)
+    progress = []
+    batched = pretrained.translate(sentences, progress=progress.append)
+    assert sum(progress) == 5 and all(progress)  # each batch reported as it ends
     settings = pretrained.settings
     model, params, tokenizer = load_marian(folder)
     for sentence, got in zip(sentences, batched):

@@ -32,8 +32,8 @@ from transformer_jax.baselines.seq2seq import (
 )
 from transformer_jax.config import TransformerConfig
 from transformer_jax.decoding.decode import beam_search, greedy_decode, model_step_fn
-from transformer_jax.decoding.quantize import quantize_params
 from transformer_jax.decoding.search import cache_stages, search_beam, search_greedy
+from transformer_jax.int8 import quantize_params
 from transformer_jax.interchange.ct2 import save_ct2
 from transformer_jax.interchange.marian import (
     GenerationDefaults,

@@ -14,7 +14,7 @@ import numpy as np
 from transformer_jax.attention import IMPLEMENTATIONS
 
 # TransformerConfig.quantize's choices: the weights our own decoding runs with
-# (transformer_jax.decoding.quantize computes them). Not CTranslate2's
+# (transformer_jax.int8 computes them). Not CTranslate2's
 # (interchange.ct2.CT2_QUANTIZATIONS).
 DECODE_QUANTIZATIONS = ("int8",)
 
@@ -71,7 +71,7 @@ class TransformerConfig:
       attention_impl: "auto" (cuDNN's fused kernel on a GPU in half precision where it
         applies, else XLA), "xla" or "cudnn"; see `transformer_jax.attention`.
       quantize: None, or "int8" for inference with int8 weights
-        (`transformer_jax.decoding.quantize`: the params come from `quantize_params`; such a
+        (`transformer_jax.int8`: the params come from `quantize_params`; such a
         model is not trained).
     """
 

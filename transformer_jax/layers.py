@@ -21,7 +21,7 @@ from jax import lax
 
 from transformer_jax.attention import beam_attention, dot_product_attention
 from transformer_jax.config import ACTIVATIONS, TransformerConfig
-from transformer_jax.decoding.quantize import Int8Dense
+from transformer_jax.int8 import Int8Dense
 from transformer_jax.platform import compile_platform
 
 Array = jax.Array
@@ -31,7 +31,7 @@ DecoderLayerCache = dict[str, Array]
 def dense(features: int, *, dtype, quantize: str | None = None, **kwargs) -> nn.Module:
     """A Dense layer computing in `dtype`, with float32 parameters, the paper code's
     Xavier-uniform kernel and a zero bias, its product `dense_product`; with quantize="int8",
-    its int8 form for inference (`transformer_jax.decoding.quantize.Int8Dense`, same parameter names
+    its int8 form for inference (`transformer_jax.int8.Int8Dense`, same parameter names
     plus the kernel's scale)."""
     if quantize == "int8":
         return Int8Dense(features, **kwargs)

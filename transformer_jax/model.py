@@ -30,7 +30,7 @@ from jax import lax
 
 from transformer_jax.attention import combine_masks, make_causal_mask, make_padding_mask
 from transformer_jax.config import DECODE_QUANTIZATIONS, TransformerConfig
-from transformer_jax.decoding.quantize import Int8Embed, quantize_params
+from transformer_jax.int8 import Int8Embed, quantize_params
 from transformer_jax.layers import DecoderLayer, EncoderLayer, dense, layer_norm, output_logits
 from transformer_jax.positional import PositionalEncoding
 from transformer_jax.shapes import check_token_ids

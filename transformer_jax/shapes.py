@@ -11,8 +11,6 @@ axes where they are named, use these letters with these meanings and no others.
   D  model width: the stream a model carries between layers (a recurrent model: its state)
   E  embedding width                  A  additive-attention width
   V  vocabulary                       k  convolution kernel size
-
-Also the check every model makes of its token-id inputs (`check_token_ids`).
 """
 
 import jax
@@ -20,6 +18,9 @@ import jax.numpy as jnp
 import numpy as np
 
 GLOSSARY = __doc__
+
+
+# The check every model makes of its token-id inputs, with the alphabet it speaks in.
 
 
 def check_token_ids(ids, vocab_size: int, what: str) -> None:

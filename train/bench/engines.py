@@ -15,7 +15,7 @@ may be shorter than max_len). `until_eos` cuts a row to what counts.
 
 - `ours`: `transformer_jax.decoding.decode.greedy_decode` and `beam_search` (GNMT length penalty,
   best_only), jitted: each source shape compiles once. `ours int8`: the same searches over
-  the model's int8 form (`transformer_jax.decoding.quantize`).
+  the model's int8 form (`transformer_jax.int8`).
 - `ctranslate2 float32` / `ctranslate2 int8`: a `save_ct2` export in CTranslate2, its weights
   quantized as named, `ct2_translate` (inter_threads 1, intra_threads `threads`).
 - `transformers`: a `save_marian` folder in `MarianMTModel.generate`, where Marian can express

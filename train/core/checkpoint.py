@@ -28,6 +28,7 @@ import orbax.checkpoint as ocp
 from etils import epath
 from orbax.checkpoint.checkpoint_managers import preservation_policy as ocp_keep
 
+from train.core.errors import CheckpointError
 from train.core.state import TrainState
 from train.core.workdir import files_below, is_remote, local_dir, push
 from transformer_jax.files import file_sha256
@@ -49,10 +50,6 @@ class _QuietUnrankedSaves(logging.Filter):
 
 # One instance, so that every Checkpoints installs the same filter: addFilter keeps one copy.
 _QUIET_UNRANKED_SAVES = _QuietUnrankedSaves()
-
-
-class CheckpointError(RuntimeError):
-    """A checkpoint or saved run config exists but cannot be used."""
 
 
 def checkpoint_dir(workdir: str) -> str:

@@ -39,9 +39,17 @@ import jax
 
 from train.core.checkpoint import CONFIG_FILE, load_run_config
 from train.core.compile_cache import enable_compilation_cache
-from train.core.config import RunConfig, UsageError, field_hints, replace
+from train.core.config import RunConfig, field_hints, replace
+from train.core.errors import (  # noqa: F401 - the exit codes are the commands' API here too
+    EXIT_DIVERGED,
+    EXIT_ERROR,
+    EXIT_INTERRUPTED,
+    EXIT_OK,
+    EXIT_USAGE,
+    RunError,
+    UsageError,
+)
 from train.core.host_memory import keep_host_memory
-from train.core.loop import TrainingDiverged
 from train.core.parallel import maybe_initialize_distributed
 from train.core.task import Task, config_from_saved, default_workdir
 from train.core.workdir import local_dir
@@ -570,14 +578,10 @@ def config_from_args(
 
 
 # ------------------------------------------------------------------- exit codes and errors
-EXIT_OK = 0
-EXIT_ERROR = 1  # a clear error: bad input, unusable checkpoint or data, disk, ...
-EXIT_USAGE = 2  # bad flags (argparse)
-EXIT_DIVERGED = 3  # the loss or gradient became NaN / infinite, or the result is infinite
-EXIT_INTERRUPTED = 75  # stopped by SIGTERM / SIGINT after saving (EX_TEMPFAIL: run again)
 ERROR_LOG = "error.log"
 INFERENCE_ERROR_LOG = "inference_error.log"  # --translate, --eval, --export_*, --generate
-# What these mean is known: one message says what went wrong and where.
+# Raised by the libraries a run uses, with a message that says what went wrong and where (a
+# file that cannot be read, a value out of range): one line and exit 1, as a RunError.
 EXPECTED_ERRORS = (ValueError, OSError, RuntimeError)
 
 
@@ -617,8 +621,9 @@ def main_of(
 def run_command(body: Callable[[], int], *, workdir: str | None, log_name: str = ERROR_LOG) -> int:
     """Runs an entry point's body -> its exit code. An expected error prints one message
     (the cause and the path it names) to stderr and its traceback to W/`log_name`
-    (W/error.log), instead of a page of library internals; a training divergence exits with
-    EXIT_DIVERGED."""
+    (W/error.log), instead of a page of library internals. The project's errors
+    (`train.core.errors.RunError`) carry their exit code, their label and whether they are
+    logged; a library's ValueError, OSError or RuntimeError exits 1."""
     _quiet_orbax_leftovers(workdir)
     try:
         return body()
@@ -628,18 +633,21 @@ def run_command(body: Callable[[], int], *, workdir: str | None, log_name: str =
             file=sys.stderr,
         )
         return 130
-    except UsageError as e:
-        print(f"error: {e}", file=sys.stderr, flush=True)
-        return EXIT_USAGE
-    except EXPECTED_ERRORS as e:
-        where = _append_error_log(workdir, traceback.format_exc(), name=log_name)
-        kind = "training diverged" if isinstance(e, TrainingDiverged) else "error"
+    except (RunError, *EXPECTED_ERRORS) as e:
+        # The project's errors carry their exit code, label and whether to log; others are
+        # a plain error (exit 1, logged).
+        ours = isinstance(e, RunError)
+        code = e.exit_code if ours else EXIT_ERROR
+        where = None
+        if not ours or e.logged:
+            where = _append_error_log(workdir, traceback.format_exc(), name=log_name)
+        label = e.label if ours else "error"
         print(
-            f"{kind}: {e}" + (f"\n(traceback in {where})" if where else ""),
+            f"{label}: {e}" + (f"\n(traceback in {where})" if where else ""),
             file=sys.stderr,
             flush=True,
         )
-        return EXIT_DIVERGED if isinstance(e, TrainingDiverged) else EXIT_ERROR
+        return code
 
 
 def _append_error_log(

@@ -16,24 +16,12 @@ import typing
 from collections.abc import Mapping
 from typing import Any, ClassVar
 
+from train.core.errors import InputError, UsageError  # noqa: F401 - callers import them here
+
 PARALLEL_MODES = ("jit", "pmap")
 SHARDINGS = ("replicated", "fsdp")
 # What a step with a NaN or infinite loss or gradient does: stop the run, or skip the update.
 NONFINITE_POLICIES = ("stop", "skip")
-
-
-class InputError(Exception):
-    """Something a run was given or reads cannot be used as it is: a flag or value
-    (`UsageError`), a data file (`train.data.text_files.DataError`), a dataset's source files
-    (`train.data.datasets.DatasetSourceError`) or its prepared copy
-    (`train.data.datasets.DatasetError`); the message names it. Each subclass also keeps the
-    built-in base that callers catch it by, which sets the exit code
-    (`train.core.cli.run_command`): a UsageError exits 2, the others 1."""
-
-
-class UsageError(InputError, ValueError):
-    """A bad flag, value or input file, found once the run has started (exit 2: fix the
-    command)."""
 
 
 def check_choice(name: str, value: Any, choices: tuple[str, ...]) -> None:
@@ -74,8 +62,8 @@ class RunConfig:
         still stops it). Without a budget the length is `steps`. A preset that sets it trains
         a given `steps` as a fixed count instead (`preset_run_fields`).
       seed: parameters, dropout and batch order all derive from it.
-      parallel: 'jit' (Mesh + NamedSharding) or 'pmap'. distributed: initialise JAX's
-        distributed runtime first (several processes).
+      parallel: 'jit' (Mesh + NamedSharding) or 'pmap'.
+      distributed: initialise JAX's distributed runtime first (several processes).
       sharding: 'replicated' (every device holds all parameters and optimizer state) or
         'fsdp' (each leaf split over the devices along one axis, ZeRO-3 style; jit only). A
         resumed run may change it: the numbers are the same either way.

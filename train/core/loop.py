@@ -46,6 +46,7 @@ from tqdm.auto import tqdm
 from train.core.budget import StepCosts, describe, fitted_steps
 from train.core.checkpoint import BEST_METRIC, Checkpoints
 from train.core.config import NONFINITE_POLICIES, check_choice
+from train.core.errors import TrainingDiverged
 from train.core.metrics import MetricsWriter, summarize_interval
 from train.core.parallel import DataParallel
 from train.core.state import TrainState
@@ -55,10 +56,6 @@ if TYPE_CHECKING:  # only for the annotation: the run config imports nothing fro
     from train.core.config import RunConfig
 
 SIGNAL_REASONS = {signal.SIGTERM: "sigterm", signal.SIGINT: "sigint"}
-
-
-class TrainingDiverged(RuntimeError):
-    """The training loss or gradient became NaN or infinite."""
 
 
 @dataclasses.dataclass(frozen=True)

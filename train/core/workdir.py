@@ -33,6 +33,8 @@ import time
 import jax
 from etils import epath
 
+from train.core.errors import WorkdirError
+
 LOCK_FILE = ".lock"
 # Written by orbax straight to the remote directory; never mirrored.
 REMOTE_ONLY = ("checkpoints",)
@@ -167,10 +169,6 @@ def push(workdir: str) -> int:
 def _signature(path: str) -> tuple[int, int]:
     info = os.stat(path)
     return info.st_size, info.st_mtime_ns
-
-
-class WorkdirError(RuntimeError):
-    """The work directory cannot be used: in use by another run, or not writable."""
 
 
 class WorkdirLock:

@@ -20,6 +20,7 @@ import functools
 import hashlib
 import io
 import os
+import re
 import tempfile
 from collections import Counter
 from collections.abc import Iterable, Sequence
@@ -153,35 +154,84 @@ def write_model(
 
 
 def _train_model(sentences: Sequence[str], *, vocab_size: int, model_type: str) -> bytes:
-    model = io.BytesIO()
+    """The serialized model; a vocabulary size the text cannot give is a ValueError naming
+    the sizes it can."""
     try:
-        spm.SentencePieceTrainer.train(
-            sentence_iterator=iter(sentences),
-            model_writer=model,
-            vocab_size=vocab_size,
-            model_type=model_type,
-            pad_id=PAD_ID,
-            bos_id=BOS_ID,
-            eos_id=EOS_ID,
-            unk_id=UNK_ID,
-            # Exact round trip: no NFKC, keep doubled/leading/trailing spaces as pieces, every
-            # training character in the vocabulary, unseen characters as UTF-8 byte pieces.
-            normalization_rule_name="identity",
-            remove_extra_whitespaces=False,
-            character_coverage=1.0,
-            byte_fallback=True,
-            # Sentencepiece samples 1M sentences by default; use all, in order (deterministic).
-            input_sentence_size=0,
-            shuffle_input_sentence=False,
-            max_sentence_length=1 << 16,
-            num_threads=1,
-            minloglevel=2,
-        )
+        return _spm_train(sentences, vocab_size=vocab_size, model_type=model_type)
     except RuntimeError as e:
+        low, high = _size_range(str(e), sentences, model_type=model_type)
+        if low is not None and high is not None:
+            raise VocabularySizeError(vocab_size, low, high, len(sentences)) from None
         raise ValueError(
             f"SentencePiece training failed (vocab_size={vocab_size}, "
             f"{len(sentences)} sentences): {e}"
         ) from e
+
+
+class VocabularySizeError(ValueError):
+    """A SentencePiece vocabulary size the training text cannot give: `asked`, and the range
+    [`low`, `high`] it can, over `sentences` training sentences."""
+
+    def __init__(self, asked: int, low: int, high: int, sentences: int):
+        self.asked, self.low, self.high, self.sentences = asked, low, high, sentences
+        super().__init__(f"vocab_size={asked}: {self.reason}")
+
+    @property
+    def reason(self) -> str:
+        return (
+            f"SentencePiece can make between {self.low:,} and {self.high:,} pieces of these "
+            f"{self.sentences:,} training sentences, not {self.asked:,}"
+        )
+
+
+def _size_range(
+    message: str, sentences: Sequence[str], *, model_type: str
+) -> tuple[int | None, int | None]:
+    """(fewest, most) pieces SentencePiece can make of `sentences`, from its error about a
+    size outside them: the fewest are every character (coverage 1.0), the 256 byte pieces and
+    the 4 special ones; the most it names when asked for too many (asked once more, with a
+    size no text can give, when the error was about too few). (None, None) for any other
+    error."""
+    too_many = re.search(
+        r"Vocabulary size too high \(\d+\)\. Please set it to a value <= (\d+)", message
+    )
+    too_few = re.search(r"smaller than required_chars\. \d+ vs (\d+)", message)
+    if too_many:
+        characters = {c for s in sentences for c in s}
+        return len(characters) + 256 + 4, int(too_many.group(1))
+    if too_few:
+        try:
+            _spm_train(sentences, vocab_size=1 << 24, model_type=model_type)
+        except RuntimeError as e:
+            high = re.search(r"Please set it to a value <= (\d+)", str(e))
+            return int(too_few.group(1)), int(high.group(1)) if high else None
+    return None, None
+
+
+def _spm_train(sentences: Sequence[str], *, vocab_size: int, model_type: str) -> bytes:
+    model = io.BytesIO()
+    spm.SentencePieceTrainer.train(
+        sentence_iterator=iter(sentences),
+        model_writer=model,
+        vocab_size=vocab_size,
+        model_type=model_type,
+        pad_id=PAD_ID,
+        bos_id=BOS_ID,
+        eos_id=EOS_ID,
+        unk_id=UNK_ID,
+        # Exact round trip: no NFKC, keep doubled/leading/trailing spaces as pieces, every
+        # training character in the vocabulary, unseen characters as UTF-8 byte pieces.
+        normalization_rule_name="identity",
+        remove_extra_whitespaces=False,
+        character_coverage=1.0,
+        byte_fallback=True,
+        # Sentencepiece samples 1M sentences by default; use all, in order (deterministic).
+        input_sentence_size=0,
+        shuffle_input_sentence=False,
+        max_sentence_length=1 << 16,
+        num_threads=1,
+        minloglevel=2,
+    )
     return model.getvalue()
 
 

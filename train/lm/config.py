@@ -64,10 +64,11 @@ class LMConfig(RunConfig):
         carries it over.
       train_text, valid_text, test_text: with dataset 'text', the user's files (train.lm.text);
         the model's vocab_size is the training text's vocabulary, found when the config is
-        made. level: 'word' | 'char' | 'byte'. min_count, max_vocab: a word or char enters
-        the vocabulary when seen at least min_count times in training, at most max_vocab
-        symbols with <eos> and <unk> (0: no limit). split_bytes: byte level, one file:
-        (train, valid, test) byte counts of train_text.
+        made.
+      level: how text is read: 'word' | 'char' | 'byte'.
+      min_count, max_vocab: a word or char enters the vocabulary when seen at least min_count
+        times in training, at most max_vocab symbols with <eos> and <unk> (0: no limit).
+      split_bytes: byte level, one file: (train, valid, test) byte counts of train_text.
       text_feature: with a TFDS dataset, the text feature read from each example.
     """
 

@@ -4,10 +4,12 @@ from __future__ import annotations
 
 import argparse
 import os
+import sys
 from collections.abc import Sequence
 from functools import partial
 
 import jax
+from tqdm.auto import tqdm
 
 from train.core import cli
 from train.core.task import train_and_evaluate
@@ -137,7 +139,7 @@ def make_parser() -> argparse.ArgumentParser:
         choices=DECODE_QUANTIZATIONS,
         default=None,
         help="with --translate, --translate_file or --eval: decode with int8 weights "
-        "(transformer_jax.decoding.quantize)",
+        "(transformer_jax.int8)",
     )
     parser.add_argument(
         "--greedy",
@@ -314,7 +316,16 @@ def _run(parser: argparse.ArgumentParser, args: argparse.Namespace) -> int:
         else:
             translate = partial(translate_text, args.workdir, quantize=args.quantize, **options)
         lines = [""] * len(sentences)
-        for i, line in zip(keep, translate([sentences[i] for i in keep]), strict=True):
+        # A progress bar on a terminal for a file's sentences (tqdm leaves it out elsewhere).
+        with tqdm(
+            total=len(keep),
+            unit="sentence",
+            desc="translating",
+            disable=None if args.translate_file and jax.process_index() == 0 else True,
+            file=sys.stderr,
+        ) as bar:
+            translated = translate([sentences[i] for i in keep], progress=bar.update)
+        for i, line in zip(keep, translated, strict=True):
             lines[i] = line
         # With several processes each holds every line (decoding gathers them); one writes,
         # or two would race on the same output file.

@@ -69,8 +69,10 @@ class TranslateConfig(RunConfig):
         adam_warmup_steps when set) or 'adam_cosine' (the same warm-up, then a cosine from
         learning_rate down to 0 at the run's last step: `steps`, or with fit_to_budget the
         steps that fit its minutes).
-      warmup_steps: the 'noam' warm-up. adam_warmup_steps: the 'adam' and 'adam_cosine'
-        warm-up (0: none).
+      lr_factor: the 'noam' schedule's multiplier.
+      learning_rate: the 'adam' and 'adam_cosine' peak rate.
+      warmup_steps: the 'noam' warm-up.
+      adam_warmup_steps: the 'adam' and 'adam_cosine' warm-up (0: none).
       clip_norm: clip the gradient to this global norm (None: no clipping).
       label_smoothing: of the training loss (validation perplexity is unsmoothed).
       ema_decay: evaluate (validation, test, beam search, --translate) with an exponential
@@ -79,12 +81,15 @@ class TranslateConfig(RunConfig):
       beam_size, length_penalty, decode_margin: beam search on the test split; outputs are at
         most (source bucket length + decode_margin) pieces.
       eval_sentences: evaluate on the first N sentences of each split (0 = all).
+      eval_batch_size: sentences decoded (and scored) together in evaluation.
+      test_split: the Multi30k test set of a Multi30k run (and of --eval).
       tokenizer_dir: where the trained SentencePiece model is cached (None: W/tokenizer); the
         file name encodes the options and a hash of the text, so runs can share a directory.
       teacher_forcing: the probability that a recurrent decoder is fed the reference token
         at a training step rather than its own previous prediction (1: always, the default).
       teacher_forcing_schedule: 'constant', or 'inverse_sigmoid' (scheduled sampling, Bengio
         et al. 2015): teacher_forcing * k / (k + exp(step / k)), k = teacher_forcing_k.
+      teacher_forcing_k: the inverse sigmoid's k (in steps).
       dataset: 'multi30k' (shipped), or 'tfds:NAME[/CONFIG]', a prepared TFDS translation
         dataset in data_dir ('tfds:wmt14_translate/de-en'; train.data.tfds_source): its train
         split trains a joint SentencePiece model of vocab_size pieces and the model, its
@@ -95,10 +100,11 @@ class TranslateConfig(RunConfig):
         'tgt', see `output_languages`).
       train_src, train_tgt: parallel text files to train on instead of Multi30k (UTF-8, one
         sentence a line, optionally gzipped: train.data.text_files); a joint SentencePiece
-        model of vocab_size pieces is trained on them. valid_src, valid_tgt: the validation
-        pair (needed with training files). test_src, test_tgt: test sets, as many of each,
-        each scored (BLEU and chrF) and written under its own name; without them a file run
-        has no test evaluation and a Multi30k run uses test_split.
+        model of vocab_size pieces is trained on them.
+      valid_src, valid_tgt: the validation pair of files (needed with training files).
+      test_src, test_tgt: test sets, as many of each, each scored (BLEU and chrF) and
+        written under its own name; without them a file run has no test evaluation and a
+        Multi30k run uses test_split.
       skip_empty: leave out pairs with an empty side instead of refusing the file.
       spm_sample: with training files or a TFDS dataset, the SentencePiece model trains on
         at most this many of their training sentences: all when the data has no more, else

@@ -106,12 +106,14 @@ def translate_pairs(
     *,
     greedy: bool = False,
     max_output_len: int | None = None,
+    progress: Callable[[int], None] | None = None,
 ) -> list[str]:
     """Beam search (or greedy decoding) over `pairs` (their sources), in order ->
     detokenized hypotheses. `config` supplies eval_batch_size, buckets, decode_margin,
     beam_size, length_penalty and model_config's special ids (a TranslateConfig, or
     `train.translate.pretrained.DecodeSettings`). Outputs are at most max_output_len pieces
-    when given, else the batch's padded source length + decode_margin."""
+    when given, else the batch's padded source length + decode_margin. progress: called with
+    the number of sentences each batch translated."""
     out: list[str] = [""] * len(pairs)
     params = dp.replicate(params)  # fsdp-split weights: gathered once, not in every step
     # Decoded shortest source first, so no batch runs as long as its longest sentence. Only
@@ -146,9 +148,13 @@ def translate_pairs(
             )
             best = tokens[:, 0]  # [N, L], best beam first
         best = dp.fetch_rows(best)
+        done = 0
         for row, i in enumerate(batch["index"]):
             if i >= 0:
                 out[i] = tokenizer.decode(best[row])
+                done += 1
+        if progress is not None:
+            progress(done)
     return out
 
 

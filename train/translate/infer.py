@@ -18,14 +18,16 @@ def translate_text(
     *,
     step: int | None = None,
     quantize: str | None = None,
+    progress=None,
     **options,
 ) -> list[str]:
     """Translates German `sentences` with the checkpoint of `workdir` (default: the best by
     validation loss, else the latest; a run with average_checkpoints N: the mean of its last
     N), by beam search or greedy decoding, in input order; with quantize="int8", by the int8
-    form of the model (`transformer_jax.decoding.quantize`). `options` are `DecodeOptions` fields
+    form of the model (`transformer_jax.int8`). `options` are `DecodeOptions` fields
     (beam_size, length_penalty, greedy, decode_margin, max_output_len, eval_batch_size): each
-    given one replaces the run's own setting."""
+    given one replaces the run's own setting. progress: called with each batch's number of
+    sentences."""
     options = DecodeOptions(**options)  # a bad option fails before the checkpoint is read
     config, model, params, dp = params_for_inference(TASK, workdir, step=step)
     if quantize:
@@ -42,4 +44,5 @@ def translate_text(
         pairs,
         greedy=options.greedy,
         max_output_len=options.max_output_len,
+        progress=progress,
     )

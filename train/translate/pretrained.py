@@ -46,7 +46,7 @@ class Pretrained:
     def __init__(self, folder: str, *, quantize: str | None = None, **options):
         self.options = DecodeOptions(**options)  # a bad option fails before the folder is read
         self.model, self.params, self.tokenizer = load_marian(folder)
-        if quantize:  # the int8 form decodes in its place (transformer_jax.decoding.quantize)
+        if quantize:  # the int8 form decodes in its place (transformer_jax.int8)
             self.model, self.params = quantized(self.model, self.params, quantize)
         if self.tokenizer is None:
             raise FileNotFoundError(
@@ -64,8 +64,9 @@ class Pretrained:
         self.settings = self.options.over(own)
         self.dp = DataParallel("jit")
 
-    def translate(self, sentences: Sequence[str]) -> list[str]:
-        """Source sentences -> translations, in input order."""
+    def translate(self, sentences: Sequence[str], *, progress=None) -> list[str]:
+        """Source sentences -> translations, in input order (`progress`: called with each
+        batch's number of sentences)."""
         pairs = [
             (self.tokenizer.encode_one(s, max_len=self.settings.buckets[-1]), []) for s in sentences
         ]
@@ -78,6 +79,7 @@ class Pretrained:
             pairs,
             greedy=self.options.greedy,
             max_output_len=self.options.max_output_len,
+            progress=progress,
         )
 
 

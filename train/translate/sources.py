@@ -33,6 +33,7 @@ from train.data.tfds_source import TfdsDataset, open_dataset
 from train.data.token_cache import PairSource, cache_key, file_pairs, pairs_cache, sample_pairs
 from train.data.tokenizers import (
     SentencePieceTokenizer,
+    VocabularySizeError,
     model_file_name,
     multi30k_tokenizer,
     write_model,
@@ -143,7 +144,9 @@ def sampled_tokenizer(
         sentences, _ = sample_pairs(source.read([0]), sample=config.spm_sample)
         try:
             write_model(path, sentences, vocab_size=config.vocab_size)
-        except ValueError as e:  # SentencePiece cannot meet the vocabulary size on this text
+        except VocabularySizeError as e:  # the sizes this text can give, named
+            raise DataError(f"--vocab_size {config.vocab_size}: {e.reason}") from e
+        except ValueError as e:  # SentencePiece failed another way on this text
             raise DataError(f"vocab_size: {e}") from e
     return SentencePieceTokenizer(path)
 

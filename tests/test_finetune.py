@@ -18,9 +18,10 @@ from helpers import SOURCE_TEXT, TARGET_TEXT, save_marian, save_tokenizer, train
 from train import translate
 from train.core.checkpoint import save_run_config
 from train.core.config import config_to_dict
+from train.core.inference import params_for_inference
 from train.core.metrics import read_metrics
 from train.core.parallel import DataParallel
-from train.core.task import init_state, params_for_inference
+from train.core.task import init_state
 from train.translate import cli
 from transformer_jax import MarianTokenizer, Transformer, greedy_decode, load_marian
 from transformer_jax.optim import make_optimizer, make_schedule

@@ -14,9 +14,10 @@ from helpers import teacher_forced_nll
 
 from train import translate
 from train.core.checkpoint import Checkpoints
+from train.core.inference import restore_for_inference
 from train.core.metrics import read_metrics
 from train.core.parallel import DataParallel
-from train.core.task import eval_params, init_state, restore_for_inference
+from train.core.task import eval_params, init_state
 from transformer_jax.optim import find_params_ema, make_optimizer
 
 

@@ -19,16 +19,15 @@ from train import lm, translate
 from train.bench.config import BenchConfig
 from train.core import cli
 from train.core.checkpoint import Checkpoints
-from train.core.metrics import read_metrics
-from train.core.parallel import DataParallel
-from train.core.task import (
+from train.core.inference import (
     average_checkpoints,
-    eval_params,
     inference_template,
-    init_state,
     params_for_inference,
     restore_for_inference,
 )
+from train.core.metrics import read_metrics
+from train.core.parallel import DataParallel
+from train.core.task import eval_params, init_state
 from train.lm import cli as lm_cli
 from train.translate import cli as translate_cli
 from train.translate.config import WMT_BUCKETS

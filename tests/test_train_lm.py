@@ -20,10 +20,11 @@ from helpers import REPO, subprocess_xla_flags, tiny_lm_config, train_losses
 
 from train import lm
 from train.core.checkpoint import Checkpoints
+from train.core.inference import restore_for_inference
 from train.core.metrics import read_metrics
 from train.core.parallel import DataParallel
 from train.core.state import TrainState
-from train.core.task import eval_params, restore_for_inference
+from train.core.task import eval_params
 from transformer_jax.optim import make_schedule
 from xl_jax.memory import init_memory
 

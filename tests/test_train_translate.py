@@ -31,9 +31,9 @@ from helpers import (
 
 from train import translate
 from train.core.checkpoint import CheckpointError, Checkpoints
+from train.core.inference import params_for_inference, restore_for_inference
 from train.core.metrics import read_metrics
 from train.core.parallel import DataParallel
-from train.core.task import params_for_inference, restore_for_inference
 from train.data.datasets import load_multi30k
 from train.data.tokenizers import PAD_ID
 from transformer_jax.decoding import decode

@@ -19,8 +19,8 @@ from helpers import made_up_corpus, tree_of, write_lines
 from train import translate
 from train.core import cli
 from train.core.checkpoint import Checkpoints
+from train.core.inference import saved_config
 from train.core.metrics import read_metrics
-from train.core.task import saved_config
 from train.data.text_files import DataError, read_parallel, set_name
 from train.data.tokenizers import SentencePieceTokenizer
 from train.translate import cli as translate_cli

@@ -46,7 +46,7 @@ from train.bench.engines import (
     until_eos,
     versions,
 )
-from train.core.task import saved_config
+from train.core.inference import saved_config
 from train.translate.evaluate import bleu, special_ids
 from train.translate.export import load_exportable
 from train.translate.sources import encode_source, translation_source

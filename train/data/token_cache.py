@@ -24,7 +24,7 @@ It is built under a temporary name and renamed into place once meta.json is writ
 cache that exists is whole: a build killed halfway is never used, and the next run builds
 it again. The next run with the same inputs and options (a resumed one, another run on the
 same files) opens it without encoding anything; other bytes or options make another key.
-Past one process, `train.core.task.prepare_data` has process 0 prepare first while the others
+Past one process, `train.core.run.prepare_data` has process 0 prepare first while the others
 wait; they then open its cache (a shared cache_dir: the local work directory, or a shared
 --cache_dir) or, on a machine of their own, build the same one.
 """

@@ -11,7 +11,7 @@ from __future__ import annotations
 from typing import Any
 
 from train.core.config import replace
-from train.core.task import train_and_evaluate as _run
+from train.core.run import train_and_evaluate as _run
 from train.lm.cli import config_from_args
 from train.lm.config import DATASETS, MODEL_PRESETS, PRESETS, VOCAB_SIZES, LMConfig, make_config
 from train.lm.task import (

@@ -8,7 +8,7 @@ from collections.abc import Sequence
 import jax
 
 from train.core import cli
-from train.core.task import train_and_evaluate
+from train.core.run import train_and_evaluate
 from train.lm.config import LMConfig
 from train.lm.generate import generate_text
 from train.lm.task import TASK

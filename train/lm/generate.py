@@ -12,7 +12,7 @@ import sys
 import jax
 import numpy as np
 
-from train.core.task import params_for_inference
+from train.core.inference import params_for_inference
 from train.lm.task import TASK, load_vocab
 from train.lm.text import ByteVocab, TextVocab, tokens
 from xl_jax.generate import generate

@@ -12,8 +12,8 @@ from __future__ import annotations
 from typing import Any
 
 from train.core.config import replace
+from train.core.run import train_and_evaluate as _run
 from train.core.task import eval_params
-from train.core.task import train_and_evaluate as _run
 from train.translate import registry
 from train.translate.cli import config_from_args
 from train.translate.config import PRESETS, SPLITS, TranslateConfig, make_config

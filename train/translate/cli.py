@@ -12,7 +12,7 @@ import jax
 from tqdm.auto import tqdm
 
 from train.core import cli
-from train.core.task import train_and_evaluate
+from train.core.run import train_and_evaluate
 from train.data.text_files import read_lines
 from train.translate.config import TranslateConfig
 from train.translate.evaluate import DecodeOptions, write_lines

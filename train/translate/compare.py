@@ -44,7 +44,7 @@ from train import plots
 from train.core import cli
 from train.core.config import config_to_dict
 from train.core.metrics import read_metrics
-from train.core.task import train_and_evaluate
+from train.core.run import train_and_evaluate
 from train.translate import registry
 from train.translate.config import PAPER_PRESETS, PRESETS, TranslateConfig, make_config
 from train.translate.evaluate import bleu

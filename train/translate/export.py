@@ -8,7 +8,7 @@ The Hugging Face folder (`transformer_jax.save_marian`) holds what Marian can ex
 post-LN, the sin-then-cos sinusoid, LayerNorm epsilon 1e-5; any other config is an error
 naming the field, raised before the checkpoint is read. CTranslate2 (`transformer_jax.save_ct2`)
 takes every Transformer of ours. A work directory exports the parameters it decodes with
-(`train.core.task.params_for_inference`: the best checkpoint's, its EMA, or the average of the
+(`train.core.inference.params_for_inference`: the best checkpoint's, its EMA, or the average of the
 last N), with its own tokenizer; the search it ships is the run's beam size and output length.
 """
 
@@ -20,7 +20,7 @@ from typing import Any
 import jax
 import numpy as np
 
-from train.core.task import params_for_inference, saved_config
+from train.core.inference import params_for_inference, saved_config
 from train.translate.task import TASK
 from train.translate.tokenizer import trained_tokenizer
 from transformer_jax.config import TransformerConfig

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 
-from train.core.task import params_for_inference
+from train.core.inference import params_for_inference
 from train.translate.evaluate import DecodeOptions, translate_pairs
 from train.translate.sources import encode_source
 from train.translate.task import TASK

@@ -185,10 +185,6 @@ def _opened(
     again on the way out whatever happens."""
     run_config = config_to_dict(config)
     changed = check_workdir(task, workdir, run_config, config.MAY_CHANGE)
-    if changed:
-        log("resuming with changed settings: " + "; ".join(changed))
-    dp = DataParallel(config.parallel, sharding=config.sharding)
-    tx, schedule = make_optimizer(task.optimizer_config(config))
     checkpoints = Checkpoints(workdir, keep=config.keep_checkpoints)
     latest = checkpoints.latest_step() if _steps_given(changed) else None
     if latest is not None and latest > config.steps:
@@ -197,6 +193,10 @@ def _opened(
             f"--steps {config.steps}: the run in {workdir} is already at step {latest:,}; give "
             f"--steps {latest} or more, or leave it out to keep the run's own"
         )
+    if changed:
+        log("resuming with changed settings: " + "; ".join(changed))
+    dp = DataParallel(config.parallel, sharding=config.sharding)
+    tx, schedule = make_optimizer(task.optimizer_config(config))
     writer = MetricsWriter(workdir)
     try:
         yield _Run(

@@ -314,11 +314,8 @@ PRESETS: dict[str, dict[str, Any]] = {
         eval_mem_len=32,
         eval_tokens=2000,
     ),
-    # The CPU default: batch 24 at 2e-3 after a 200-step warm-up (batches of 8, 16 and 32
-    # learned less in the same time; 1e-3 and 3e-3 too), the cosine over the steps that fit
-    # its 8 minutes on the machine it runs on (fit_to_budget; 2,400 without a budget), so it
-    # neither stops early on a fast machine nor mid-decay on a slow one
-    # (benchmarks/lm_cpu_recipe_2026-11-29/).
+    # The CPU default: the batch and rate that won their sweep in 8 minutes, the cosine over
+    # the steps that fit them (why each: benchmarks/lm_cpu_recipe_2026-11-29/README.md).
     "cpu": dict(
         batch_size=24,
         steps=2400,

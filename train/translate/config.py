@@ -370,18 +370,8 @@ PRESETS: dict[str, dict[str, Any]] = {
         eval_batch_size=32,
         decode_margin=8,
     ),
-    # The CPU default, under ten minutes on 2 cores: batches of 1,024 tokens (512, 640, 768
-    # and 896 gave more updates but less validation BLEU in the same time), Adam 1.5e-3 after
-    # a 200-step warm-up (2e-3 lost 2 BLEU at this batch), with clipping, on a cosine that
-    # ends at the last step that fits its 8 minutes on the machine it runs on (fit_to_budget;
-    # 2,500 steps without a budget), an EMA of the parameters for evaluation, no dropout (at
-    # this length it costs BLEU), no 96 bucket (it held one training pair). A length penalty
-    # of 1.3, not the paper's 0.6: this short run's beams end early; 1.3 won a validation
-    # sweep. Evaluation in batches of 256, not 128: test_2016_flickr's 1,000 sentences then
-    # pad to 3 buckets rather than 5, and the beam search that drops finished sentences
-    # compiles 44 programs rather than 63. On a process's first pass each is traced, lowered
-    # and loaded even from the persistent cache, and the job evaluates once, so its
-    # evaluation is shorter; the translations are the same (benchmarks/decode_2026-11-28/).
+    # The CPU default, under ten minutes on 2 cores: each setting won its sweep at this budget
+    # (why each: benchmarks/translate_cpu_batch_2026-11-29/README.md, its last section).
     "cpu": dict(
         vocab_size=4000,
         tokens_per_batch=1024,

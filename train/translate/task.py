@@ -91,12 +91,9 @@ class TranslationData:
         )
 
     def _eval_batches(self, split: Split, dp: DataParallel, *, sort_by_length: bool = True):
-        """The split's pairs in evaluation batches. Sorted by length (the default), a batch
-        pads to the bucket of pairs of about its own length: in the split's own order nearly
-        every 128-row batch of test_2016_flickr held one long pair and padded to 48 or 64
-        positions, and the teacher-forced pass took twice as long
-        (`benchmarks/decode_2026-11-27_amd25/`). The sums are the same pairs', added in
-        another order."""
+        """The split's pairs in evaluation batches, sorted by length by default: a batch then
+        pads to its own pairs' bucket, not its longest outlier's
+        (`benchmarks/decode_2026-11-27_amd25/`). The same sums, in another order."""
         return eval_batches(
             split.pairs,
             batch_size=self.eval_rows,

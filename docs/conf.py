@@ -57,6 +57,8 @@ extensions = [
     # The notebooks not yet in jupyter-cache run side by side before reading (one per core),
     # not one after another as Sphinx reads them.
     "parallel_notebooks",
+    # The command reference, written from the commands' own parsers at each build.
+    "commands",
 ]
 
 exclude_patterns = [
@@ -97,6 +99,12 @@ nb_render_markdown_format = "myst"
 
 html_theme = "furo"
 html_title = "attention-jax"
+# Every page's header links the repository (furo's view-source and edit buttons).
+html_theme_options = {
+    "source_repository": REPOSITORY + "/",
+    "source_branch": "main",
+    "source_directory": "docs/",
+}
 colab_repository = REPOSITORY
 colab_branch = "main"
 

@@ -169,3 +169,25 @@ def test_the_readme_s_transformer_code_runs_and_its_step_trains_with_dropout():
         ns["params"], ns["opt_state"], ns["src"], ns["tgt"], ns["jnp"].array([[8, 9, 2]]), key
     )[2]
     assert float(loss(jax.random.PRNGKey(5))) != float(loss(jax.random.PRNGKey(6)))
+
+
+def test_the_command_reference_lists_every_flag_mode_and_preset():
+    spec = importlib.util.spec_from_file_location("commands", DOCS / "_ext" / "commands.py")
+    commands = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(commands)
+    page = commands.command_reference()
+    for command in commands.COMMANDS:
+        assert f"## `python -m {command}`" in page
+        for action in commands._parser(command)._actions:
+            for flag in action.option_strings:
+                assert flag in page, (command, flag)
+        for mode in commands._modes(command):
+            assert f"| `{mode}` |" in page, (command, mode)
+        for preset in commands._presets(command):
+            assert f"- `{preset}`: " in page, (command, preset)
+    # The wmt14_base recipe's settings as its preset table says them.
+    assert "`tokens_per_batch` 25000" in page
+    # The --help blocks are wrapped at a fixed width, whatever the building machine's terminal.
+    blocks = re.findall(r"```text\n(.*?)```", page, re.S)
+    assert len(blocks) == len(commands.COMMANDS)
+    assert max(len(line) for block in blocks for line in block.splitlines()) <= 100

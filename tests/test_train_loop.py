@@ -67,6 +67,7 @@ def run(
     deadline=None,
     batches=batches_from,
     clock=time.monotonic,
+    hooks=(),
 ):
     """Init or resume from `workdir`, train to `steps` (or the `deadline`, on `clock`);
     returns (LoopResult, Checkpoints). batches: (start step, nan_at) -> the batch stream."""
@@ -103,6 +104,7 @@ def run(
         stop=stop,
         on_log=on_log,
         clock=clock,
+        hooks=hooks,
     )
     return result, ckpt
 
@@ -246,3 +248,42 @@ def test_a_time_budget_spent_after_some_steps_stops_the_run_after_that_step(tmp_
     # --minutes sets that deadline, counted from the run's start.
     minutes = lm.make_config("ptb", "tiny", minutes=2.0)
     assert LoopConfig.from_run(minutes, start=100.0).deadline == 220.0
+
+
+def test_a_hook_of_the_caller_s_runs_after_the_run_s_own_at_every_step(tmp_path):
+    """The loop's one protocol (`train.core.hooks.Hook`): start, before and after each step,
+    end; a caller's hook sees each step after the run's own have logged, evaluated and saved."""
+    from train.core.hooks import Hook
+
+    class Recorder(Hook):
+        def __init__(self):
+            self.calls = []
+
+        def start(self, loop):
+            self.calls.append(("start", loop.step))
+
+        def before_step(self, loop):
+            self.calls.append(("before", loop.step))
+
+        def after_step(self, loop):
+            saved = loop.checkpoints.latest_step()
+            self.calls.append(("after", loop.step, loop.evaluated_at, saved))
+
+        def end(self, loop):
+            self.calls.append(("end", loop.step, loop.reason))
+
+    recorder = Recorder()
+    result, _ = run(tmp_path, steps=4, eval_every=2, hooks=[recorder])
+    assert result.reason == "steps"
+    assert recorder.calls == [
+        ("start", 0),
+        ("before", 0),
+        ("after", 1, None, None),
+        ("before", 1),
+        ("after", 2, 2, 2),  # the validation and the checkpoint of step 2 came first
+        ("before", 2),
+        ("after", 3, 2, 2),
+        ("before", 3),
+        ("after", 4, 4, 4),
+        ("end", 4, "steps"),
+    ]

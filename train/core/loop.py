@@ -35,7 +35,7 @@ import signal
 import sys
 import threading
 import time
-from collections.abc import Callable, Iterator, Mapping
+from collections.abc import Callable, Iterator, Mapping, Sequence
 from typing import TYPE_CHECKING, Any
 
 import jax
@@ -43,14 +43,12 @@ import numpy as np
 from jax.experimental import multihost_utils
 from tqdm.auto import tqdm
 
-from train.core.budget import StepCosts, describe, fitted_steps
 from train.core.checkpoint import BEST_METRIC, Checkpoints
 from train.core.config import NONFINITE_POLICIES, check_choice
 from train.core.errors import TrainingDiverged
 from train.core.metrics import MetricsWriter, summarize_interval
 from train.core.parallel import DataParallel
 from train.core.state import TrainState
-from transformer_jax.optim import find_schedule_horizon, set_schedule_horizon
 
 if TYPE_CHECKING:  # only for the annotation: the run config imports nothing from here
     from train.core.config import RunConfig
@@ -391,9 +389,58 @@ class Reporter:
 
 
 # ----------------------------------------------------------------------------- the loop
-# A fitted run with less time than this left when its loop starts is warned that it may not
-# get to choose its length: it times 200 steps after 20 (about 30 s of the CPU main job).
-SHORT_BUDGET_S = 90.0
+class Loop:
+    """What a training loop holds while it runs, and what its hooks act through
+    (`train.core.hooks`): the state in `dp`'s step layout, the step, the steps to run to (None:
+    not chosen yet), why it stops (None while it goes on), the last validation, and the
+    seconds its saves and validations took (`outside_s`, which timed steps leave out; the
+    budget fit resets it) and its last validation's (`validation_s`)."""
+
+    def __init__(self, state, *, dp, config, train_step, checkpoints, evaluate, clock, log):
+        self.state, self.dp, self.config, self.train_step = state, dp, config, train_step
+        self.checkpoints, self.evaluate, self.clock, self.log = checkpoints, evaluate, clock, log
+        self.agreement = Agreement(config.agree_every)
+        self.step = self.start_step = int(jax.device_get(state.step).reshape(-1)[0])  # pmap
+        self.steps: int | None = config.steps
+        self.reason: str | None = None
+        self.last_eval: dict[str, float] | None = None
+        self.evaluated_at: int | None = None
+        self.outside_s, self.validation_s = 0.0, None
+        self.interval: Interval | None = None
+        self.report: Reporter | None = None
+
+    def more_to_do(self) -> bool:
+        return self.steps is None or self.step < self.steps
+
+    def log_interval(self) -> None:
+        if self.interval:
+            host = self.interval.take(
+                self.step, nonfinite=self.config.nonfinite, checkpoints=self.checkpoints
+            )
+            self.report.train(self.step, host, self.interval.skipped)
+
+    def save(self, validation=None, unfinished=None) -> None:
+        if self.checkpoints is None:
+            return
+        meta = {"elapsed": self.report.elapsed()}
+        if unfinished:
+            meta["interval_metrics"] = unfinished
+        t0 = self.clock()
+        self.checkpoints.save(
+            self.dp.get_state(self.state),
+            meta=meta,
+            metrics=None if validation is None else {BEST_METRIC: validation["loss"]},
+        )
+        self.outside_s += self.clock() - t0
+
+    def validate(self) -> dict[str, float]:
+        t0 = self.clock()
+        figures = self.evaluate(self.dp.get_state(self.state))
+        self.report.validation(self.step, figures)
+        self.evaluated_at = self.step
+        self.validation_s = self.clock() - t0
+        self.outside_s += self.validation_s
+        return figures
 
 
 def train_loop(
@@ -412,9 +459,11 @@ def train_loop(
     log: Callable[[str], None] | None = None,
     carried: list[dict[str, float]] | None = None,
     clock: Callable[[], float] = time.monotonic,
+    hooks: Sequence = (),
 ) -> LoopResult:
     """Runs `train_step` from state.step to config.steps (with fit_to_budget, to the length
-    the state's schedule holds or the loop chooses).
+    the state's schedule holds or the loop chooses), the periodic work done by the hooks of
+    `train.core.hooks.loop_hooks`, then by `hooks` (`train.core.hooks.Hook`s of the caller's).
 
     state: in `dp`'s step layout. batches: yields the batch of step state.step, then the
       next, ... (host arrays; past one process, this process's `dp.local_rows` of each global
@@ -425,216 +474,85 @@ def train_loop(
       that an interrupted run had done (from the checkpoint meta). clock: seconds, in the
       units of config.deadline (time.monotonic; a test's fake clock).
     """
-    stop = stop or StopFlag()
-    log = log or printer()
-    agreement = Agreement(config.agree_every)
-    step = start_step = int(jax.device_get(state.step).reshape(-1)[0])  # pmap: one per device
-    steps, measure = config.steps, None
-    if config.fit_to_budget:
-        chosen = schedule_length(state)
-        if config.steps_given and chosen:
-            log(
-                f"stopping at step {config.steps:,} (--steps); the schedule keeps the length "
-                f"this run chose, {chosen:,} steps"
-            )
-        elif config.steps_given:
-            state = with_schedule_length(dp, state, config.steps)
-            log(f"--steps {config.steps:,}: schedule set to {config.steps:,} steps, not fitted")
-        elif chosen:
-            steps = chosen
-            log(f"resumed with the schedule length this run chose: {chosen:,} steps")
-        elif config.deadline is None:
-            state = with_schedule_length(dp, state, config.steps)
-            log(f"no time budget: schedule set to the run's {config.steps:,} steps")
-        else:
-            steps, measure = None, BudgetMeasure(start_step, config, clock)
-            left = config.deadline - clock()
-            if left < SHORT_BUDGET_S:
-                log(
-                    f"warning: {left:.0f} s of the time budget are left, and the run first "
-                    f"times steps {measure.start}-{measure.end} to fit its schedule to the "
-                    "budget; if the budget ends before, the run stops with its schedule not "
-                    "fitted (still warming up). Give more --minutes, or --steps N"
-                )
-    interval = Interval(dp, carried)
-    report = Reporter(
+    from train.core.hooks import loop_hooks  # the hooks import this module's Loop
+
+    hooks = [*loop_hooks(config, stop or StopFlag()), *hooks]
+    loop = Loop(
+        state,
+        dp=dp,
+        config=config,
+        train_step=train_step,
+        checkpoints=checkpoints,
+        evaluate=evaluate,
+        clock=clock,
+        log=log or printer(),
+    )
+    for hook in hooks:
+        hook.start(loop)
+    loop.interval = Interval(dp, carried)
+    loop.report = Reporter(
         config,
         writer,
-        step=step,
-        steps=steps,
+        step=loop.step,
+        steps=loop.steps,
         elapsed=elapsed,
-        log=log,
+        log=loop.log,
         on_log=on_log,
         clock=clock,
     )
-    last_eval, evaluated_at = None, None
-
-    def log_interval():
-        if interval:
-            host = interval.take(step, nonfinite=config.nonfinite, checkpoints=checkpoints)
-            report.train(step, host, interval.skipped)
-
-    def save(validation=None, unfinished=None):
-        if checkpoints is None:
-            return
-        meta = {"elapsed": report.elapsed()}
-        if unfinished:
-            meta["interval_metrics"] = unfinished
-        t0 = clock()
-        checkpoints.save(
-            dp.get_state(state),
-            meta=meta,
-            metrics=None if validation is None else {BEST_METRIC: validation["loss"]},
-        )
-        if measure:
-            measure.outside += clock() - t0
-
-    def validate():
-        nonlocal evaluated_at
-        t0 = clock()
-        figures = evaluate(dp.get_state(state))
-        report.validation(step, figures)
-        evaluated_at = step
-        if measure:
-            measure.validation = clock() - t0
-            measure.outside += measure.validation
-        return figures
-
-    def more_to_do() -> bool:
-        return steps is None or step < steps
-
     try:
         # The time budget may be spent before the first step (data preparation counts).
-        reason = None
-        if more_to_do():
-            reason = agreement.should_stop(
-                step, flag=StopFlag(), deadline=config.deadline, now=clock(), force=True
+        if loop.more_to_do():
+            loop.reason = loop.agreement.should_stop(
+                loop.step, flag=StopFlag(), deadline=config.deadline, now=clock(), force=True
             )
-        while reason is None and more_to_do():
-            if measure and step == measure.start:
-                # Batch shapes still compiling in the background would stall timed steps.
-                wait_compiled = getattr(train_step, "wait_compiled", None)
-                if wait_compiled is not None:
-                    wait_compiled()
-                measure.begin(state)
-            state, metrics = train_step(state, dp.put_batch(next(batches)))
-            step += 1
-            interval.add(metrics)
-            report.bar.update(1)
-            reason = agreement.should_stop(step, flag=stop, deadline=config.deadline, now=clock())
-            if reason in SIGNAL_REASONS.values():
-                break
-            # 'time' ends the loop after this step is logged, evaluated and saved as usual.
-            if step % config.log_every == 0:
-                log_interval()
-            if evaluate and config.eval_every and step % config.eval_every == 0:
-                log_interval()
-                last_eval = validate()
-                save(last_eval)
-            elif config.checkpoint_every and step % config.checkpoint_every == 0:
-                log_interval()
-                save()
-            if measure and step == measure.end and reason is None:
-                # A validation within the budget costs steps: time one now if none was.
-                if evaluate and config.eval_every and measure.validation is None:
-                    last_eval = validate()
-                steps = measure.choose(state, config, agreement)
-                state = with_schedule_length(dp, state, steps)
-                report.set_steps(steps)
-                log(measure.message)
-                measure = None
-        reason = reason or "steps"
-        if measure is not None and reason == "time":
-            log(
-                f"the time budget ended at step {step:,}, before the run had timed its steps "
-                f"(steps {measure.start}-{measure.end}): its schedule was never fitted"
-            )
-        progressed = step > start_step or (checkpoints and checkpoints.latest_step() is None)
-        if reason in SIGNAL_REASONS.values():
-            # A complete interval is logged; the steps of one cut short go into the checkpoint,
-            # not into a short log line, and the resumed run completes it.
-            if step % config.log_every == 0:
-                log_interval()
-            unfinished = interval.take(step, nonfinite=config.nonfinite, checkpoints=checkpoints)
-            if progressed:
-                save(unfinished=unfinished)
-        else:
-            log_interval()
-            if evaluate and step > start_step and evaluated_at != step:
-                last_eval = validate()
-            if progressed:
-                save(last_eval)  # a final validation at this step ranks it
+        while loop.reason is None and loop.more_to_do():
+            for hook in hooks:
+                hook.before_step(loop)
+            loop.state, metrics = train_step(loop.state, dp.put_batch(next(batches)))
+            loop.step += 1
+            loop.interval.add(metrics)
+            loop.report.bar.update(1)
+            # A signal ends the loop at once; 'time' after this step is logged, evaluated and
+            # saved as usual.
+            for hook in hooks:
+                hook.after_step(loop)
+                if loop.reason in SIGNAL_REASONS.values():
+                    break
+        loop.reason = loop.reason or "steps"
+        for hook in hooks:
+            hook.end(loop)
+        _finish(loop)
     finally:
-        report.close()
+        loop.report.close()
     return LoopResult(
-        state=state,
-        reason=reason,
-        elapsed=report.elapsed(),
-        last_eval=last_eval,
-        skipped=interval.skipped,
+        loop.state, loop.reason, loop.report.elapsed(), loop.last_eval, loop.interval.skipped
     )
 
 
-# ----------------------------------------------------------------------------- budget
-class BudgetMeasure:
-    """What a run fitted to its budget times before it chooses its length: the steps from
-    `start` to `end`, less the time validations and saves took among them (`outside`), and
-    the last validation's seconds (`validation`, None until one ran)."""
-
-    def __init__(self, first_step: int, config: LoopConfig, clock: Callable[[], float]):
-        self.start = first_step + config.fit_skip
-        self.end = self.start + config.fit_measure
-        self.clock = clock
-        self.began = 0.0
-        self.outside = 0.0
-        self.validation: float | None = None
-        self.message = ""
-
-    def begin(self, state: TrainState) -> None:
-        # The steps dispatched so far must have run: the clock starts on an idle device.
-        jax.block_until_ready(state)
-        self.began = self.clock()
-        self.outside = 0.0
-
-    def choose(self, state: TrainState, config: LoopConfig, agreement: Agreement) -> int:
-        """The run's length, the same on every process (process 0's measurement)."""
-        jax.block_until_ready(state)
-        now = self.clock()
-        costs = StepCosts(
-            step=max(now - self.began - self.outside, 0.0) / (self.end - self.start),
-            measured=self.end - self.start,
-            validation=self.validation or 0.0,
+def _finish(loop: Loop) -> None:
+    """The loop's last save: after a signal, with the steps of an interval cut short in the
+    checkpoint (the resumed run completes it, so its log lines are an uninterrupted run's);
+    otherwise after the last interval's line and a final validation at this step (which
+    ranks the checkpoint)."""
+    config, step = loop.config, loop.step
+    progressed = step > loop.start_step or (
+        loop.checkpoints and loop.checkpoints.latest_step() is None
+    )
+    if loop.reason in SIGNAL_REASONS.values():
+        if step % config.log_every == 0:
+            loop.log_interval()
+        unfinished = loop.interval.take(
+            step, nonfinite=config.nonfinite, checkpoints=loop.checkpoints
         )
-        total = agreement.same_everywhere(
-            fitted_steps(
-                step=self.end,
-                seconds_left=config.deadline - now,
-                costs=costs,
-                eval_every=config.eval_every,
-            )
-        )
-        self.message = describe(
-            seconds_left=config.deadline - now,
-            costs=costs,
-            eval_every=config.eval_every,
-            total=total,
-        )
-        return total
-
-
-def schedule_length(state: TrainState) -> int | None:
-    """The schedule length the state's optimizer keeps (0: not chosen yet), or None when it
-    keeps none (a fixed schedule)."""
-    horizon = find_schedule_horizon(state.opt_state)
-    if horizon is None:
-        return None
-    return int(np.ravel(jax.device_get(horizon))[0])  # pmap: one per device
-
-
-def with_schedule_length(dp: DataParallel, state: TrainState, steps: int) -> TrainState:
-    """`state` (in `dp`'s step layout) with its schedule's length set to `steps`."""
-    state = dp.get_state(state)
-    return dp.put_state(state.replace(opt_state=set_schedule_horizon(state.opt_state, steps)))
+        if progressed:
+            loop.save(unfinished=unfinished)
+        return
+    loop.log_interval()
+    if loop.evaluate and step > loop.start_step and loop.evaluated_at != step:
+        loop.last_eval = loop.validate()
+    if progressed:
+        loop.save(loop.last_eval)
 
 
 def printer() -> Callable[[str], None]:
@@ -646,3 +564,15 @@ def printer() -> Callable[[str], None]:
             print(message, flush=True)
 
     return log
+
+
+# The budget fit's pieces moved to train.core.hooks; still importable from here.
+_MOVED = ("BudgetMeasure", "SHORT_BUDGET_S", "schedule_length", "with_schedule_length")
+
+
+def __getattr__(name: str):
+    if name in _MOVED:
+        from train.core import hooks
+
+        return getattr(hooks, name)
+    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")

@@ -463,7 +463,7 @@ def train_loop(
 ) -> LoopResult:
     """Runs `train_step` from state.step to config.steps (with fit_to_budget, to the length
     the state's schedule holds or the loop chooses), the periodic work done by the hooks of
-    `train.core.hooks.loop_hooks`, then by `hooks` (`train.core.hooks.Hook`s of the caller's).
+    `train.core.hooks.loop_hooks`, then by `hooks` (the caller's `train.core.hooks.Hook` objects).
 
     state: in `dp`'s step layout. batches: yields the batch of step state.step, then the
       next, ... (host arrays; past one process, this process's `dp.local_rows` of each global

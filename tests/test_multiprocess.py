@@ -368,12 +368,39 @@ def test_different_workdirs_on_two_processes_are_an_error_on_both(tmp_path):
         ([*common, "--workdir", str(tmp_path / "a")], [*common, "--workdir", str(tmp_path / "b")]),
         timeout=120,
     )
+    a, b = tmp_path / "a", tmp_path / "b"
     for code, out in results:
-        assert code == cli.EXIT_ERROR, out[-3000:]
-        assert "--workdir: the processes were given different values" in out, out[-3000:]
+        # A usage error, naming each process's value.
+        assert code == cli.EXIT_USAGE, out[-3000:]
+        assert (
+            f"--workdir: the processes were given different values: process 0: {a}, "
+            f"process 1: {b}" in out
+        ), out[-3000:]
         assert "Traceback" not in out
     # Refused before either wrote its run.
     assert not any((tmp_path / w / "config.json").exists() for w in ("a", "b"))
+
+
+def test_another_flag_on_one_process_names_the_field_and_each_value(tmp_path):
+    common = ["--preset", "tiny", "--plots", "false", "--progress", "false"]
+    workdir = ["--workdir", str(tmp_path / "run")]
+    results = _pair(
+        "train.lm",
+        ([*common, *workdir, "--steps", "3"], [*common, *workdir, "--steps", "4"]),
+        timeout=120,
+    )
+    for code, out in results:
+        assert code == cli.EXIT_USAGE, out[-3000:]
+        line = next(x for x in out.splitlines() if "processes were given different" in x)
+        # (the LM's decay_steps follows its steps when the config is made: it differs too)
+        assert line.endswith(
+            "the run's settings (flags): the processes were given different values: "
+            "decay_steps (process 0: 3, process 1: 4); steps (process 0: 3, process 1: 4); "
+            "give every process the same one"
+        ), line
+        # Only the field that differs reaches the terminal, not the whole config.
+        assert '"batch_size"' not in out and "Traceback" not in out
+    assert not (tmp_path / "run" / "config.json").exists()
 
 
 def test_a_coordinator_without_a_process_count_is_a_clear_error(tmp_path):

@@ -56,3 +56,11 @@ class CheckpointError(RunError, RuntimeError):
 
 class WorkdirError(RunError, RuntimeError):
     """The work directory cannot be used: in use by another run, or not writable."""
+
+
+class ProcessesDisagree(UsageError):
+    """The processes of one run were given different flags (exit 2): the message names what
+    differs, with each process's value; the traceback logged in W/error.log carries every
+    process's whole setting (as a note), which the terminal does not."""
+
+    logged = True

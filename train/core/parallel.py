@@ -24,7 +24,6 @@ global array from every host's share: `jax.make_array_from_process_local_data`.
 from __future__ import annotations
 
 import concurrent.futures
-import hashlib
 import os
 import threading
 from collections.abc import Callable, Sequence
@@ -37,6 +36,7 @@ from jax.sharding import Mesh, NamedSharding
 from jax.sharding import PartitionSpec as P
 
 from train.core.config import check_parallel
+from train.core.processes import check_same_on_every_process  # noqa: F401 - its old home
 from train.core.state import TrainState
 from train.core.step import LossFn, make_eval_step, make_train_step
 
@@ -94,22 +94,6 @@ def maybe_initialize_distributed(
         return True
     jax.distributed.initialize(coordinator_address=address, num_processes=count, process_id=index)
     return True
-
-
-def check_same_on_every_process(value: str, what: str) -> None:
-    """Past one process, every process must pass the same `value` (a work directory on a
-    shared filesystem, ...): else a ValueError on every process, before any of them waits in
-    a collective the others never reach."""
-    if jax.process_count() == 1:
-        return
-    digest = np.frombuffer(hashlib.sha256(value.encode()).digest()[:8], np.int64)
-    every = np.asarray(multihost_utils.process_allgather(digest)).reshape(-1)
-    if (every != every[0]).any():
-        raise ValueError(
-            f"{what}: the processes were given different values (this one: "
-            f"{value}); give every process the same one, on a filesystem they "
-            "share"
-        )
 
 
 def _env_int(name: str) -> int | None:

@@ -32,9 +32,9 @@ from train.core.metrics import MetricsWriter
 from train.core.parallel import (
     CompiledStep,
     DataParallel,
-    check_same_on_every_process,
     maybe_initialize_distributed,
 )
+from train.core.processes import check_same_on_every_process
 from train.core.state import TrainState, count_params
 from train.core.step import LossFn
 from train.core.task import EvalContext, Task, TaskData, eval_params, init_state

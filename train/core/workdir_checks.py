@@ -19,9 +19,7 @@ from train.core.checkpoint import (
     checkpoint_dir,
     has_checkpoint,
 )
-from train.core.parallel import (
-    check_same_on_every_process,
-)
+from train.core.processes import check_same_on_every_process
 from train.core.task import Task, normal_form
 from train.core.workdir import (
     LOCK_FILE,

@@ -19,7 +19,7 @@ from __future__ import annotations
 import dataclasses
 import math
 import re
-from collections import Counter, defaultdict
+from collections import Counter
 from collections.abc import Mapping
 from typing import Any
 
@@ -494,12 +494,3 @@ def summarize(kernels: list[Kernel], pricing: Pricing, *, top: int = 10) -> dict
             "note": "an estimate from the compiled program, not a measurement",
         },
     }
-
-
-def kernels_by_name_prefix(kernels: list[Kernel]) -> dict[str, int]:
-    """Kernel counts by name without its numeric suffix (`loop_add_fusion.12` ->
-    `loop_add_fusion`), for comparing programs."""
-    counts: dict[str, int] = defaultdict(int)
-    for k in kernels:
-        counts[re.sub(r"[._]\d+$", "", k.name)] += k.count
-    return dict(counts)

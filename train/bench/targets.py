@@ -16,7 +16,7 @@ from __future__ import annotations
 import contextlib
 import dataclasses
 import functools
-from collections.abc import Iterator, Sequence
+from collections.abc import Iterator
 
 import jax
 
@@ -253,8 +253,3 @@ def compiling_for(target: GpuTarget | TpuTarget) -> Iterator[None]:
         yield
     finally:
         cudnn_attention.check_cudnn_version = original
-
-
-def target_names() -> Sequence[str]:
-    """The GPU names and an example topology of each TPU generation, for help texts."""
-    return [*GPU_TARGETS, *(f"{c}:2x2" for c in TPU_CHIPS)]

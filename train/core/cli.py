@@ -49,7 +49,6 @@ from train.core.flags import (  # noqa: F401 - the flags' API, importable from h
     converter,
     default_text,
     flag_help,
-    hint_name,
     parse_bool,
     split_given,
 )

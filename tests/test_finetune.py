@@ -238,3 +238,112 @@ def test_an_export_marian_cannot_express_is_an_error_naming_the_field(tmp_path, 
     # Exporting needs a trained run or a folder to export from.
     with pytest.raises(SystemExit):
         cli.main(["--export_ct2", str(out)])
+
+
+def test_the_origin_is_chosen_once_and_gives_what_differs(folder, tmp_path):
+    """`model_origin`: from scratch without --pretrained, from the Marian folder with it. The
+    origin gives the model config (the folder's, vocab_size with it), the tokenizer (copied into
+    the run, so the folder may go), the initial weights and the baseline."""
+    from train.translate.origin import FromMarian, FromScratch, model_origin
+
+    scratch = translate.make_config("transformer", "tiny")
+    assert scratch.origin == FromScratch() and scratch.origin.initial_params(None) is None
+    assert not scratch.origin.has_baseline and scratch.origin.trains_tokenizer
+    assert scratch.origin.describe("transformer") == "transformer"
+    with pytest.raises(ValueError, match="'finetune' fine-tunes a model: give its folder"):
+        translate.make_config("transformer", "finetune")
+
+    tuned = translate.make_config("transformer", "finetune", pretrained=str(folder))
+    origin = tuned.origin
+    assert origin == model_origin(str(folder)) == FromMarian(str(folder))
+    assert origin.has_baseline and not origin.trains_tokenizer
+    assert tuned.model_config == load_marian(folder)[0].config
+    assert tuned.vocab_size == tuned.model_config.tgt_vocab_size
+    assert origin.describe("transformer") == f"transformer fine-tuned from {folder}"
+    params = origin.initial_params(tuned.model_config)
+    expected = load_marian(folder)[1]
+    assert jax.tree.structure(params) == jax.tree.structure(expected)
+    jax.tree.map(np.testing.assert_array_equal, params, expected)
+    with pytest.raises(ValueError, match="model.d_model: a pretrained model's architecture"):
+        translate.make_config(
+            "transformer", "finetune", pretrained=str(folder), model_overrides={"d_model": 64}
+        )
+    with pytest.raises(ValueError, match="model: --pretrained fine-tunes a Transformer"):
+        translate.make_config("gru", "finetune", pretrained=str(folder))
+    with pytest.raises(ValueError, match="is not a folder"):
+        translate.make_config("transformer", "finetune", pretrained=str(tmp_path / "missing"))
+
+    # The tokenizer is copied into the run the first time; later the folder is not read.
+    copy_of = tmp_path / "copy"
+    copy_of.mkdir()
+    for f in folder.iterdir():
+        (copy_of / f.name).write_bytes(f.read_bytes())
+    moved = translate.make_config("transformer", "finetune", pretrained=str(copy_of))
+    first = moved.origin.tokenizer(str(tmp_path / "tok"), moved.model_config, None)
+    assert (tmp_path / "tok" / "marian" / "vocab.json").exists()
+    for f in copy_of.iterdir():
+        f.unlink()
+    again = moved.origin.tokenizer(str(tmp_path / "tok"), moved.model_config, None)
+    assert again.encode_batch(["Ein Mann"]) == first.encode_batch(["Ein Mann"])
+
+
+@pytest.mark.slow
+def test_an_exported_folder_decodes_as_its_run(straight, tmp_path, capsys):
+    """--export_marian carries the run's decoding settings (decoding.json): `--pretrained
+    EXPORT --translate` gives the same lines as `--workdir W --translate`, greedy and by beam,
+    including outputs cut at the run's length cap (its bucket + decode_margin), where the
+    folder's own generation defaults alone would allow another length."""
+    from train.translate.pretrained import DECODING_FILE, Pretrained, read_decoding
+
+    config, workdir, _ = straight
+    assert config.beam_size == 2 and config.buckets == (32,) and config.decode_margin == 6
+    export = tmp_path / "export"
+    assert cli.main(["--workdir", str(workdir), "--export_marian", str(export)]) == 0
+    assert read_decoding(str(export)) == {
+        "beam_size": 2,
+        "length_penalty": config.length_penalty,
+        "decode_margin": 6,
+        "eval_batch_size": 8,
+        "buckets": (32,),
+    }
+    sentences = [*SOURCE_TEXT[:4], " ".join(SOURCE_TEXT[:2])]
+    capsys.readouterr()
+
+    def lines(*argv):
+        assert cli.main([*argv, "--translate", *sentences]) == 0
+        return capsys.readouterr().out.splitlines()
+
+    for search in (["--beam_size", "1"], []):
+        ours = lines("--workdir", str(workdir), *search)
+        exported = lines("--pretrained", str(export), *search)
+        assert len(ours) == len(sentences) and exported == ours, search
+    # The model runs to the cap: the last sentence's 37 pieces (kept whole, as the run keeps
+    # them) pad its batch to 64, so its outputs may have 64 + 6 pieces, past the 32 + 6 of a
+    # source cut to the largest bucket.
+    tokenizer = Pretrained(str(export)).tokenizer
+    assert max(len(tokenizer.encode_batch([line])[0]) for line in ours) > 38
+    # Without the run's file the folder decodes by its generation defaults: another cap.
+    (export / DECODING_FILE).unlink()
+    assert lines("--pretrained", str(export)) != ours
+
+
+def test_a_bad_decoding_file_is_an_error_naming_it(tmp_path):
+    from train.translate.pretrained import DECODING_FILE, read_decoding
+
+    assert read_decoding(str(tmp_path)) is None
+    path = tmp_path / DECODING_FILE
+    for text, message in (
+        ("{", "not a readable JSON file"),
+        ("[]", "expected an object"),
+        ('{"beam": 2}', "beam is not a decoding setting"),
+        ('{"beam_size": 0}', "beam_size must be an integer >= 1"),
+        ('{"decode_margin": 1.5}', "decode_margin must be an integer >= 0"),
+        ('{"length_penalty": "x"}', "length_penalty must be a number"),
+        ('{"buckets": [32, 16]}', "buckets must be increasing positive integers"),
+    ):
+        path.write_text(text)
+        with pytest.raises(ValueError, match=message) as info:
+            read_decoding(str(tmp_path))
+        assert DECODING_FILE in str(info.value)
+    path.write_text('{"buckets": [16, 32], "beam_size": 3}')
+    assert read_decoding(str(tmp_path)) == {"buckets": (16, 32), "beam_size": 3}

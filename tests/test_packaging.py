@@ -165,3 +165,28 @@ def test_the_model_core_imports_nothing_above_it():
         ] + [a.name for node in ast.walk(tree) if isinstance(node, ast.Import) for a in node.names]
         bad = [m for m in imported if m == above[2] or m.startswith(tuple(a + "." for a in above))]
         assert bad == [], (name, bad)
+
+
+def test_only_the_model_origin_asks_whether_a_run_fine_tunes():
+    """Whether a translation run starts from a Marian folder is decided once
+    (`train.translate.origin.model_origin`): no other module of the training library reads a
+    config's `pretrained` field (the command line's `args.pretrained` picks a mode, not a
+    run's behaviour)."""
+    import ast
+    import glob
+
+    readers = []
+    for path in glob.glob(os.path.join(REPO, "train", "**", "*.py"), recursive=True):
+        if path.endswith(os.path.join("translate", "origin.py")):
+            continue
+        with open(path, encoding="utf-8") as f:
+            tree = ast.parse(f.read())
+        for node in ast.walk(tree):
+            if (
+                isinstance(node, ast.Attribute)
+                and node.attr == "pretrained"
+                and not (isinstance(node.value, ast.Name) and node.value.id == "args")
+            ):
+                readers.append(f"{os.path.relpath(path, REPO)}:{node.lineno}")
+    # The config's own property hands the field to the origin.
+    assert len(readers) == 1 and readers[0].startswith("train/translate/config.py:"), readers

@@ -9,14 +9,13 @@ from __future__ import annotations
 
 import dataclasses
 import math
-import os
 from collections.abc import Mapping
-from pathlib import Path
 from typing import Any, ClassVar
 
 from train.core.config import RunConfig, check_finite, check_positive, preset_run_fields
 from train.data.tfds_source import is_tfds, tfds_name
 from train.translate import registry
+from train.translate.origin import ModelOrigin, model_origin
 from transformer_jax.optim import OptimizerConfig
 
 SPLITS = (
@@ -190,15 +189,10 @@ class TranslateConfig(RunConfig):
         check_positive(self, ("eval_sentences", "decode_margin", "adam_warmup_steps"), minimum=0)
         check_positive(self, ("spm_sample",), minimum=2)
         self._check_data()
-        if self.pretrained is not None and self.model != "transformer":
-            raise ValueError(
-                f"model: --pretrained fine-tunes a Transformer (a Marian folder), not {self.model}"
-            )
-        if self.preset == "finetune" and self.pretrained is None:
-            raise ValueError("preset: 'finetune' fine-tunes a model: give its folder, --pretrained")
+        self.origin.check(self.model, self.preset)
         if (
             self.data_source() == "multi30k"
-            and self.pretrained is None
+            and self.origin.trains_tokenizer
             and self.vocab_size < MIN_VOCAB_SIZE
         ):
             raise ValueError(
@@ -280,6 +274,11 @@ class TranslateConfig(RunConfig):
                 f"got {self.src_lang!r} -> {self.tgt_lang!r} (train on a TFDS dataset or "
                 "on files for other languages)"
             )
+
+    @property
+    def origin(self) -> ModelOrigin:
+        """Where the model starts (`origin.py`): from scratch, or the --pretrained folder."""
+        return model_origin(self.pretrained)
 
     def data_source(self) -> str:
         """'files' (the user's parallel files), 'tfds' (a prepared TFDS dataset) or
@@ -471,41 +470,8 @@ def make_config(
         raise ValueError(
             f"{sorted(bad)}: pass model/preset as arguments and model fields as model_overrides"
         )
-    if fields.get("pretrained") is not None and model == "transformer":
-        model_config = pretrained_model_config(fields["pretrained"], model_overrides)
-        # The model's own vocabulary: no SentencePiece model is trained.
-        fields["vocab_size"] = model_config.tgt_vocab_size
-    elif preset == "finetune":  # no model sizes: the folder's config.json gives them
-        raise ValueError("preset: 'finetune' fine-tunes a model: give its folder, --pretrained")
-    else:
-        model_config = registry.build_model_config(
-            model,
-            preset,
-            vocab_size=fields.get("vocab_size", TranslateConfig.vocab_size),
-            overrides=model_overrides,
-        )
+    origin = model_origin(fields.get("pretrained"))
+    origin.check(model, preset)
+    # The preset's sizes, or a Marian folder's (which then sets vocab_size in `fields`).
+    model_config = origin.model_config(model, preset, fields, model_overrides)
     return TranslateConfig(model=model, preset=preset, model_config=model_config, **fields)
-
-
-# What fine-tuning may change of a pretrained model's config: regularisation and how it is
-# computed, never its architecture.
-PRETRAINED_MAY_CHANGE = ("dropout", "attention_dropout", "dtype", "attention_impl")
-
-
-def pretrained_model_config(folder: str, overrides: Mapping[str, Any] = ()):
-    """The TransformerConfig of a Marian folder's config.json, with the fields of
-    PRETRAINED_MAY_CHANGE overridden; any other model field is a ValueError naming it."""
-    from transformer_jax.interchange.marian import CONFIG, marian_config
-    from transformer_jax.interchange.marian_tokenizer import read_json
-
-    overrides = dict(overrides)
-    fixed = sorted(set(overrides) - set(PRETRAINED_MAY_CHANGE))
-    if fixed:
-        raise ValueError(
-            f"model.{fixed[0]}: a pretrained model's architecture is its config.json's; "
-            f"fine-tuning may change only {', '.join(PRETRAINED_MAY_CHANGE)}"
-        )
-    path = os.path.join(folder, CONFIG)
-    if not os.path.isdir(folder):
-        raise ValueError(f"pretrained: {folder} is not a folder")
-    return marian_config(read_json(Path(path)), source=path).replace(**overrides)

@@ -21,6 +21,7 @@ import jax
 import numpy as np
 
 from train.core.inference import params_for_inference, saved_config
+from train.translate.pretrained import read_decoding, run_decoding, write_decoding
 from train.translate.task import TASK
 from train.translate.tokenizer import trained_tokenizer
 from transformer_jax.config import TransformerConfig
@@ -41,6 +42,7 @@ class Exportable:
     params: Any
     tokenizer: Any
     generation: GenerationDefaults
+    decoding: dict[str, Any] | None = None  # the run's decoding settings (DECODING_FILE)
 
 
 def check_exportable(model_config: Any, *, marian: bool) -> None:
@@ -64,7 +66,13 @@ def load_exportable(
         check_exportable(model.config, marian=marian)
         if tokenizer is None:
             raise FileNotFoundError(f"{pretrained} has no tokenizer: an export needs one")
-        return Exportable(model.config, params, tokenizer, marian_generation_defaults(pretrained))
+        return Exportable(
+            model.config,
+            params,
+            tokenizer,
+            marian_generation_defaults(pretrained),
+            read_decoding(pretrained),  # a folder exported here passes its run's on
+        )
     config = saved_config(TASK, workdir)
     check_exportable(config.model_config, marian=marian)
     config, _, params, _ = params_for_inference(TASK, workdir)
@@ -77,13 +85,18 @@ def load_exportable(
         max_len=min(max(config.buckets) + config.decode_margin, mc.max_len),
     )
     return Exportable(
-        mc.replace(dtype="float32"), params, trained_tokenizer(config, workdir), generation
+        mc.replace(dtype="float32"),
+        params,
+        trained_tokenizer(config, workdir),
+        generation,
+        run_decoding(config),
     )
 
 
 def export_marian(exportable: Exportable, folder: str) -> None:
     """The Hugging Face Marian folder (config.json, model.safetensors, generation_config.json,
-    the tokenizer's files)."""
+    the tokenizer's files), and the run's decoding settings (DECODING_FILE): `--pretrained
+    FOLDER` then decodes as `--workdir W` did."""
     save_marian(
         exportable.config,
         exportable.params,
@@ -91,6 +104,8 @@ def export_marian(exportable: Exportable, folder: str) -> None:
         folder,
         generation=exportable.generation,
     )
+    if exportable.decoding is not None:
+        write_decoding(folder, exportable.decoding)
 
 
 def export_ct2(exportable: Exportable, folder: str, *, quantization: str | None = None) -> None:

@@ -10,6 +10,9 @@ length-sorted batches as the evaluation of a trained run.
 from __future__ import annotations
 
 import dataclasses
+import json
+import math
+import os
 import time
 from collections.abc import Sequence
 from typing import Any
@@ -19,6 +22,12 @@ from train.translate.config import SPLITS
 from train.translate.evaluate import DecodeOptions, bleu, translate_pairs
 from transformer_jax.interchange.marian import load_marian, marian_generation_defaults
 from transformer_jax.model import quantized
+
+# A folder exported from a run here (`--export_marian`) keeps the run's decoding settings in
+# this file, beside transformers' generation_config.json (which has no place for a margin over
+# the source's length, or for our buckets), so that it decodes as its run did.
+DECODING_FILE = "decoding.json"
+DECODING_FIELDS = ("beam_size", "length_penalty", "decode_margin", "eval_batch_size", "buckets")
 
 
 @dataclasses.dataclass(frozen=True)
@@ -36,10 +45,60 @@ class DecodeSettings:
     buckets: tuple[int, ...] = (16, 32, 64, 128, 256, 512)
 
 
+def run_decoding(config) -> dict[str, Any]:
+    """A run config's decoding settings (DECODING_FIELDS), as DECODING_FILE holds them."""
+    out = {name: getattr(config, name) for name in DECODING_FIELDS}
+    out["buckets"] = list(out["buckets"])
+    return out
+
+
+def write_decoding(folder: str, decoding: dict[str, Any]) -> None:
+    with open(os.path.join(folder, DECODING_FILE), "w", encoding="utf-8") as f:
+        json.dump(decoding, f, indent=2)
+        f.write("\n")
+
+
+def read_decoding(folder: str) -> dict[str, Any] | None:
+    """The folder's DECODING_FILE, checked (ValueError naming the file and the field), else
+    None when it has none (a folder not exported from here)."""
+    path = os.path.join(folder, DECODING_FILE)
+    if not os.path.isfile(path):
+        return None
+    try:
+        with open(path, encoding="utf-8") as f:
+            fields = json.load(f)
+    except (OSError, UnicodeDecodeError, json.JSONDecodeError) as e:
+        raise ValueError(f"{path}: not a readable JSON file of decoding settings ({e})") from e
+    if not isinstance(fields, dict):
+        raise ValueError(f"{path}: expected an object of {', '.join(DECODING_FIELDS)}")
+    unknown = sorted(set(fields) - set(DECODING_FIELDS))
+    if unknown:
+        raise ValueError(f"{path}: {unknown[0]} is not a decoding setting")
+    for name, least in (("beam_size", 1), ("decode_margin", 0), ("eval_batch_size", 1)):
+        value = fields.get(name, least)
+        if not isinstance(value, int) or isinstance(value, bool) or value < least:
+            raise ValueError(f"{path}: {name} must be an integer >= {least}, got {value!r}")
+    penalty = fields.get("length_penalty", 0.0)
+    if not isinstance(penalty, (int, float)) or not math.isfinite(penalty):
+        raise ValueError(f"{path}: length_penalty must be a number, got {penalty!r}")
+    buckets = fields.get("buckets", [1])
+    if (
+        not isinstance(buckets, list)
+        or not buckets
+        or not all(isinstance(b, int) and not isinstance(b, bool) and b > 0 for b in buckets)
+        or buckets != sorted(set(buckets))
+    ):
+        raise ValueError(f"{path}: buckets must be increasing positive integers, got {buckets!r}")
+    if "buckets" in fields:
+        fields["buckets"] = tuple(buckets)
+    return fields
+
+
 class Pretrained:
     """A loaded folder: model, params, tokenizer and its decoding settings.
 
-    `options` are `DecodeOptions` fields; those not given are the folder's generation defaults
+    `options` are `DecodeOptions` fields; those not given are, for a folder exported from a run
+    here, that run's (DECODING_FILE); else the folder's generation defaults
     (`marian_generation_defaults`: beam_size its num_beams, decode_margin half its
     max_length, at most 64) and DecodeSettings' (length_penalty 0.6, eval_batch_size 64)."""
 
@@ -53,14 +112,21 @@ class Pretrained:
                 f"{folder} has no tokenizer (source.spm, target.spm, "
                 "vocab.json): it can be loaded as a model, not translate"
             )
-        shipped = marian_generation_defaults(folder)
-        limit = min(shipped.max_len, self.model.config.max_len)
-        own = DecodeSettings(
-            model_config=self.model.config,
-            beam_size=shipped.beam_size,
-            decode_margin=max(1, min(64, limit // 2)),
-            buckets=tuple(b for b in DecodeSettings.buckets if b < limit) + (limit,),
-        )
+        run = read_decoding(folder)
+        if run is not None:  # exported from a run here: its own settings
+            own = DecodeSettings(model_config=self.model.config, **run)
+            # Its sources whole, as the run's: only the position table bounds them.
+            self.max_source_len = self.model.config.max_len
+        else:
+            shipped = marian_generation_defaults(folder)
+            limit = min(shipped.max_len, self.model.config.max_len)
+            own = DecodeSettings(
+                model_config=self.model.config,
+                beam_size=shipped.beam_size,
+                decode_margin=max(1, min(64, limit // 2)),
+                buckets=tuple(b for b in DecodeSettings.buckets if b < limit) + (limit,),
+            )
+            self.max_source_len = limit  # the folder's max_length, within its positions
         self.settings = self.options.over(own)
         self.dp = DataParallel("jit")
 
@@ -68,7 +134,7 @@ class Pretrained:
         """Source sentences -> translations, in input order (`progress`: called with each
         batch's number of sentences)."""
         pairs = [
-            (self.tokenizer.encode_one(s, max_len=self.settings.buckets[-1]), []) for s in sentences
+            (self.tokenizer.encode_one(s, max_len=self.max_source_len), []) for s in sentences
         ]
         return translate_pairs(
             self.model,

@@ -39,7 +39,6 @@ from train.translate.evaluate import (
 from train.translate.loss import make_loss_fn
 from train.translate.sources import Split, translation_source
 from train.translate.tokenizer import load_tokenizer
-from transformer_jax.interchange.marian import marian_params, read_marian_weights
 from transformer_jax.losses import init_reinforce_baseline
 from transformer_jax.optim import make_schedule
 
@@ -111,7 +110,7 @@ class TranslationData:
         chrF of the pretrained model on validation and each test set, logged and written as
         step 0 of split 'pretrained/NAME' (its translations as step 0's), so the end's figures
         show the gain. A model trained from scratch starts random: nothing is measured."""
-        if self.config.pretrained is None:
+        if not self.config.origin.has_baseline:
             return
         for split in (self.validation, *self.tests):
             record, path, _ = self._score(split, ctx, params, step=0)
@@ -127,8 +126,8 @@ class TranslationData:
         config, log, writer, workdir = self.config, self.log, ctx.writer, ctx.workdir
         score = functools.partial(self._score, ctx=ctx, params=params, step=step)
         out = {f"val_{k}": v for k, v in validation.items() if k in ("loss", "nll", "ppl")}
-        before = self._before(writer) if config.pretrained is not None else {}
-        if config.pretrained is not None:  # the gain of fine-tuning: validation BLEU too
+        before = self._before(writer) if config.origin.has_baseline else {}
+        if config.origin.has_baseline:  # the gain of fine-tuning: validation BLEU too
             record, path, _ = score(self.validation)
             writer.write_final(step, "validation_bleu", record)
             out.update({f"val_{k}": record[k] for k in ("bleu", "chrf")})
@@ -275,15 +274,11 @@ class TranslationTask:
         )
 
     def initial_params(self, config: TranslateConfig):
-        """A pretrained model's weights (checked against its config), else None."""
-        if config.pretrained is None:
-            return None
-        return marian_params(read_marian_weights(config.pretrained), config.model_config)
+        """The origin's weights (a Marian folder's, checked against its config), else None."""
+        return config.origin.initial_params(config.model_config)
 
     def describe(self, config: TranslateConfig) -> str:
-        if config.pretrained is not None:
-            return f"{config.model} fine-tuned from {config.pretrained}"
-        return config.model
+        return config.origin.describe(config.model)
 
     def prepare(
         self, config: TranslateConfig, workdir: str, dp: DataParallel, log: Callable[[str], None]

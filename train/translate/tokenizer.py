@@ -1,5 +1,6 @@
-"""Which tokenizer a translation run encodes with, and where it is kept: a pretrained model's
-own, else the joint SentencePiece model of the run's data source (`sources`)."""
+"""Which tokenizer a translation run encodes with, and where it is kept: the model origin's
+(`origin.py`): a Marian folder's own, else the joint SentencePiece model of the run's data
+source (`sources`)."""
 
 from __future__ import annotations
 
@@ -7,25 +8,24 @@ import glob
 import os
 
 from train.core.workdir import local_dir
-from train.data.text_files import DataError
 from train.data.tokenizers import SentencePieceTokenizer, model_file_name
 from train.translate.config import TranslateConfig
 from train.translate.sources import TranslationSource, translation_source
-from transformer_jax.interchange.marian import check_tokenizer
-from transformer_jax.interchange.marian_tokenizer import MarianTokenizer, has_tokenizer_files
 
 
 def load_tokenizer(
     config: TranslateConfig, workdir: str, source: TranslationSource | None = None
 ) -> SentencePieceTokenizer:
-    """The run's tokenizer: a pretrained model's own (`pretrained_tokenizer`), else its data
+    """The run's tokenizer: a Marian folder's own (`origin.FromMarian.tokenizer`), else its data
     source's joint SentencePiece model: Multi30k's, or the one trained on a sample of the
     training files' or TFDS split's sentences the first time. `source`: the run's, when the
     caller has one (a checked FilesSource knows its files' sha256 and hashes them no more)."""
     directory = tokenizer_dir(config, workdir)
-    if config.pretrained is not None:
-        return pretrained_tokenizer(config, directory)
-    return (source or translation_source(config)).tokenizer(directory)
+    return config.origin.tokenizer(
+        directory,
+        config.model_config,
+        lambda: (source or translation_source(config)).tokenizer(directory),
+    )
 
 
 def trained_tokenizer(config: TranslateConfig, workdir: str):
@@ -35,7 +35,7 @@ def trained_tokenizer(config: TranslateConfig, workdir: str):
     2.6 s; every byte of the user's training files), and fails once those files are gone.
     Falls back to `load_tokenizer` when the folder holds none of that kind, or several (a
     tokenizer_dir that runs on different data share)."""
-    if config.pretrained is None:
+    if config.origin.trains_tokenizer:
         name = translation_source(config).name
         pattern = model_file_name(f"{name}_spm", config.vocab_size, "*")
         found = glob.glob(os.path.join(glob.escape(tokenizer_dir(config, workdir)), pattern))
@@ -48,20 +48,3 @@ def tokenizer_dir(config: TranslateConfig, workdir: str) -> str:
     """Where the run's SentencePiece model is kept: tokenizer_dir, else W/tokenizer (the local
     copy of a remote W)."""
     return config.tokenizer_dir or os.path.join(local_dir(workdir), "tokenizer")
-
-
-def pretrained_tokenizer(config: TranslateConfig, directory: str) -> MarianTokenizer:
-    """A fine-tuning run's tokenizer: the pretrained folder's, copied to directory/marian the
-    first time (so the run no longer needs the folder), and checked against the model's
-    config (pad and EOS ids, vocabulary size)."""
-    copy = os.path.join(directory, "marian")
-    if not has_tokenizer_files(copy):
-        if not has_tokenizer_files(config.pretrained):
-            raise DataError(
-                f"pretrained: {config.pretrained} has no tokenizer (source.spm, target.spm, "
-                "vocab.json); fine-tuning encodes the data with the model's own"
-            )
-        MarianTokenizer.from_folder(config.pretrained).save(copy)
-    tokenizer = MarianTokenizer.from_folder(copy)
-    check_tokenizer(tokenizer, config.model_config, source=copy)
-    return tokenizer

@@ -192,3 +192,26 @@ def test_a_vocabulary_size_the_text_cannot_give_names_the_sizes_it_can(tmp_path)
     assert low == len(set("".join(sentences))) + 256 + 4  # characters, bytes, specials
     for size in (low, high):
         write_model(tmp_path / f"{size}.model", sentences, vocab_size=size)
+
+
+def test_one_closed_vocabulary_counts_ptb_and_text_runs_alike():
+    """PTB's vocabularies and a text run's are one class (`train.data.vocab.ClosedVocab`):
+    the same count order (most frequent first, ties in code point order), <eos> 0, and <unk>
+    1 only where unknown symbols read as it; PTB's own <unk> is a counted word."""
+    from train.data.vocab import ClosedVocab
+    from train.lm.text import TextVocab
+
+    lines = ["b a c a", "c a <unk> b", "d <eos>"]
+    ptb = WordVocab.from_lines(lines)
+    text = TextVocab.build(lines, "word")
+    assert isinstance(ptb, ClosedVocab) and isinstance(text, ClosedVocab)
+    assert ptb.symbols == ("<eos>", "a", "b", "c", "<unk>", "d")
+    assert text.symbols == ("<eos>", "<unk>", "a", "b", "c", "d")
+    np.testing.assert_array_equal(ptb.encode_lines(["a d", "b"]), [1, 5, 0, 2, 0])
+    np.testing.assert_array_equal(text.encode_lines(["a zz", "d"]), [2, 1, 0, 5, 0])
+    with pytest.raises(ValueError, match="line 1: symbol 'zz' is not in the 6-symbol"):
+        ptb.encode_lines(["a", "zz"])
+    chars = TextVocab.build(["abca", "b"], "char", max_vocab=4)
+    assert chars.symbols == ("<eos>", "<unk>", "a", "b") and chars.token_to_id("c") == 1
+    with pytest.raises(KeyError):
+        ptb.token_to_id("zz")

@@ -22,13 +22,14 @@ import io
 import os
 import re
 import tempfile
-from collections import Counter
 from collections.abc import Iterable, Sequence
 from pathlib import Path
 from typing import ClassVar
 
 import numpy as np
 import sentencepiece as spm
+
+from train.data.vocab import ClosedVocab
 
 PAD_ID = 0
 BOS_ID = 1
@@ -252,34 +253,21 @@ def multi30k_tokenizer(
     )
 
 
-class StreamVocab:
-    """A closed vocabulary over whitespace-separated symbols, with `<eos>` ending each line.
+class StreamVocab(ClosedVocab):
+    """PTB's closed vocabulary (`train.data.vocab.ClosedVocab`): whitespace-separated symbols
+    (words, or the character level's spaced characters), `<eos>` ending each line, no `<unk>`
+    of its own (PTB's is a data symbol, counted as any): an unknown symbol is an error."""
 
-    Id order (deterministic, independent of the order lines are seen): `<eos>` is 0, then the
-    symbols by decreasing count in the lines the vocabulary is built from, ties broken by
-    Unicode code point order of the symbol. Frequency order matches the Transformer-XL
-    reference's vocabulary and suits adaptive softmax cut-offs.
-    """
-
-    EOS: ClassVar[str] = "<eos>"
     LEVEL: ClassVar[str] = ""  # the PTB config this vocabulary is for
     PTB_SIZE: ClassVar[int] = 0  # the size from_ptb must find
 
     def __init__(self, symbols: Sequence[str]):
         """Args: symbols: the vocabulary in id order, `<eos>` first."""
-        if not symbols or symbols[0] != self.EOS:
-            raise ValueError(f"symbols must start with {self.EOS!r}")
-        if len(set(symbols)) != len(symbols):
-            raise ValueError("symbols must be distinct")
-        self.symbols = tuple(symbols)
-        self._ids = {s: i for i, s in enumerate(self.symbols)}
+        super().__init__(symbols, split="words", unknown=False)
 
     @classmethod
     def from_lines(cls, lines: Iterable[str]) -> StreamVocab:
-        counts = Counter(sym for line in lines for sym in line.split())
-        counts.pop(cls.EOS, None)  # never a data symbol in PTB, and id 0 regardless
-        ordered = sorted(counts, key=lambda s: (-counts[s], s))
-        return cls([cls.EOS, *ordered])
+        return cls(cls.counted_symbols(lines, split="words"))
 
     @classmethod
     def from_ptb(cls, *, data_dir: str | os.PathLike | None = None) -> StreamVocab:
@@ -293,40 +281,6 @@ class StreamVocab:
                 f"<eos>, expected {cls.PTB_SIZE}: the prepared data is not PTB"
             )
         return vocab
-
-    @property
-    def vocab_size(self) -> int:
-        return len(self.symbols)
-
-    @property
-    def eos_id(self) -> int:
-        return 0
-
-    def __len__(self) -> int:
-        return len(self.symbols)
-
-    def token_to_id(self, symbol: str) -> int:
-        return self._ids[symbol]
-
-    def encode_lines(self, lines: Iterable[str]) -> np.ndarray:
-        """The whole stream as int32 [N]: each line's symbol ids followed by `<eos>`.
-
-        Raises:
-          ValueError: a symbol is not in the vocabulary (PTB has none: its OOV words are
-            already `<unk>`); the message gives the symbol and the line number.
-        """
-        ids = self._ids
-        stream: list[int] = []
-        for n, line in enumerate(lines):
-            try:
-                stream.extend([ids[sym] for sym in line.split()])
-            except KeyError as e:
-                raise ValueError(
-                    f"line {n}: symbol {e.args[0]!r} is not in the "
-                    f"{self.vocab_size}-symbol vocabulary"
-                ) from None
-            stream.append(0)
-        return np.asarray(stream, dtype=np.int32)
 
     def decode(self, ids: Iterable[int]) -> str:
         """Space-joined symbols of `ids` (`<eos>` included), for inspection."""

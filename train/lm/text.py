@@ -24,73 +24,43 @@ import functools
 import gzip
 import itertools
 import os
-from collections import Counter
 from collections.abc import Iterable, Iterator, Sequence
 
 import numpy as np
 
 from train.data.text_files import DataError, read_lines
 from train.data.tfds_source import TfdsDataset, is_tfds, open_dataset
+from train.data.vocab import EOS, UNK, ClosedVocab, line_symbols  # noqa: F401 (UNK: public here)
 
 LEVELS = ("word", "char", "byte")
-EOS, UNK = "<eos>", "<unk>"
 BYTE_VOCAB = 256
+
+
+_SPLIT = {"word": "words", "char": "chars"}  # how a line is cut, at each closed level
 
 
 def tokens(line: str, level: str) -> list[str]:
     """The symbols of one line at a word or char level."""
-    return line.split() if level == "word" else list(line)
+    return line_symbols(line, _SPLIT[level])
 
 
-class TextVocab:
-    """A closed vocabulary of a word or char level: `<eos>` is 0, `<unk>` 1, then the symbols
-    in decreasing training count (ties in code point order)."""
+class TextVocab(ClosedVocab):
+    """A text run's closed vocabulary at the word or char level (`train.data.vocab.ClosedVocab`):
+    `<eos>` is 0, `<unk>` 1 (what unknown symbols read as), then the symbols in decreasing
+    training count (ties in code point order)."""
 
     def __init__(self, symbols: Sequence[str], level: str):
-        if list(symbols[:2]) != [EOS, UNK]:
-            raise ValueError(f"symbols must start with {EOS!r}, {UNK!r}")
-        self.symbols, self.level = tuple(symbols), level
-        self._ids = {s: i for i, s in enumerate(self.symbols)}
+        super().__init__(symbols, split=_SPLIT[level], unknown=True)
+        self.level = level
 
     @classmethod
     def build(
         cls, lines: Iterable[str], level: str, *, min_count: int = 1, max_vocab: int = 0
     ) -> TextVocab:
-        counts: Counter = Counter()
-        for line in lines:  # a stream: the text is never held whole
-            counts.update(tokens(line, level))
-        for special in (EOS, UNK):
-            counts.pop(special, None)
-        kept = sorted(
-            (s for s, c in counts.items() if c >= min_count), key=lambda s: (-counts[s], s)
+        symbols = cls.counted_symbols(
+            lines, split=_SPLIT[level], unknown=True, min_count=min_count, max_vocab=max_vocab
         )
-        if max_vocab:
-            kept = kept[: max_vocab - 2]
-        if not kept:
-            raise DataError(
-                f"min_count {min_count}: no {level} of the training text is "
-                "frequent enough to enter the vocabulary"
-            )
-        return cls([EOS, UNK, *kept], level)
-
-    @property
-    def vocab_size(self) -> int:
-        return len(self.symbols)
-
-    @property
-    def eos_id(self) -> int:
-        return 0
-
-    def token_to_id(self, symbol: str) -> int:
-        return self._ids.get(symbol, 1)
-
-    def encode_lines(self, lines: Iterable[str]) -> np.ndarray:
-        """int32 [N]: each line's symbol ids (unknown ones `<unk>`), then `<eos>`."""
-        get, stream = self._ids.get, []
-        for line in lines:
-            stream.extend(map(get, tokens(line, self.level), itertools.repeat(1)))
-            stream.append(0)
-        return np.asarray(stream, np.int32)
+        return cls(symbols, level)
 
     def decode(self, ids: Iterable[int]) -> str:
         """Text of `ids`: words joined by spaces, characters joined; `<eos>` a line break."""

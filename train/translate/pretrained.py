@@ -133,9 +133,7 @@ class Pretrained:
     def translate(self, sentences: Sequence[str], *, progress=None) -> list[str]:
         """Source sentences -> translations, in input order (`progress`: called with each
         batch's number of sentences)."""
-        pairs = [
-            (self.tokenizer.encode_one(s, max_len=self.max_source_len), []) for s in sentences
-        ]
+        pairs = [(self.tokenizer.encode_one(s, max_len=self.max_source_len), []) for s in sentences]
         return translate_pairs(
             self.model,
             self.params,

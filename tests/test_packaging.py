@@ -190,3 +190,24 @@ def test_only_the_model_origin_asks_whether_a_run_fine_tunes():
                 readers.append(f"{os.path.relpath(path, REPO)}:{node.lineno}")
     # The config's own property hands the field to the origin.
     assert len(readers) == 1 and readers[0].startswith("train/translate/config.py:"), readers
+
+
+def test_the_training_library_keeps_its_size_rules():
+    """The training library's rule (docs/contributing.md): no module of train/ over 600 lines
+    and no function over 100, so that one job reads in one sitting."""
+    import ast
+    import glob
+
+    too_long = []
+    for path in glob.glob(os.path.join(REPO, "train", "**", "*.py"), recursive=True):
+        with open(path, encoding="utf-8") as f:
+            text = f.read()
+        name = os.path.relpath(path, REPO)
+        if len(text.splitlines()) > 600:
+            too_long.append(f"{name}: {len(text.splitlines())} lines")
+        for node in ast.walk(ast.parse(text)):
+            if isinstance(node, (ast.FunctionDef, ast.AsyncFunctionDef)):
+                length = node.end_lineno - node.lineno + 1
+                if length > 100:
+                    too_long.append(f"{name}:{node.lineno} {node.name}: {length} lines")
+    assert too_long == [], too_long

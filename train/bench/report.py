@@ -44,6 +44,24 @@ def write_results(results: Mapping[str, Any], out: str) -> tuple[str, str]:
     return json_path, md_path
 
 
+def _xl_eval_lines(xl_eval: list[dict[str, Any]] | None) -> list[str]:
+    """The XL evaluation table: with memory against the vanilla sliding window."""
+    if not xl_eval:
+        return []
+    lines = [
+        "| attention length | XL with memory (ms/token) | vanilla window (ms/token) | "
+        "speed-up | FLOP ratio |",
+        "|---|---|---|---|---|",
+    ]
+    for r in xl_eval:
+        lines.append(
+            f"| {r['attn_len']} | {r['xl_s_per_token'] * 1e3:.4f} | "
+            f"{r['vanilla_s_per_token'] * 1e3:.3f} | {r['speedup']:,.0f}x | "
+            f"{r['flop_ratio']:,.0f}x |"
+        )
+    return [*lines, ""]
+
+
 def to_markdown(results: Mapping[str, Any]) -> str:
     """The results as markdown tables (the README's performance section takes them as is)."""
     meta = results["meta"]
@@ -129,20 +147,7 @@ def to_markdown(results: Mapping[str, Any]) -> str:
         for r in train:
             lines += _profile_lines(r["name"], r.get("profile"), r["step_s_median"])
     lines += _decode_lines(results.get("decode"))
-    xl_eval = results.get("xl_eval")
-    if xl_eval:
-        lines += [
-            "| attention length | XL with memory (ms/token) | vanilla window (ms/token) | "
-            "speed-up | FLOP ratio |",
-            "|---|---|---|---|---|",
-        ]
-        for r in xl_eval:
-            lines.append(
-                f"| {r['attn_len']} | {r['xl_s_per_token'] * 1e3:.4f} | "
-                f"{r['vanilla_s_per_token'] * 1e3:.3f} | {r['speedup']:,.0f}x | "
-                f"{r['flop_ratio']:,.0f}x |"
-            )
-        lines.append("")
+    lines += _xl_eval_lines(results.get("xl_eval"))
     lines += _cpu_vs_torch_lines(results.get("cpu_vs_torch"))
     lines += _data_lines(results.get("data"))
     for err in results.get("errors") or []:

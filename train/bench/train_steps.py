@@ -143,6 +143,18 @@ def xl_train_setup(
     )
 
 
+def _target_estimate(device: jax.Device, compiled) -> dict[str, Any] | None:
+    """On a device `--target` knows, the estimate it would give without the device (kernels,
+    bytes, categories, the estimated step), to print beside what is measured; else None."""
+    target = target_for_device_kind(device.device_kind)
+    if target is None:
+        return None
+    summary = program.summarize(
+        program.program_kernels(compiled.as_text()), program.pricing_for(target)
+    )
+    return {k: summary[k] for k in ("kernels", "bytes", "categories", "estimate")}
+
+
 def bench_train_step(
     bench: TrainBench,
     *,
@@ -191,15 +203,7 @@ def bench_train_step(
             time_calls(one_step, warmup=0, repeats=PROFILED_STEPS)
         profile = profile_summary(trace_dir, steps=PROFILED_STEPS, hlo_text=compiled.as_text())
     loss = float(metrics["loss_sum"] / metrics["n_tokens"])
-    # On a device `--target` knows, the estimate it would give without the device, beside
-    # what is measured here.
-    target = target_for_device_kind(device.device_kind)
-    estimate = None
-    if target is not None:
-        summary = program.summarize(
-            program.program_kernels(compiled.as_text()), program.pricing_for(target)
-        )
-        estimate = {k: summary[k] for k in ("kernels", "bytes", "categories", "estimate")}
+    estimate = _target_estimate(device, compiled)
     median = statistics.median(times)
     flops = bench.flops
     model_flops = flops.training()

@@ -49,6 +49,22 @@ from train.core.workdir_checks import check_workdir, taken_back_unless_saved
 from transformer_jax.optim import make_optimizer
 
 
+def _training_line(step: int, config: RunConfig, loop: LoopConfig) -> str:
+    """The log line that says where the training goes: to its steps, or to those that fit
+    the time budget, and until when."""
+    end = (
+        "the steps that fit the time budget"
+        if config.fit_to_budget and loop.deadline
+        else f"{config.steps}"
+    )
+    until = (
+        f" or until {_wall_clock(loop.deadline)} (--minutes {config.minutes:g} from this start)"
+        if loop.deadline
+        else ""
+    )
+    return f"training from step {step} to {end}{until}; SIGTERM saves a checkpoint and stops"
+
+
 def train_and_evaluate(task: Task, config: RunConfig, workdir: str) -> dict[str, Any]:
     """Trains (or resumes) `config` in `workdir`, then evaluates; returns the final metrics:
     step, stop reason, params (count), train_seconds (summed over resumed runs), and what the
@@ -99,21 +115,7 @@ def train_and_evaluate(task: Task, config: RunConfig, workdir: str) -> dict[str,
             dstate = run.dp.put_state(state)
             train_step = _compiled_train_step(run, loss_fn, dstate, data, step, log)
             loop = LoopConfig.from_run(config, start=start, steps_given=_steps_given(run.changed))
-            log(
-                f"training from step {step} to "
-                + (
-                    "the steps that fit the time budget"
-                    if config.fit_to_budget and loop.deadline
-                    else f"{config.steps}"
-                )
-                + (
-                    f" or until {_wall_clock(loop.deadline)} (--minutes {config.minutes:g} "
-                    "from this start)"
-                    if loop.deadline
-                    else ""
-                )
-                + "; SIGTERM saves a checkpoint and stops"
-            )
+            log(_training_line(step, config, loop))
             try:
                 result = train_loop(
                     dstate,

@@ -297,6 +297,15 @@ def test_compiled_memory_sums_the_buffers_and_tolerates_missing_analysis():
     mem = compiled_memory(types.SimpleNamespace(memory_analysis=lambda: stats))
     assert mem["footprint"] == 100 + 80 + 50 - 60
     assert "peak_reported" not in mem
+    # XLA:TPU: no temporaries reported, the peak holds them: the fit is the peak.
+    tpu = types.SimpleNamespace(
+        **{**vars(stats), "temp_size_in_bytes": 0, "peak_memory_in_bytes": 500}
+    )
+    mem = compiled_memory(types.SimpleNamespace(memory_analysis=lambda: tpu))
+    assert mem["footprint"] == 500 and mem["peak_reported"] == 500 and mem["temp"] == 0
+    # A GPU's peak at or below its buffers' sum leaves the sum.
+    gpu = types.SimpleNamespace(**{**vars(stats), "peak_memory_in_bytes": 150})
+    assert compiled_memory(types.SimpleNamespace(memory_analysis=lambda: gpu))["footprint"] == 170
     assert compiled_memory(types.SimpleNamespace(memory_analysis=lambda: None)) is None
     # A real compiled donating program: the donated argument aliases the output.
     f = jax.jit(lambda x: x * 2, donate_argnums=0)

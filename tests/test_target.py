@@ -36,6 +36,15 @@ needs_gpu_compiler = pytest.mark.skipif(
     "jax-cuda12-plugin jax-cuda12-pjrt; .ci/run does)",
 )
 
+# The folder holding libtpu (the TPU compiler), installed aside by .ci/run as the CUDA plugin.
+TPU_TARGET_PATH = os.environ.get("ATTENTION_JAX_TPU_TARGET_PATH", "")
+needs_tpu_compiler = pytest.mark.skipif(
+    not os.path.isdir(os.path.join(TPU_TARGET_PATH, "libtpu")),
+    reason="libtpu is not installed aside: set ATTENTION_JAX_TPU_TARGET_PATH to a folder "
+    'holding it (pip install --target DIR --no-deps "libtpu==VERSION", the version jax[tpu] '
+    "pins; .ci/run does)",
+)
+
 HLO = """HloModule m, is_scheduled=true
 
 %fused_dot (p0: bf16[8,16], p1: bf16[16,4]) -> bf16[8,4] {
@@ -312,3 +321,38 @@ def test_the_loss_reads_the_logits_once_forward_and_once_backward(tmp_path):
     # One pass forward (maximum, sum of exponentials, sum and the target's logit together),
     # one backward (softmax minus the smoothed targets); the two-pass form reads it 3 times.
     assert len(reads) == 2, reads
+
+
+@needs_tpu_compiler
+def test_tiny_steps_compile_for_a_tpu_slice_with_each_sharding(tmp_path):
+    """Issue 65: a tiny Transformer and Transformer-XL training step (data parallel and fsdp)
+    and a greedy search compile for a v5e:2x2 slice (4 chips) on this CPU host. fsdp splits
+    the weights and the optimizer state over the chips, so each holds a fraction of the data
+    parallel step's arguments; the data-parallel step sums its gradients across the chips."""
+    env = dict(
+        os.environ,
+        JAX_PLATFORMS="cpu",
+        PYTHONPATH=os.pathsep.join([TPU_TARGET_PATH, REPO, os.path.join(REPO, "tests")]),
+    )
+    env.pop("XLA_FLAGS", None)  # the suite's XLA:CPU flags
+    done = subprocess.run(
+        [sys.executable, os.path.join(REPO, "tests", "tpu_programs.py"), "v5e:2x2"],
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=600,
+        cwd=str(tmp_path),
+    )
+    assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-3000:]
+    out = json.loads(done.stdout.strip().splitlines()[-1])
+    assert (out["devices"], out["platform"]) == (4, "tpu")
+    chip = get_target("v5e:2x2").memory_bytes
+    for model in ("transformer", "xl"):
+        dp, fsdp = out[f"train_{model}_replicated"], out[f"train_{model}_fsdp"]
+        assert dp["text_has_all_reduce"], model
+        assert 0 < fsdp["memory"]["argument"] < 0.6 * dp["memory"]["argument"], model
+        for r in (dp, fsdp):
+            # XLA:TPU reports its temporaries only in the peak, which the fit takes.
+            assert r["memory"]["footprint"] >= r["memory"]["peak_reported"] > 0, model
+            assert r["memory"]["footprint"] < chip, model
+    assert 0 < out["greedy_decode"]["memory"]["footprint"] < chip

@@ -125,7 +125,9 @@ def format_report(report: dict[str, Any]) -> str:
         "",
         f"memory per device: {mem.get('footprint', 0) / gb:.3f} GB "
         f"(arguments {mem.get('argument', 0) / gb:.3f}, temporaries {mem.get('temp', 0) / gb:.3f}, "
-        f"outputs {mem.get('output', 0) / gb:.3f}, aliased {mem.get('alias', 0) / gb:.3f}) of "
+        f"outputs {mem.get('output', 0) / gb:.3f}, aliased {mem.get('alias', 0) / gb:.3f}"
+        + (f", peak {mem['peak_reported'] / gb:.3f}" if mem.get("peak_reported") else "")
+        + ") of "
         f"{report['chip_memory_bytes'] / gb:.1f} GB: "
         + ("fits" if report["fits"] else "DOES NOT FIT"),
         "",

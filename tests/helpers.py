@@ -87,7 +87,7 @@ def tiny_lm_config(data_dir, dataset="ptb", **overrides):
         progress=False,
         data_dir=str(data_dir),
     )
-    return lm.make_config(dataset, "tiny", **{**fields, **overrides})
+    return lm.config_for_data(dataset, "tiny", **{**fields, **overrides})
 
 
 # ---------------------------------------------------------------------------- parallel text

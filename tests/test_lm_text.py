@@ -58,7 +58,7 @@ def text_config(texts, **overrides):
         ),
         **overrides,
     }
-    return lm.make_config("ptb", "tiny", **fields)
+    return lm.config_for_data("ptb", "tiny", **fields)
 
 
 # ----------------------------------------------------------------------------- vocabulary
@@ -83,6 +83,36 @@ def test_the_model_takes_its_vocabulary_size_from_the_data(texts):
     assert config.dataset == "text" and config.model_config.vocab_size == expected.vocab_size
     assert text_config(texts, max_vocab=20).model_config.vocab_size == 20
     assert text_config(texts, level="byte").model_config.vocab_size == 256
+
+
+def test_making_a_config_reads_no_data_its_source_counts_the_vocabulary(texts, tmp_path):
+    """`lm.make_config` is pure: a text run's vocabulary size is given (the files need not
+    exist yet); `lm.config_for_data` has the data's source count it first (what the command
+    line does), and the two agree."""
+    missing = str(tmp_path / "nowhere.txt")
+    config = lm.make_config("text", "tiny", train_text=missing, valid_text=missing, vocab_size=7)
+    assert config.model_config.vocab_size == 7 and config.train_text == missing
+    with pytest.raises(ValueError, match="vocab_size: a text run's vocabulary is counted"):
+        lm.make_config("text", "tiny", train_text=missing, valid_text=missing)
+    with pytest.raises(ValueError, match=r"vocab_size: fixed by the dataset \(10000\)"):
+        lm.make_config("ptb", "tiny", vocab_size=7)
+    byte = lm.make_config("text", "tiny", train_text=missing, valid_text=missing, level="byte")
+    assert byte.model_config.vocab_size == 256  # the byte level's, fixed
+    counted = lm.config_for_data(
+        "text", "tiny", train_text=texts["train"], valid_text=texts["valid"]
+    )
+    given = lm.make_config(
+        "text",
+        "tiny",
+        train_text=texts["train"],
+        valid_text=texts["valid"],
+        vocab_size=counted.model_config.vocab_size,
+    )
+    assert counted == given
+    with pytest.raises(ValueError, match="train_text: dataset 'text' needs the training file"):
+        lm.config_for_data("text", "tiny")
+    with pytest.raises(DataError, match="no such file"):
+        lm.config_for_data("text", "tiny", train_text=missing, valid_text=missing)
 
 
 @pytest.mark.parametrize(
@@ -180,3 +210,32 @@ def test_a_byte_level_run_splits_one_file_and_reports_bpc(texts, tmp_path):
     tests = [r for r in read_metrics(str(tmp_path / "run")) if r["split"] == "test"]
     # 1,000 test bytes, in segments of eval_tgt_len rows of eval_batch_size: every whole one.
     assert 0 < tests[0]["n_tokens"] <= 1000
+
+
+def test_each_kind_of_data_owns_its_rules_through_one_table(monkeypatch):
+    """Both tasks: one table from a kind of data to its source class, and a config checks a
+    kind's fields by asking that class (patched, the config follows it)."""
+    from train import translate
+    from train.lm import sources as lm_sources
+    from train.translate import sources as translate_sources
+
+    assert set(translate_sources.SOURCES) == {"multi30k", "tfds", "files"}
+    assert set(lm_sources.SOURCES) == {"ptb", "text", "tfds"}
+    assert (
+        lm_sources.source_kind("tfds:lm1b") == "tfds"
+        and lm_sources.source_kind("ptb_char") == "ptb"
+    )
+    config = translate.make_config("transformer", "tiny")
+    assert config.source_class() is translate_sources.Multi30kSource
+    assert (config.src_lang, config.tgt_lang) == ("de", "en")  # Multi30k's own defaults
+    assert lm.make_config("ptb", "tiny").source_class() is lm_sources.PtbSource
+
+    def refuse(config):
+        raise ValueError(f"refused by {type(config).__name__}'s source")
+
+    monkeypatch.setattr(translate_sources.Multi30kSource, "check_fields", staticmethod(refuse))
+    monkeypatch.setattr(lm_sources.PtbSource, "check_fields", staticmethod(refuse))
+    with pytest.raises(ValueError, match="refused by TranslateConfig's source"):
+        translate.make_config("transformer", "tiny")
+    with pytest.raises(ValueError, match="refused by LMConfig's source"):
+        lm.make_config("ptb", "tiny")

@@ -230,7 +230,7 @@ def test_the_lm_recipes_refuse_ptb_and_the_wrong_level(word_texts, tmp_path, cap
     with pytest.raises(ValueError, match="preset: enwik8_base is a recipe"):
         lm.make_config("ptb_char", "enwik8_base")
     with pytest.raises(ValueError, match="level: the enwik8_base recipe is for byte or char"):
-        lm.make_config(
+        lm.config_for_data(
             "text",
             "enwik8_base",
             train_text=word_texts["train"],

@@ -280,7 +280,7 @@ def test_the_lm_stream_cache_equals_the_in_memory_stream(text, level, tmp_path):
     fields = dict(train_text=text[0], valid_text=text[1], level=level)
     if level == "byte":
         fields = dict(train_text=text[0], level=level, split_bytes=(3000, 500, 400))
-    config = lm.make_config("text", "tiny", **fields)
+    config = lm.config_for_data("text", "tiny", **fields)
     for split in ("train", "valid"):
         memory = lm.load_stream(config, split)
         cached = lm.load_stream(config, split, cache_dir=str(tmp_path))
@@ -299,7 +299,7 @@ def test_a_vocabulary_past_65536_words_round_trips_through_the_cache(tmp_path):
     words = [f"v{i}" for i in range(70_000)]
     lines = [" ".join(words[i : i + 100]) for i in range(0, len(words), 100)]
     train = write_lines(tmp_path / "train.txt", lines)
-    config = lm.make_config("text", "tiny", train_text=train, valid_text=train)
+    config = lm.config_for_data("text", "tiny", train_text=train, valid_text=train)
     assert config.model_config.vocab_size == 70_002  # and <eos>, <unk>
     memory = lm.load_stream(config, "train")
     cached = lm.load_stream(config, "train", cache_dir=str(tmp_path / "cache"))
@@ -308,7 +308,7 @@ def test_a_vocabulary_past_65536_words_round_trips_through_the_cache(tmp_path):
 
 
 def test_a_process_share_of_the_cached_lm_batches_is_its_rows(text, tmp_path):
-    config = lm.make_config("text", "tiny", train_text=text[0], valid_text=text[1])
+    config = lm.config_for_data("text", "tiny", train_text=text[0], valid_text=text[1])
     cached = lm.load_stream(config, "train", cache_dir=str(tmp_path))
     memory = lm.load_stream(config, "train")
     whole = lm_batches(

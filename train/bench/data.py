@@ -124,7 +124,7 @@ def make_config(task: str, paths: dict[str, str], work: str):
         )
     from train import lm
 
-    return lm.make_config(
+    return lm.config_for_data(
         "text",
         "cpu",
         train_text=paths["lm.train"],

@@ -154,12 +154,14 @@ def set_name(path: str) -> str:
 FINGERPRINT_FILE = "data.json"
 
 
-def check_fingerprint(workdir: str, files: Mapping[str, str]) -> str:
+def check_fingerprint(workdir: str, files: Mapping[str, str], *, digest: str | None = None) -> str:
     """A resumed run must train on the bytes it started with: the sha256 of the training
     files ({field: path}) is kept in W/data.json (written by process 0 the first time);
     other bytes, under the same names or others, are a DataError naming the fields.
+    digest: the files' sha256 when the caller has it (else they are read here).
     -> the sha256 (`files_sha256` of the files in order)."""
-    digest = files_sha256(*files.values())
+    if digest is None:
+        digest = files_sha256(*files.values())
     path = os.path.join(workdir, FINGERPRINT_FILE)
     fields = ", ".join(files)
     if os.path.exists(path):

@@ -14,6 +14,7 @@ from train.core.config import replace
 from train.core.run import train_and_evaluate as _run
 from train.lm.cli import config_from_args
 from train.lm.config import DATASETS, MODEL_PRESETS, PRESETS, VOCAB_SIZES, LMConfig, make_config
+from train.lm.sources import config_for_data
 from train.lm.task import (
     TASK,
     as_batch,
@@ -39,6 +40,7 @@ __all__ = [
     "TASK",
     "VOCAB_SIZES",
     "as_batch",
+    "config_for_data",
     "config_from_args",
     "evaluate_stream",
     "load_stream",

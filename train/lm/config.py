@@ -10,7 +10,7 @@ from typing import Any, ClassVar
 
 from train.core.config import RunConfig, check_finite, check_positive, preset_run_fields
 from train.data.tfds_source import is_tfds, tfds_name
-from train.lm.text import BYTE_VOCAB, training_vocab
+from train.lm.text import BYTE_VOCAB
 from transformer_jax.optim import OptimizerConfig
 from xl_jax.config import TransformerXLConfig
 
@@ -24,7 +24,7 @@ LEVELS = ("word", "char", "byte")
 LARGE_VOCAB, LARGE_VOCAB_CUTOFFS = 50_000, (20_000, 40_000, 200_000)
 # The papers' recipes (Dai et al. 2019): the paper's model (a TransformerXLConfig preset and
 # overrides) whatever the data, and the levels of text it is for. They train on the user's
-# text only (see LMConfig._check_recipe).
+# text only (see train.lm.sources: the recipes' rules).
 PAPER_MODELS: dict[str, tuple[str, dict[str, Any]]] = {
     "wt103_base": ("wt103_base", {}),
     # Unrolled layers: faster a step on a GPU, and the memory fits
@@ -63,8 +63,8 @@ class LMConfig(RunConfig):
         as the reference does (its memory ends where the last epoch's stream did); False
         carries it over.
       train_text, valid_text, test_text: with dataset 'text', the user's files (train.lm.text);
-        the model's vocab_size is the training text's vocabulary, found when the config is
-        made.
+        the model's vocab_size is the training text's vocabulary, counted by its source
+        when the data is prepared (`train.lm.sources.config_for_data`).
       level: how text is read: 'word' | 'char' | 'byte'.
       min_count, max_vocab: a word or char enters the vocabulary when seen at least min_count
         times in training, at most max_vocab symbols with <eos> and <unk> (0: no limit).
@@ -109,17 +109,7 @@ class LMConfig(RunConfig):
     def __post_init__(self):
         check_dataset(self.dataset)
         super().__post_init__()
-        self._check_text()
-        self._check_recipe()
-        if (
-            self.dataset in VOCAB_SIZES
-            and self.model_config.vocab_size != VOCAB_SIZES[self.dataset]
-        ):
-            raise ValueError(
-                f"model_config.vocab_size: {self.dataset} has "
-                f"{VOCAB_SIZES[self.dataset]} symbols, got "
-                f"{self.model_config.vocab_size}"
-            )
+        self.source_class().check_fields(self)  # the rules of the run's kind of data
         check_positive(self, ("batch_size", "eval_batch_size", "eval_tgt_len"))
         check_positive(
             self, ("decay_steps", "warmup_steps", "eval_mem_len", "eval_tokens"), minimum=0
@@ -138,70 +128,11 @@ class LMConfig(RunConfig):
             raise ValueError("eval_mem_len: same_length needs a memory")
         self.optimizer_config()  # validated there too
 
-    def _check_text(self) -> None:
-        if self.dataset != "text":
-            if self.train_text or self.valid_text or self.test_text or self.split_bytes:
-                raise ValueError(
-                    f"train_text: the text options need dataset 'text', not {self.dataset!r}"
-                )
-            if not is_tfds(self.dataset):
-                return
-        if self.level not in LEVELS:
-            raise ValueError(f"level: expected one of {LEVELS}, got {self.level!r}")
-        if is_tfds(self.dataset):
-            if not self.text_feature:
-                raise ValueError("text_feature: the name of a text feature of the dataset")
-        else:
-            self._check_files()
-        check_positive(self, ("min_count",))
-        check_positive(self, ("max_vocab",), minimum=0)
-        if self.max_vocab and self.max_vocab < 3:
-            raise ValueError(
-                f"max_vocab: <eos>, <unk> and at least one symbol, got {self.max_vocab}"
-            )
+    def source_class(self) -> type:
+        """The class of the run's data source (`sources.SOURCES`), which owns its rules."""
+        from train.lm.sources import SOURCES, source_kind  # sources imports this module
 
-    def _check_files(self) -> None:
-        if self.train_text is None:
-            raise ValueError("train_text: dataset 'text' needs the training file")
-        if self.split_bytes:
-            if self.level != "byte" or len(self.split_bytes) != 3:
-                raise ValueError(
-                    f"split_bytes: three byte counts (train, valid, test) of one "
-                    f"file at the byte level, got {self.split_bytes} at level "
-                    f"{self.level!r}"
-                )
-            if self.valid_text or self.test_text or min(self.split_bytes) < 1:
-                raise ValueError(
-                    "split_bytes: positive counts, and no valid_text / test_text "
-                    "(the parts come from train_text)"
-                )
-        elif self.valid_text is None:
-            raise ValueError(
-                "valid_text: training on text needs a validation file (or "
-                "split_bytes at the byte level)"
-            )
-
-    def _check_recipe(self) -> None:
-        """A paper's recipe runs on the user's text of its level."""
-        levels = PAPER_LEVELS.get(self.preset)
-        if levels is None:
-            return
-        if self.dataset != "text" and not is_tfds(self.dataset):
-            # Without text files the run would be on PTB: a forgotten flag, not the recipe
-            # (sized for 103M words or 100M bytes; PTB has 1M words, below every one of
-            # WikiText-103's cut-offs). The 'base' and 'gpu' presets are PTB's.
-            raise ValueError(
-                f"preset: {self.preset} is a recipe of Dai et al. (2019) for "
-                f"{' or '.join(levels)}-level text; give its text with --train_text (and "
-                "--valid_text, --test_text, or --split_bytes at the byte level) or --dataset "
-                "tfds:NAME: see the "
-                f"README's 'The papers' recipes'. For {self.dataset} use --preset base or gpu"
-            )
-        if self.level not in levels:
-            raise ValueError(
-                f"level: the {self.preset} recipe is for {' or '.join(levels)}-level text, "
-                f"got {self.level!r}"
-            )
+        return SOURCES[source_kind(self.dataset)]
 
     def data_level(self) -> str:
         """'word', 'char' or 'byte'."""
@@ -407,27 +338,66 @@ def check_dataset(dataset: str) -> None:
         )
 
 
+def data_kind(dataset: str, run_overrides: Mapping[str, Any]) -> str:
+    """The run's dataset: a `train_text` makes the default 'ptb' the user's 'text'. Checked
+    (`check_dataset`)."""
+    if run_overrides.get("train_text") is not None and dataset == "ptb":
+        dataset = "text"
+    check_dataset(dataset)
+    return dataset
+
+
+def run_fields(preset: str, run_overrides: Mapping[str, Any]) -> dict[str, Any]:
+    """The LMConfig fields of `preset` with the overrides on top (a bad preset names it)."""
+    if preset not in PRESETS:
+        raise ValueError(f"preset: expected one of {sorted(PRESETS)}, got {preset!r}")
+    return preset_run_fields(PRESETS[preset], run_overrides)
+
+
+def counts_its_vocabulary(dataset: str, fields: Mapping[str, Any]) -> bool:
+    """Whether the run's vocabulary is counted from its training data (text and TFDS data at
+    the word or char level), rather than fixed (PTB's, or the byte level's 256)."""
+    if dataset != "text" and not is_tfds(dataset):
+        return False
+    level = fields.get("level", LMConfig.level)
+    if level not in LEVELS:
+        raise ValueError(f"level: expected one of {LEVELS}, got {level!r}")
+    return level != "byte"
+
+
 def make_config(
     dataset: str = "ptb",
     preset: str = "cpu",
     *,
+    vocab_size: int | None = None,
     model_overrides: Mapping[str, Any] = (),
     **run_overrides,
 ) -> LMConfig:
     """The config of `preset` for `dataset` with field overrides (validated). A `train_text`
-    makes the dataset 'text' (the default 'ptb' otherwise), whose vocabulary size is read from
-    the training text here, as a TFDS dataset's is from its train split."""
-    if run_overrides.get("train_text") is not None and dataset == "ptb":
-        dataset = "text"
-    check_dataset(dataset)
-    if preset not in PRESETS:
-        raise ValueError(f"preset: expected one of {sorted(PRESETS)}, got {preset!r}")
-    run = preset_run_fields(PRESETS[preset], run_overrides)
-    if dataset == "text" or is_tfds(dataset):
+    makes the dataset 'text' (the default 'ptb' otherwise).
+
+    Pure: nothing is read. The vocabulary size is PTB's, the byte level's 256, or, for text
+    and TFDS data at the word or char level, `vocab_size`: the count of the training data's
+    vocabulary, which its source makes when the data is prepared
+    (`train.lm.sources.config_for_data` counts it and calls this)."""
+    dataset = data_kind(dataset, run_overrides)
+    run = run_fields(preset, run_overrides)
+    if counts_its_vocabulary(dataset, run):
+        if vocab_size is None:
+            raise ValueError(
+                f"vocab_size: a {dataset} run's vocabulary is counted from its training data; "
+                "make its config with train.lm.config_for_data (which counts it), or give "
+                "the count"
+            )
         level = run.get("level", LMConfig.level)
-        vocab_size = text_vocab_size(run, dataset)
     else:
-        level, vocab_size = DATASETS[dataset], VOCAB_SIZES[dataset]
+        if dataset in VOCAB_SIZES:
+            level, fixed = DATASETS[dataset], VOCAB_SIZES[dataset]
+        else:
+            level, fixed = "byte", BYTE_VOCAB
+        if vocab_size not in (None, fixed):
+            raise ValueError(f"vocab_size: fixed by the dataset ({fixed}), got {vocab_size}")
+        vocab_size = fixed
     if preset in PAPER_MODELS:  # the paper's model; LMConfig refuses data it is not for
         base, sizes = PAPER_MODELS[preset]
         sizes = {**sizes, **paper_clusters(base, vocab_size)}
@@ -462,22 +432,3 @@ def paper_clusters(base: str, vocab_size: int) -> dict[str, Any]:
     if paper.tie_projs:
         out["tie_projs"] = paper.tie_projs[: len(cutoffs) + 1]
     return out
-
-
-def text_vocab_size(fields: Mapping[str, Any], dataset: str = "text") -> int:
-    """The vocabulary size of a text or TFDS run's training data (LMConfig field values; a bad
-    level, file or dataset is an error naming it)."""
-    level = fields.get("level", LMConfig.level)
-    if level not in LEVELS:
-        raise ValueError(f"level: expected one of {LEVELS}, got {level!r}")
-    if level == "byte":
-        return BYTE_VOCAB
-    return training_vocab(
-        dataset,
-        level,
-        train_text=None if is_tfds(dataset) else fields["train_text"],
-        text_feature=fields.get("text_feature", LMConfig.text_feature),
-        min_count=fields.get("min_count", LMConfig.min_count),
-        max_vocab=fields.get("max_vocab", LMConfig.max_vocab),
-        data_dir=fields.get("data_dir"),
-    ).vocab_size

@@ -16,16 +16,27 @@ from __future__ import annotations
 import dataclasses
 import functools
 import os
-from collections.abc import Callable, Iterable
+from collections.abc import Callable, Iterable, Mapping
 from typing import Any, Protocol
 
 import numpy as np
 
+from train.core.config import check_positive
 from train.data.text_files import DataError, check_fingerprint, files_sha256
 from train.data.tfds_source import is_tfds, open_dataset
 from train.data.token_cache import ids_dtype, stream_cache
 from train.data.tokenizers import CharVocab, WordVocab
-from train.lm.config import DATASETS, LMConfig
+from train.lm.config import (
+    DATASETS,
+    LEVELS,
+    PAPER_LEVELS,
+    VOCAB_SIZES,
+    LMConfig,
+    counts_its_vocabulary,
+    data_kind,
+    make_config,
+    run_fields,
+)
 from train.lm.text import (
     byte_chunks,
     byte_length,
@@ -59,11 +70,66 @@ class LMSource(Protocol):
         else int32 in memory; None when the run has no such split."""
 
 
+def source_kind(dataset: str) -> str:
+    """The kind of source of a dataset: 'ptb' (shipped), 'text' or 'tfds' (SOURCES' keys)."""
+    if is_tfds(dataset):
+        return "tfds"
+    return "text" if dataset == "text" else "ptb"
+
+
 def lm_source(config: LMConfig) -> LMSource:
     """The run's source: its TFDS dataset, its text files, or PTB."""
-    if is_tfds(config.dataset):
-        return TfdsSource(config)
-    return TextSource(config) if config.dataset == "text" else PtbSource(config)
+    return SOURCES[source_kind(config.dataset)](config)
+
+
+def config_for_data(
+    dataset: str = "ptb",
+    preset: str = "cpu",
+    *,
+    model_overrides: Mapping[str, Any] = (),
+    **run_overrides,
+) -> LMConfig:
+    """`make_config` for the data the fields name, its vocabulary counted by the data's
+    source first where the data sets it (text and TFDS data at the word or char level: one
+    streaming pass, kept for the process, so the data's preparation does not count again)."""
+    dataset = data_kind(dataset, run_overrides)
+    fields = run_fields(preset, run_overrides)
+    vocab_size = None
+    if counts_its_vocabulary(dataset, fields):
+        vocab_size = SOURCES[source_kind(dataset)].count_vocab(dataset, fields).vocab_size
+    return make_config(
+        dataset, preset, vocab_size=vocab_size, model_overrides=model_overrides, **run_overrides
+    )
+
+
+def _no_text_options(config: LMConfig) -> None:
+    if config.train_text or config.valid_text or config.test_text or config.split_bytes:
+        raise ValueError(
+            f"train_text: the text options need dataset 'text', not {config.dataset!r}"
+        )
+
+
+def _check_vocabulary_options(config: LMConfig) -> None:
+    """The level a counted vocabulary reads its text at."""
+    if config.level not in LEVELS:
+        raise ValueError(f"level: expected one of {LEVELS}, got {config.level!r}")
+
+
+def _check_counting(config: LMConfig) -> None:
+    check_positive(config, ("min_count",))
+    check_positive(config, ("max_vocab",), minimum=0)
+    if config.max_vocab and config.max_vocab < 3:
+        raise ValueError(f"max_vocab: <eos>, <unk> and at least one symbol, got {config.max_vocab}")
+
+
+def _check_recipe_level(config: LMConfig) -> None:
+    """A paper's recipe runs on the user's text of its level."""
+    levels = PAPER_LEVELS.get(config.preset)
+    if levels is not None and config.level not in levels:
+        raise ValueError(
+            f"level: the {config.preset} recipe is for {' or '.join(levels)}-level text, "
+            f"got {config.level!r}"
+        )
 
 
 @dataclasses.dataclass(frozen=True)
@@ -73,6 +139,28 @@ class PtbSource:
 
     config: LMConfig
     cached = False
+
+    @staticmethod
+    def check_fields(config: LMConfig) -> None:
+        """No text options; no paper's recipe (sized for 103M words or 100M bytes; PTB has
+        1M words, below every one of WikiText-103's cut-offs: a forgotten --train_text, not
+        the recipe; the 'base' and 'gpu' presets are PTB's); PTB's own vocabulary size."""
+        _no_text_options(config)
+        levels = PAPER_LEVELS.get(config.preset)
+        if levels is not None:
+            raise ValueError(
+                f"preset: {config.preset} is a recipe of Dai et al. (2019) for "
+                f"{' or '.join(levels)}-level text; give its text with --train_text (and "
+                "--valid_text, --test_text, or --split_bytes at the byte level) or --dataset "
+                "tfds:NAME: see the "
+                f"README's 'The papers' recipes'. For {config.dataset} use --preset base or gpu"
+            )
+        if config.model_config.vocab_size != VOCAB_SIZES[config.dataset]:
+            raise ValueError(
+                f"model_config.vocab_size: {config.dataset} has "
+                f"{VOCAB_SIZES[config.dataset]} symbols, got "
+                f"{config.model_config.vocab_size}"
+            )
 
     def check(self, workdir: str, log: Log) -> None:
         """Nothing to fingerprint: the corpus is the package's own."""
@@ -94,17 +182,25 @@ class _Counted:
 
     config: LMConfig
 
+    @staticmethod
+    def count_vocab(dataset: str, fields: Mapping[str, Any]):
+        """The vocabulary of the training data LMConfig `fields` name (a bad file or dataset
+        is an error naming it); counted once per process."""
+        if dataset == "text" and fields.get("train_text") is None:
+            raise ValueError("train_text: dataset 'text' needs the training file")
+        return training_vocab(
+            dataset,
+            fields.get("level", LMConfig.level),
+            train_text=None if is_tfds(dataset) else fields.get("train_text"),
+            text_feature=fields.get("text_feature", LMConfig.text_feature),
+            min_count=fields.get("min_count", LMConfig.min_count),
+            max_vocab=fields.get("max_vocab", LMConfig.max_vocab),
+            data_dir=fields.get("data_dir"),
+        )
+
     def vocab(self):
         c = self.config
-        vocab = training_vocab(
-            c.dataset,
-            c.level,
-            train_text=c.train_text,
-            text_feature=c.text_feature,
-            min_count=c.min_count,
-            max_vocab=c.max_vocab,
-            data_dir=c.data_dir,
-        )
+        vocab = self.count_vocab(c.dataset, dataclasses.asdict(c))
         if vocab.vocab_size != c.model_config.vocab_size:
             raise DataError(
                 f"{self._named()} gives {vocab.vocab_size:,} symbols, the run's model "
@@ -126,6 +222,34 @@ class TextSource(_Counted):
     config: LMConfig
     cached = True
     _what = "text"
+
+    @staticmethod
+    def check_fields(config: LMConfig) -> None:
+        """A level; the training file, and a validation file or split_bytes (three positive
+        byte counts of one file, at the byte level); the vocabulary's counting; a recipe's
+        level."""
+        _check_vocabulary_options(config)
+        if config.train_text is None:
+            raise ValueError("train_text: dataset 'text' needs the training file")
+        if config.split_bytes:
+            if config.level != "byte" or len(config.split_bytes) != 3:
+                raise ValueError(
+                    f"split_bytes: three byte counts (train, valid, test) of one "
+                    f"file at the byte level, got {config.split_bytes} at level "
+                    f"{config.level!r}"
+                )
+            if config.valid_text or config.test_text or min(config.split_bytes) < 1:
+                raise ValueError(
+                    "split_bytes: positive counts, and no valid_text / test_text "
+                    "(the parts come from train_text)"
+                )
+        elif config.valid_text is None:
+            raise ValueError(
+                "valid_text: training on text needs a validation file (or "
+                "split_bytes at the byte level)"
+            )
+        _check_counting(config)
+        _check_recipe_level(config)
 
     def _named(self) -> str:
         return f"train_text: {self.config.train_text}"
@@ -196,6 +320,17 @@ class TfdsSource(_Counted):
     config: LMConfig
     cached = True
 
+    @staticmethod
+    def check_fields(config: LMConfig) -> None:
+        """No text files; a level and the text feature; the vocabulary's counting; a recipe's
+        level."""
+        _no_text_options(config)
+        _check_vocabulary_options(config)
+        if not config.text_feature:
+            raise ValueError("text_feature: the name of a text feature of the dataset")
+        _check_counting(config)
+        _check_recipe_level(config)
+
     def _named(self) -> str:
         return f"dataset: {self.config.dataset}"
 
@@ -263,3 +398,7 @@ def _sha256(path: str) -> str:
 @functools.lru_cache(maxsize=8)
 def _sha256_of(path: str, stamp: tuple[int, int]) -> str:
     return files_sha256(path)
+
+
+# The one table from a kind of data to the source that owns its rules (`source_kind`).
+SOURCES: dict[str, type] = {"ptb": PtbSource, "text": TextSource, "tfds": TfdsSource}

@@ -26,8 +26,8 @@ from train.core.metrics import add_sums, read_metrics, summarize
 from train.core.parallel import DataParallel
 from train.core.task import EvalContext
 from train.data.token_cache import CACHE_DIR
-from train.lm.config import DATASETS, PRESETS, LMConfig, make_config
-from train.lm.sources import lm_source
+from train.lm.config import DATASETS, PRESETS, LMConfig
+from train.lm.sources import config_for_data, lm_source
 from xl_jax.config import TransformerXLConfig
 from xl_jax.data import lm_batches
 from xl_jax.memory import init_memory, reset_rows
@@ -201,7 +201,9 @@ class LMTask:
     def make_config(
         self, choice: str, preset: str, *, model_overrides: Mapping[str, Any] = (), **run_overrides
     ) -> LMConfig:
-        return make_config(choice, preset, model_overrides=model_overrides, **run_overrides)
+        """A new run's config; its vocabulary counted by its data's source where the data sets
+        it (`config_for_data`)."""
+        return config_for_data(choice, preset, model_overrides=model_overrides, **run_overrides)
 
     def build_model(self, config: LMConfig) -> TransformerXL:
         return TransformerXL(config.model_config)

@@ -167,9 +167,8 @@ class TranslateConfig(RunConfig):
 
     def __post_init__(self):
         super().__post_init__()
-        if self.data_source() != "files":  # Multi30k, and a TFDS dataset, read de -> en
-            object.__setattr__(self, "src_lang", self.src_lang or "de")
-            object.__setattr__(self, "tgt_lang", self.tgt_lang or "en")
+        for name, value in self.source_class().defaults(self).items():  # its own defaults
+            object.__setattr__(self, name, value)
         if self.optimizer not in OPTIMIZERS:
             raise ValueError(f"optimizer: expected one of {OPTIMIZERS}, got {self.optimizer!r}")
         if self.optimizer == "adam_cosine" and not self.fit_to_budget and self.steps < 1:
@@ -190,16 +189,7 @@ class TranslateConfig(RunConfig):
         check_positive(self, ("spm_sample",), minimum=2)
         self._check_data()
         self.origin.check(self.model, self.preset)
-        if (
-            self.data_source() == "multi30k"
-            and self.origin.trains_tokenizer
-            and self.vocab_size < MIN_VOCAB_SIZE
-        ):
-            raise ValueError(
-                f"vocab_size: the Multi30k tokenizer needs at least "
-                f"{MIN_VOCAB_SIZE} pieces (4 special, 256 byte pieces and the 102 "
-                f"characters of its training text), got {self.vocab_size}"
-            )
+        self.source_class().check_vocabulary(self)
         check_finite(self, ("learning_rate", "lr_factor"), positive=True)
         check_finite(self, ("length_penalty",), positive=False)
         if not 0.0 <= self.label_smoothing < 1.0:
@@ -226,8 +216,8 @@ class TranslateConfig(RunConfig):
         self.optimizer_config()  # clip_norm, ema_decay and the schedule, validated there
 
     def _check_data(self) -> None:
-        """A known dataset or files; files come in pairs; Multi30k has two languages; the WMT14
-        recipes need their data."""
+        """A known dataset or files, given in pairs; then the rules of the run's kind of
+        data, which its source owns (`sources.SOURCES`)."""
         if self.dataset != "multi30k":
             if not is_tfds(self.dataset):
                 raise ValueError(
@@ -235,21 +225,6 @@ class TranslateConfig(RunConfig):
                     f"dataset), got {self.dataset!r}"
                 )
             tfds_name(self.dataset)  # something after the prefix
-            if self.train_src is not None:
-                raise ValueError(
-                    f"dataset, train_src: train on {self.dataset} or on files, not both"
-                )
-        if self.preset in PAPER_PRESETS and self.data_source() == "multi30k":
-            # Without files the run would be on Multi30k: a forgotten flag, not the recipe
-            # (a 32k vocabulary and 25k-token batches are sized for WMT14's 4.5M pairs, not
-            # Multi30k's 29k; the 'base' preset is the paper's base model for Multi30k).
-            raise ValueError(
-                f"preset: {self.preset} is the WMT14 recipe of Vaswani et al. (2017); give "
-                "its data with --train_src, --train_tgt, --valid_src, --valid_tgt (and "
-                "--test_src, --test_tgt), or --dataset tfds:wmt14_translate/de-en: see the "
-                "README's 'The papers' recipes'. For "
-                "Multi30k use --preset base (the paper's base model, an 8k vocabulary)"
-            )
         for a, b in (("train_src", "train_tgt"), ("valid_src", "valid_tgt")):
             if (getattr(self, a) is None) != (getattr(self, b) is None):
                 raise ValueError(f"{a}, {b}: give both files of the pair, or neither")
@@ -258,22 +233,13 @@ class TranslateConfig(RunConfig):
                 f"test_src, test_tgt: {len(self.test_src)} source and "
                 f"{len(self.test_tgt)} target files; give them in pairs"
             )
-        if self.train_src is not None and self.valid_src is None:
-            raise ValueError(
-                "valid_src, valid_tgt: training on files needs a validation pair "
-                "of files (it ranks the checkpoints)"
-            )
-        if self.train_src is None and (self.valid_src is not None or self.test_src):
-            raise ValueError(
-                "valid_src, test_src: evaluation files need training files "
-                "(train_src, train_tgt) of the same languages"
-            )
-        if self.data_source() == "multi30k" and {self.src_lang, self.tgt_lang} != {"de", "en"}:
-            raise ValueError(
-                f"src_lang, tgt_lang: Multi30k is de-en, in either direction; "
-                f"got {self.src_lang!r} -> {self.tgt_lang!r} (train on a TFDS dataset or "
-                "on files for other languages)"
-            )
+        self.source_class().check_fields(self)
+
+    def source_class(self) -> type:
+        """The class of the run's data source (`sources.SOURCES`), which owns its rules."""
+        from train.translate.sources import SOURCES  # sources imports this module
+
+        return SOURCES[self.data_source()]
 
     @property
     def origin(self) -> ModelOrigin:

@@ -20,7 +20,7 @@ import functools
 import itertools
 import os
 from collections.abc import Callable, Iterator, Sequence
-from typing import Protocol
+from typing import Any, Protocol
 
 from train.data.text_files import (
     DataError,
@@ -38,7 +38,7 @@ from train.data.tokenizers import (
     multi30k_tokenizer,
     write_model,
 )
-from train.translate.config import TranslateConfig
+from train.translate.config import MIN_VOCAB_SIZE, PAPER_PRESETS, TranslateConfig
 
 Log = Callable[[str], None]
 EncodedPair = tuple[list[int], list[int]]  # (source ids ending with eos, target ids)
@@ -82,9 +82,39 @@ class TranslationSource(Protocol):
 
 def translation_source(config: TranslateConfig) -> TranslationSource:
     """The run's source: its files, its TFDS dataset, or Multi30k."""
-    return {"files": FilesSource, "tfds": TfdsSource, "multi30k": Multi30kSource}[
-        config.data_source()
-    ](config)
+    return config.source_class()(config)
+
+
+class _Rules:
+    """What a kind of data asks of a run's config: each source class's own defaults and
+    checks, which TranslateConfig applies through SOURCES (a ValueError names the field)."""
+
+    @staticmethod
+    def defaults(config: TranslateConfig) -> dict[str, Any]:
+        """Fields this kind of data fills when the run leaves them unset."""
+        return {}
+
+    @staticmethod
+    def check_fields(config: TranslateConfig) -> None:
+        """The fields' rules for this kind of data."""
+
+    @staticmethod
+    def check_vocabulary(config: TranslateConfig) -> None:
+        """That the run's tokenizer can be made from this data (after the model origin's
+        check: a Marian folder brings its own)."""
+
+
+def _de_en(config: TranslateConfig) -> dict[str, Any]:
+    # Multi30k, and a TFDS dataset, read de -> en unless told otherwise.
+    return {"src_lang": config.src_lang or "de", "tgt_lang": config.tgt_lang or "en"}
+
+
+def _no_evaluation_files(config: TranslateConfig) -> None:
+    if config.valid_src is not None or config.test_src:
+        raise ValueError(
+            "valid_src, test_src: evaluation files need training files "
+            "(train_src, train_tgt) of the same languages"
+        )
 
 
 # ----------------------------------------------------------------------------- encoding
@@ -189,12 +219,43 @@ def _encoded_corpus(
 
 
 @dataclasses.dataclass(frozen=True)
-class Multi30kSource:
+class Multi30kSource(_Rules):
     """Multi30k, shipped with the package (or a prepared TFDS copy under data_dir): held in
     memory, 29k training pairs."""
 
     config: TranslateConfig
     name = "multi30k"
+    defaults = staticmethod(_de_en)
+
+    @staticmethod
+    def check_fields(config: TranslateConfig) -> None:
+        if config.preset in PAPER_PRESETS:
+            # Without files the run would be on Multi30k: a forgotten flag, not the recipe
+            # (a 32k vocabulary and 25k-token batches are sized for WMT14's 4.5M pairs, not
+            # Multi30k's 29k; the 'base' preset is the paper's base model for Multi30k).
+            raise ValueError(
+                f"preset: {config.preset} is the WMT14 recipe of Vaswani et al. (2017); give "
+                "its data with --train_src, --train_tgt, --valid_src, --valid_tgt (and "
+                "--test_src, --test_tgt), or --dataset tfds:wmt14_translate/de-en: see the "
+                "README's 'The papers' recipes'. For "
+                "Multi30k use --preset base (the paper's base model, an 8k vocabulary)"
+            )
+        _no_evaluation_files(config)
+        if {config.src_lang, config.tgt_lang} != {"de", "en"}:
+            raise ValueError(
+                f"src_lang, tgt_lang: Multi30k is de-en, in either direction; "
+                f"got {config.src_lang!r} -> {config.tgt_lang!r} (train on a TFDS dataset or "
+                "on files for other languages)"
+            )
+
+    @staticmethod
+    def check_vocabulary(config: TranslateConfig) -> None:
+        if config.origin.trains_tokenizer and config.vocab_size < MIN_VOCAB_SIZE:
+            raise ValueError(
+                f"vocab_size: the Multi30k tokenizer needs at least "
+                f"{MIN_VOCAB_SIZE} pieces (4 special, 256 byte pieces and the 102 "
+                f"characters of its training text), got {config.vocab_size}"
+            )
 
     def check(self, workdir: str, log: Log) -> None:
         """Nothing to fingerprint: the corpus is the package's own."""
@@ -218,7 +279,7 @@ class Multi30kSource:
 
 
 # ----------------------------------------------------------------------------- streamed
-class _Streamed:
+class _Streamed(_Rules):
     """A source whose training pairs are streamed into the token cache, never held as
     strings: its `stream()` (a PairSource with a fingerprint) feeds the tokenizer's sample
     and the cache. `skipped_note` follows the count of pairs left out in the log."""
@@ -252,19 +313,34 @@ class FilesSource(_Streamed):
 
     def __init__(self, config: TranslateConfig):
         self.config = config
-        self._train_sha256: str | None = None  # `check`'s, so the files are hashed once
+
+    @staticmethod
+    def check_fields(config: TranslateConfig) -> None:
+        if config.dataset != "multi30k":
+            raise ValueError(f"dataset, train_src: train on {config.dataset} or on files, not both")
+        if config.valid_src is None:
+            raise ValueError(
+                "valid_src, valid_tgt: training on files needs a validation pair "
+                "of files (it ranks the checkpoints)"
+            )
+
+    @functools.cached_property
+    def train_sha256(self) -> str:
+        """The training files' sha256 (`files_sha256`), read once for this source: `check`
+        holds the run to it and `stream` keys the token cache with it."""
+        return files_sha256(self.config.train_src, self.config.train_tgt)
 
     def check(self, workdir: str, log: Log) -> None:
         c = self.config
-        self._train_sha256 = check_fingerprint(
-            workdir, {"train_src": c.train_src, "train_tgt": c.train_tgt}
+        check_fingerprint(
+            workdir, {"train_src": c.train_src, "train_tgt": c.train_tgt}, digest=self.train_sha256
         )
 
     def stream(self) -> PairSource:
         c = self.config
-        files = (c.train_src, c.train_tgt)
-        digest = self._train_sha256 or files_sha256(*files)
-        return file_pairs(*files, train_sha256=digest, skip_empty=c.skip_empty)
+        return file_pairs(
+            c.train_src, c.train_tgt, train_sha256=self.train_sha256, skip_empty=c.skip_empty
+        )
 
     def validation_split(self, tokenizer, log: Log | None = None) -> Split:
         c = self.config
@@ -286,9 +362,14 @@ class TfdsSource(_Streamed):
 
     name = "tfds"
     skipped_note = ""
+    defaults = staticmethod(_de_en)
 
     def __init__(self, config: TranslateConfig):
         self.config = config
+
+    @staticmethod
+    def check_fields(config: TranslateConfig) -> None:
+        _no_evaluation_files(config)
 
     @functools.cached_property
     def dataset(self) -> TfdsDataset:
@@ -356,3 +437,8 @@ class TfdsSource(_Streamed):
         if test is None:
             return []
         return [make_split(self.config, tokenizer, f"{data.name}.{test}", self._head(test))]
+
+
+# The one table from a kind of data (`TranslateConfig.data_source`) to the source that owns
+# its rules and reads it.
+SOURCES: dict[str, type] = {"multi30k": Multi30kSource, "tfds": TfdsSource, "files": FilesSource}

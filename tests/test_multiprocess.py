@@ -19,6 +19,7 @@ from helpers import REPO, Running, finish_all, made_up_corpus, subprocess_xla_fl
 
 from train.core import cli
 from train.core.checkpoint import Checkpoints, load_run_config
+from train.core.errors import EXIT_PEER_LOST
 
 # Every test here trains runs (several processes, or every model).
 pytestmark = pytest.mark.slow
@@ -331,6 +332,50 @@ def test_sigterm_to_one_process_stops_both_with_a_checkpoint(tmp_path, data_dir)
     saved = Checkpoints(workdir).latest_step()
     assert saved is not None and saved >= 3
     assert max(r["step"] for r in _records(workdir, "train")) <= saved
+
+
+def test_a_killed_process_stops_the_other_at_once_naming_it_and_both_resume(tmp_path, data_dir):
+    """kill -9 of process 1 mid-run: process 0's next collective fails, and it exits 69
+    (EXIT_PEER_LOST) within seconds with one line naming process 1, instead of waiting in
+    JAX's shutdown for the dead process and aborting. The checkpoint saved before is whole:
+    both processes started again resume from it and finish."""
+    import time
+
+    workdir = str(tmp_path / "run")
+    args = [*LM_FLAGS, "--data_dir", str(data_dir), "--workdir", workdir, "--progress", "true"]
+    for _ in range(ATTEMPTS):
+        port = _free_port()
+        with (
+            _start("train.lm", [*args, "--steps", "100000"], process_id=0, port=port) as p0,
+            _start("train.lm", [*args, "--steps", "100000"], process_id=1, port=port) as p1,
+        ):
+            try:
+                p0.wait_for("step 4/")
+            except AssertionError:
+                if _bind_failed(p0):
+                    continue  # the port was taken meanwhile: another one
+                raise
+            p1.send_signal(signal.SIGKILL)
+            killed = time.monotonic()
+            codes = finish_all([p0, p1], timeout=60)
+            took = time.monotonic() - killed
+        break
+    else:
+        raise AssertionError(f"the coordinator could not bind in {ATTEMPTS} attempts")
+    assert codes[0] == EXIT_PEER_LOST == 69, p0.output[-3000:]
+    assert took < 15, took  # not JAX's shutdown timeout and abort (about a minute)
+    message = [line for line in p0.output.splitlines() if line.startswith("error: ")]
+    assert len(message) == 1 and message[0].startswith("error: process 1 (of 2) was lost ("), (
+        p0.output[-3000:]
+    )
+    assert "process 0 stops too" in message[0] and "Check failure" not in p0.output
+    saved = Checkpoints(workdir).latest_step()
+    assert saved is not None and saved >= 3
+    # All processes started again: the run resumes from the saved step and finishes.
+    results = _pair("train.lm", [*args, "--steps", str(saved + 3)])
+    assert [code for code, _ in results] == [cli.EXIT_OK] * 2, results[0][1] + results[1][1]
+    assert f"resumed from {os.path.join(workdir, 'checkpoints', str(saved))}" in results[0][1]
+    assert Checkpoints(workdir).latest_step() == saved + 3
 
 
 def test_a_spent_time_budget_stops_both_processes_at_the_same_step(tmp_path, data_dir):

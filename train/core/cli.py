@@ -37,6 +37,7 @@ from train.core.errors import (  # noqa: F401 - the exit codes are the commands'
     EXIT_ERROR,
     EXIT_INTERRUPTED,
     EXIT_OK,
+    EXIT_PEER_LOST,
     EXIT_USAGE,
     RunError,
     UsageError,
@@ -54,6 +55,7 @@ from train.core.flags import (  # noqa: F401 - the flags' API, importable from h
 )
 from train.core.host_memory import keep_host_memory
 from train.core.parallel import maybe_initialize_distributed
+from train.core.peers import exit_now, lost_peer
 from train.core.task import Task, config_from_saved, default_workdir
 from train.core.workdir import local_dir
 
@@ -407,6 +409,11 @@ def run_command(body: Callable[[], int], *, workdir: str | None, log_name: str =
         )
         return 130
     except (RunError, *EXPECTED_ERRORS) as e:
+        # A collective that failed because another process of the run died: named, and this
+        # process ends now (below) instead of waiting in JAX's shutdown for the dead one.
+        lost = None if isinstance(e, RunError) else lost_peer(e)
+        if lost is not None:
+            e = lost  # the failed collective's traceback is still the one logged
         # The project's errors carry their exit code, label and whether to log; others are
         # a plain error (exit 1, logged).
         ours = isinstance(e, RunError)
@@ -420,6 +427,8 @@ def run_command(body: Callable[[], int], *, workdir: str | None, log_name: str =
             file=sys.stderr,
             flush=True,
         )
+        if lost is not None:
+            exit_now(code)
         return code
 
 

@@ -12,6 +12,7 @@ EXIT_OK = 0
 EXIT_ERROR = 1  # what the run found cannot be used: a checkpoint, dataset, work directory, disk
 EXIT_USAGE = 2  # fix the command: a flag, a value or an input file
 EXIT_DIVERGED = 3  # the loss or gradient became NaN / infinite, or the result is infinite
+EXIT_PEER_LOST = 69  # a process of a multi-process run was lost (EX_UNAVAILABLE): start all
 EXIT_INTERRUPTED = 75  # stopped by SIGTERM / SIGINT after saving (EX_TEMPFAIL: run again)
 
 
@@ -64,3 +65,11 @@ class ProcessesDisagree(UsageError):
     process's whole setting (as a note), which the terminal does not."""
 
     logged = True
+
+
+class PeerLost(RunError, RuntimeError):
+    """A process of a multi-process run stopped (killed, its host lost): every other process
+    stops too (exit 69), naming it; starting all of them again resumes the run from its last
+    checkpoint (`train.core.peers`)."""
+
+    exit_code = EXIT_PEER_LOST

@@ -36,6 +36,7 @@ from jax.sharding import Mesh, NamedSharding
 from jax.sharding import PartitionSpec as P
 
 from train.core.config import check_parallel
+from train.core.peers import HEARTBEAT_TIMEOUT_S
 from train.core.processes import check_same_on_every_process  # noqa: F401 - its old home
 from train.core.state import TrainState
 from train.core.step import LossFn, make_eval_step, make_train_step
@@ -84,7 +85,10 @@ def maybe_initialize_distributed(
         ]
         try:  # a cluster JAX knows may still supply them
             jax.distributed.initialize(
-                coordinator_address=address, num_processes=count, process_id=index
+                coordinator_address=address,
+                num_processes=count,
+                process_id=index,
+                heartbeat_timeout_seconds=HEARTBEAT_TIMEOUT_S,
             )
         except ValueError as e:
             raise ValueError(
@@ -92,7 +96,13 @@ def maybe_initialize_distributed(
                 f"{' and '.join(missing)} ({e})"
             ) from e
         return True
-    jax.distributed.initialize(coordinator_address=address, num_processes=count, process_id=index)
+    # A process whose heartbeats stop is declared dead in seconds (`train.core.peers`).
+    jax.distributed.initialize(
+        coordinator_address=address,
+        num_processes=count,
+        process_id=index,
+        heartbeat_timeout_seconds=HEARTBEAT_TIMEOUT_S,
+    )
     return True
 
 

@@ -13,6 +13,7 @@ import signal
 import socket
 import subprocess
 import sys
+import time
 
 import pytest
 from helpers import REPO, Running, finish_all, made_up_corpus, subprocess_xla_flags, write_lines
@@ -293,6 +294,28 @@ def test_two_processes_train_on_files_from_one_token_cache_built_by_process_0(tm
     assert len(a) == len(b) == 3 and all(_close(x["loss"], y["loss"]) for x, y in zip(a, b))
 
 
+def _signal_one_mid_run(args: list[str], signum: int, *, after: str, timeout: float):
+    """Two train.lm processes; once process 0 prints `after`, `signum` to process 1 only ->
+    (process 0, process 1, their exit codes, seconds from the signal to both exits)."""
+    for _ in range(ATTEMPTS):
+        port = _free_port()
+        with (
+            _start("train.lm", args, process_id=0, port=port) as p0,
+            _start("train.lm", args, process_id=1, port=port) as p1,
+        ):
+            try:
+                p0.wait_for(after)
+            except AssertionError:
+                if _bind_failed(p0):
+                    continue  # the port was taken meanwhile: another one
+                raise
+            p1.send_signal(signum)
+            sent = time.monotonic()
+            codes = finish_all([p0, p1], timeout=timeout)
+            return p0, p1, codes, time.monotonic() - sent
+    raise AssertionError(f"the coordinator could not bind in {ATTEMPTS} attempts")
+
+
 def test_sigterm_to_one_process_stops_both_with_a_checkpoint(tmp_path, data_dir):
     workdir = str(tmp_path / "run")
     # --progress true: off a terminal, process 0 prints a 'step N/M' line per log interval.
@@ -309,23 +332,8 @@ def test_sigterm_to_one_process_stops_both_with_a_checkpoint(tmp_path, data_dir)
         "--progress",
         "true",
     ]
-    for _ in range(ATTEMPTS):
-        port = _free_port()
-        with (
-            _start("train.lm", args, process_id=0, port=port) as p0,
-            _start("train.lm", args, process_id=1, port=port) as p1,
-        ):
-            try:
-                p0.wait_for("step 3/")
-            except AssertionError:
-                if _bind_failed(p0):
-                    continue  # the port was taken meanwhile: another one
-                raise
-            p1.send_signal(signal.SIGTERM)  # a preempted host: process 1 only
-            codes = finish_all([p0, p1], timeout=180)
-        break
-    else:
-        raise AssertionError(f"the coordinator could not bind in {ATTEMPTS} attempts")
+    # A preempted host: process 1 only.
+    p0, p1, codes, _ = _signal_one_mid_run(args, signal.SIGTERM, after="step 3/", timeout=180)
     out = p0.output
     assert codes == [cli.EXIT_INTERRUPTED] * 2, out[-3000:] + p1.output[-3000:]
     assert "SIGTERM: checkpoint saved" in out
@@ -339,29 +347,11 @@ def test_a_killed_process_stops_the_other_at_once_naming_it_and_both_resume(tmp_
     (EXIT_PEER_LOST) within seconds with one line naming process 1, instead of waiting in
     JAX's shutdown for the dead process and aborting. The checkpoint saved before is whole:
     both processes started again resume from it and finish."""
-    import time
-
     workdir = str(tmp_path / "run")
     args = [*LM_FLAGS, "--data_dir", str(data_dir), "--workdir", workdir, "--progress", "true"]
-    for _ in range(ATTEMPTS):
-        port = _free_port()
-        with (
-            _start("train.lm", [*args, "--steps", "100000"], process_id=0, port=port) as p0,
-            _start("train.lm", [*args, "--steps", "100000"], process_id=1, port=port) as p1,
-        ):
-            try:
-                p0.wait_for("step 4/")
-            except AssertionError:
-                if _bind_failed(p0):
-                    continue  # the port was taken meanwhile: another one
-                raise
-            p1.send_signal(signal.SIGKILL)
-            killed = time.monotonic()
-            codes = finish_all([p0, p1], timeout=60)
-            took = time.monotonic() - killed
-        break
-    else:
-        raise AssertionError(f"the coordinator could not bind in {ATTEMPTS} attempts")
+    p0, _, codes, took = _signal_one_mid_run(
+        [*args, "--steps", "100000"], signal.SIGKILL, after="step 4/", timeout=60
+    )
     assert codes[0] == EXIT_PEER_LOST == 69, p0.output[-3000:]
     assert took < 15, took  # not JAX's shutdown timeout and abort (about a minute)
     message = [line for line in p0.output.splitlines() if line.startswith("error: ")]

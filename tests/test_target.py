@@ -195,6 +195,34 @@ def test_target_options_refuse_what_the_mode_does_not_take():
         parse_options(["--sharding", "fsdp"])  # no --target
     with pytest.raises(SystemExit):
         parse_options(["--target", "nowhere"])
+    assert parse_options(["--target", "v5e:2x2", "--preset", "wt103_base"]).preset == "wt103_base"
+    for bad in (["--preset", "wt103_base"], ["--target", "v5e:2x2", "--preset", "base"]):
+        with pytest.raises(SystemExit):
+            parse_options(bad)  # no --target; a name both tasks have
+
+
+def test_a_run_preset_is_its_own_step_at_its_largest_batch():
+    """`--preset`: the run's own training step (model, loss, optimizer, carried memory) at
+    the preset's largest batch, the papers' recipes at the papers' sizes, nothing read."""
+    from train.bench.presets import preset_bench, resolve_preset
+
+    assert resolve_preset("wmt14_big") == ("translate", "wmt14_big")
+    assert resolve_preset("lm:base") == ("lm", "base")
+    with pytest.raises(ValueError, match="both tasks have 'base': give translate:base or lm:base"):
+        resolve_preset("base")
+    sizes = {}
+    for name in ("wmt14_base", "wt103_base", "enwik8_base"):
+        bench = preset_bench(name, devices=4)
+        state = jax.eval_shape(bench.init_state)
+        sizes[name] = (
+            {k: v.shape for k, v in bench.batch.items()},
+            sum(x.size for x in jax.tree.leaves(state.params)),
+        )
+    # WMT14 base: its largest bucket (256) at 25k tokens a batch, rows a multiple of 4;
+    # WikiText-103: 151M parameters (Dai et al.: 151M); enwik8: 41M (the paper's 41M).
+    assert sizes["wmt14_base"][0]["src"] == (96, 256)
+    assert sizes["wt103_base"] == ({"inputs": (60, 150), "targets": (60, 150)}, 151_107_538)
+    assert sizes["enwik8_base"] == ({"inputs": (22, 512), "targets": (22, 512)}, 41_082_112)
 
 
 def test_compiling_for_a_gpu_restores_jax_cudnn_version_check():
@@ -356,3 +384,19 @@ def test_tiny_steps_compile_for_a_tpu_slice_with_each_sharding(tmp_path):
             assert r["memory"]["footprint"] >= r["memory"]["peak_reported"] > 0, model
             assert r["memory"]["footprint"] < chip, model
     assert 0 < out["greedy_decode"]["memory"]["footprint"] < chip
+
+    # The fit check of a run preset, as a user runs it: the LM's tiny preset, fsdp.
+    command = ["-m", "train.bench", "--target", "v5e:2x2", "--preset", "lm:tiny"]
+    done = subprocess.run(
+        [sys.executable, *command, "--sharding", "fsdp", "--out", str(tmp_path)],
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=600,
+        cwd=str(tmp_path),
+    )
+    assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-3000:]
+    with open(tmp_path / "target_v5e_2x2.json") as f:
+        (report,) = json.load(f)["train"]
+    assert report["name"] == "lm:tiny" and report["devices"] == 4 and report["fits"]
+    assert report["sharding"] == "fsdp" and report["memory"]["peak_reported"] > 0

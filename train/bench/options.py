@@ -64,6 +64,9 @@ class BenchOptions:
       target_devices: devices of the target the step is spread over (None: all the
         target's: one GPU, every chip of a TPU topology).
       sharding: the parameters' layout over those devices: replicated or fsdp.
+      preset: with --target, a run preset's own training step instead of the bench's
+        sections (`train.bench.presets`): 'wmt14_base', 'wt103_base', or TASK:NAME where
+        both tasks have the name ('translate:base', 'lm:base'); its largest batch.
     """
 
     quick: bool = False
@@ -94,6 +97,7 @@ class BenchOptions:
     target: str = ""
     target_devices: int | None = None
     sharding: str = "replicated"
+    preset: str = ""
 
     def __post_init__(self):
         unknown = sorted(set(self.only) - set(SECTIONS))
@@ -119,8 +123,12 @@ class BenchOptions:
                     f"only: --target compiles the training sections {list(TARGET_SECTIONS)}; "
                     f"{others} run only on this host's devices"
                 )
-        elif self.target_devices is not None or self.sharding != "replicated":
-            raise ValueError("target_devices and sharding apply only with --target")
+        elif self.target_devices is not None or self.sharding != "replicated" or self.preset:
+            raise ValueError("target_devices, sharding and preset apply only with --target")
+        if self.preset:
+            from train.bench.presets import resolve_preset
+
+            resolve_preset(self.preset)  # an unknown or ambiguous name, refused here
         if self.target_devices is not None and self.target_devices < 1:
             raise ValueError(f"target_devices: must be >= 1, got {self.target_devices}")
 

@@ -27,8 +27,9 @@ from train.bench.config import (
     BenchConfig,
 )
 from train.bench.options import BenchOptions, config_from_options, parse_options
+from train.bench.presets import preset_bench
 from train.bench.report import merge_results, to_markdown, write_results
-from train.bench.targets import get_target
+from train.bench.targets import compile_only_devices, get_target
 from train.bench.timing import measure_matmul_rate, nominal_bf16_peak
 from train.core.host_memory import keep_host_memory
 
@@ -284,9 +285,14 @@ def run_target_and_report(
     """`--target`: the training sections compiled for the target, nothing run; prints each
     report and writes OUT/target_NAME.{json,md} (-> 1 if a section failed)."""
     target = get_target(options.target)
-    sections = [s for s in options.only if s in TARGET_SECTIONS]
+    if options.preset:  # the run preset's own step, its batch split over the target's devices
+        count = len(compile_only_devices(target.name, options.target_devices))
+        benches = {options.preset: lambda: preset_bench(options.preset, devices=count)}
+    else:
+        sections = [s for s in options.only if s in TARGET_SECTIONS]
+        benches = target_benches(config_from_options(options), sections)
     results = deviceless.run_target(
-        target_benches(config_from_options(options), sections),
+        benches,
         target,
         devices=options.target_devices,
         sharding=options.sharding,

@@ -351,12 +351,8 @@ def test_the_loss_reads_the_logits_once_forward_and_once_backward(tmp_path):
     assert len(reads) == 2, reads
 
 
-@needs_tpu_compiler
-def test_tiny_steps_compile_for_a_tpu_slice_with_each_sharding(tmp_path):
-    """Issue 65: a tiny Transformer and Transformer-XL training step (data parallel and fsdp)
-    and a greedy search compile for a v5e:2x2 slice (4 chips) on this CPU host. fsdp splits
-    the weights and the optimizer state over the chips, so each holds a fraction of the data
-    parallel step's arguments; the data-parallel step sums its gradients across the chips."""
+def _with_tpu_compiler(args: list[str], cwd) -> subprocess.CompletedProcess:
+    """`python ARGS` in a process that has libtpu on its path; must exit 0."""
     env = dict(
         os.environ,
         JAX_PLATFORMS="cpu",
@@ -364,14 +360,19 @@ def test_tiny_steps_compile_for_a_tpu_slice_with_each_sharding(tmp_path):
     )
     env.pop("XLA_FLAGS", None)  # the suite's XLA:CPU flags
     done = subprocess.run(
-        [sys.executable, os.path.join(REPO, "tests", "tpu_programs.py"), "v5e:2x2"],
-        env=env,
-        capture_output=True,
-        text=True,
-        timeout=600,
-        cwd=str(tmp_path),
+        [sys.executable, *args], env=env, capture_output=True, text=True, timeout=600, cwd=cwd
     )
     assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-3000:]
+    return done
+
+
+@needs_tpu_compiler
+def test_tiny_steps_compile_for_a_tpu_slice_with_each_sharding(tmp_path):
+    """Issue 65: a tiny Transformer and Transformer-XL training step (data parallel and fsdp)
+    and a greedy search compile for a v5e:2x2 slice (4 chips) on this CPU host. fsdp splits
+    the weights and the optimizer state over the chips, so each holds a fraction of the data
+    parallel step's arguments; the data-parallel step sums its gradients across the chips."""
+    done = _with_tpu_compiler([os.path.join(REPO, "tests", "tpu_programs.py"), "v5e:2x2"], tmp_path)
     out = json.loads(done.stdout.strip().splitlines()[-1])
     assert (out["devices"], out["platform"]) == (4, "tpu")
     chip = get_target("v5e:2x2").memory_bytes
@@ -387,15 +388,7 @@ def test_tiny_steps_compile_for_a_tpu_slice_with_each_sharding(tmp_path):
 
     # The fit check of a run preset, as a user runs it: the LM's tiny preset, fsdp.
     command = ["-m", "train.bench", "--target", "v5e:2x2", "--preset", "lm:tiny"]
-    done = subprocess.run(
-        [sys.executable, *command, "--sharding", "fsdp", "--out", str(tmp_path)],
-        env=env,
-        capture_output=True,
-        text=True,
-        timeout=600,
-        cwd=str(tmp_path),
-    )
-    assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-3000:]
+    _with_tpu_compiler([*command, "--sharding", "fsdp", "--out", str(tmp_path)], tmp_path)
     with open(tmp_path / "target_v5e_2x2.json") as f:
         (report,) = json.load(f)["train"]
     assert report["name"] == "lm:tiny" and report["devices"] == 4 and report["fits"]

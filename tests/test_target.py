@@ -223,6 +223,12 @@ def test_a_run_preset_is_its_own_step_at_its_largest_batch():
     assert sizes["wmt14_base"][0]["src"] == (96, 256)
     assert sizes["wt103_base"] == ({"inputs": (60, 150), "targets": (60, 150)}, 151_107_538)
     assert sizes["enwik8_base"] == ({"inputs": (22, 512), "targets": (22, 512)}, 41_082_112)
+    # As the run refuses it: a batch that does not split over the devices, naming a fit.
+    with pytest.raises(ValueError, match="60 rows do not split over 8 devices.*56 or 64"):
+        preset_bench("wt103_base", devices=8)
+    assert preset_bench("wt103_base", devices=8, batch_size=64).batch["inputs"].shape == (64, 150)
+    with pytest.raises(SystemExit):
+        parse_options(["--target", "v5e:2x2", "--preset", "wmt14_base", "--preset_batch_size", "8"])
 
 
 def test_compiling_for_a_gpu_restores_jax_cudnn_version_check():

@@ -67,6 +67,8 @@ class BenchOptions:
       preset: with --target, a run preset's own training step instead of the bench's
         sections (`train.bench.presets`): 'wmt14_base', 'wt103_base', or TASK:NAME where
         both tasks have the name ('translate:base', 'lm:base'); its largest batch.
+      preset_batch_size: with --preset, a language model's batch_size (rows) in place of the
+        preset's (the batch must split over the target's devices).
     """
 
     quick: bool = False
@@ -98,6 +100,7 @@ class BenchOptions:
     target_devices: int | None = None
     sharding: str = "replicated"
     preset: str = ""
+    preset_batch_size: int | None = None
 
     def __post_init__(self):
         unknown = sorted(set(self.only) - set(SECTIONS))
@@ -128,7 +131,13 @@ class BenchOptions:
         if self.preset:
             from train.bench.presets import resolve_preset
 
-            resolve_preset(self.preset)  # an unknown or ambiguous name, refused here
+            task, _ = resolve_preset(self.preset)  # an unknown or ambiguous name, refused here
+            if self.preset_batch_size is not None and task != "lm":
+                raise ValueError("preset_batch_size: a language model's batch_size (rows)")
+        elif self.preset_batch_size is not None:
+            raise ValueError("preset_batch_size applies only with --preset")
+        if self.preset_batch_size is not None and self.preset_batch_size < 1:
+            raise ValueError(f"preset_batch_size: must be >= 1, got {self.preset_batch_size}")
         if self.target_devices is not None and self.target_devices < 1:
             raise ValueError(f"target_devices: must be >= 1, got {self.target_devices}")
 

@@ -70,9 +70,11 @@ def resolve_preset(name: str) -> tuple[str, str]:
     )
 
 
-def preset_bench(name: str, *, devices: int = 1) -> TrainBench:
+def preset_bench(name: str, *, devices: int = 1, batch_size: int | None = None) -> TrainBench:
     """The training step of run preset `name` (`resolve_preset`) as a TrainBench whose batch is
-    the preset's largest, split over `devices` data-parallel devices."""
+    the preset's largest, split over `devices` data-parallel devices; `batch_size`: a language
+    model's rows in place of the preset's. A batch that does not split over the devices is
+    refused as the run refuses it (ValueError naming batch_size)."""
     task_name, preset = resolve_preset(name)
     fields = dict(_RECIPE_DATA.get((task_name, preset), {}))
     if task_name == "translate":
@@ -90,7 +92,16 @@ def preset_bench(name: str, *, devices: int = 1) -> TrainBench:
 
         dataset = fields.pop("dataset", "ptb")
         vocab_size = fields.pop("vocab_size", None)
+        if batch_size is not None:
+            fields["batch_size"] = batch_size
         config = make_config(dataset, preset, vocab_size=vocab_size, **fields)
+        if config.batch_size % devices:
+            fit = (config.batch_size // devices or 1) * devices
+            raise ValueError(
+                f"batch_size: the {preset} preset's {config.batch_size} rows do not split over "
+                f"{devices} devices; give --preset_batch_size a multiple of {devices} "
+                f"(e.g. {fit} or {fit + devices})"
+            )
         mc = config.model_config
         shape = (config.batch_size, mc.tgt_len)
         batch = {k: np.zeros(shape, np.int32) for k in ("inputs", "targets")}

@@ -287,7 +287,11 @@ def run_target_and_report(
     target = get_target(options.target)
     if options.preset:  # the run preset's own step, its batch split over the target's devices
         count = len(compile_only_devices(target.name, options.target_devices))
-        benches = {options.preset: lambda: preset_bench(options.preset, devices=count)}
+        benches = {
+            options.preset: lambda: preset_bench(
+                options.preset, devices=count, batch_size=options.preset_batch_size
+            )
+        }
     else:
         sections = [s for s in options.only if s in TARGET_SECTIONS]
         benches = target_benches(config_from_options(options), sections)

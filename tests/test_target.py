@@ -399,3 +399,29 @@ def test_tiny_steps_compile_for_a_tpu_slice_with_each_sharding(tmp_path):
         (report,) = json.load(f)["train"]
     assert report["name"] == "lm:tiny" and report["devices"] == 4 and report["fits"]
     assert report["sharding"] == "fsdp" and report["memory"]["peak_reported"] > 0
+
+
+def test_a_step_the_compiler_finds_no_room_for_is_reported_as_not_fitting():
+    """XLA:TPU refuses a program whose temporaries exceed the chip's memory: the bench reports
+    that section as not fitting (not as a failure of its own) and goes on with the others."""
+    from train.bench import deviceless
+
+    def no_room():
+        raise RuntimeError(
+            "RESOURCE_EXHAUSTED: Ran out of memory on HBM, the total memory required for HLO "
+            "temporaries (19.84G) exceeds available HBM (15.75G)."
+        )
+
+    def broken():
+        raise ValueError("batch_size: 60 rows do not split over 8 devices")
+
+    lines = []
+    results = deviceless.run_target(
+        {"big": no_room, "odd": broken}, get_target("v5e:2x4"), log=lines.append
+    )
+    assert results["train"] == []
+    big, odd = results["errors"]
+    assert big["section"] == "big" and big["fits"] is False and "19.84G" in big["error"]
+    assert odd["section"] == "odd" and "fits" not in odd
+    assert lines[1].startswith("[bench] big DOES NOT FIT on v5e:2x4: RuntimeError: RESOURCE_")
+    assert lines[3].startswith("[bench] odd FAILED: ValueError: batch_size: 60 rows")

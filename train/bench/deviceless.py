@@ -181,8 +181,13 @@ def run_target(
         except Exception as e:  # noqa: BLE001 - one failed section must not lose the others
             # XLA's messages carry the whole Python stack: its first lines say what failed.
             error = f"{type(e).__name__}: " + "\n".join(str(e).splitlines()[:3])
-            log(f"[bench] {section} FAILED: {error}")
-            results["errors"].append({"section": section, "error": error})
+            entry = {"section": section, "error": error}
+            if "RESOURCE_EXHAUSTED" in error:  # the compiler's own verdict: it does not fit
+                entry["fits"] = False
+                log(f"[bench] {section} DOES NOT FIT on {target.name}: {error}")
+            else:
+                log(f"[bench] {section} FAILED: {error}")
+            results["errors"].append(entry)
             continue
         results["train"].append({"section": section, **report})
         log(format_report(report))

@@ -53,6 +53,8 @@ extensions = [
     # extension), through _ext/mathjax_offline.py.
     "mathjax_offline",
     "sphinx.ext.viewcode",
+    # A copy button on every code block and cell (prompts and outputs left out of the copy).
+    "sphinx_copybutton",
     "colab",
     # The notebooks not yet in jupyter-cache run side by side before reading (one per core),
     # not one after another as Sphinx reads them.

@@ -462,3 +462,28 @@ def test_a_coordinator_without_a_process_count_is_a_clear_error(tmp_path):
     )
     assert done.returncode == cli.EXIT_USAGE
     assert "--num_processes" in done.stderr and "Traceback" not in done.stderr
+
+
+def test_only_a_collective_whose_peer_went_or_the_services_verdict_is_a_lost_peer(monkeypatch):
+    """What `train.core.peers.lost_peer` takes for a lost process: gloo's connection errors
+    and the coordination service's heartbeat verdict, in a run of several processes; not a
+    storage or network error elsewhere, and nothing in a one-process run."""
+    import jax
+
+    from train.core import peers
+
+    monkeypatch.setattr(jax.distributed, "is_initialized", lambda: True)
+    monkeypatch.setattr(jax, "process_count", lambda: 2)
+    monkeypatch.setattr(jax, "process_index", lambda: 0)
+    gloo = RuntimeError(
+        "UNKNOWN: Gloo AllGather failed: [pair.cc:547] Connection closed by peer [1.2.3.4]:5"
+    )
+    lost = peers.lost_peer(gloo)
+    assert lost is not None and lost.exit_code == 69
+    assert str(lost).startswith("process 1 (of 2) was lost (UNKNOWN: Gloo AllGather failed")
+    verdict = RuntimeError("UNAVAILABLE: Task 1 heartbeat timeout. This indicates ...")
+    assert peers.lost_peer(verdict) is not None
+    assert peers.lost_peer(OSError("GCS upload: Connection reset by peer")) is None
+    assert peers.lost_peer(ValueError("steps: expected >= 0")) is None
+    monkeypatch.setattr(jax, "process_count", lambda: 1)
+    assert peers.lost_peer(gloo) is None

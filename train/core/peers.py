@@ -27,15 +27,11 @@ HEARTBEAT_TIMEOUT_S = 20
 # How long a survivor asks the service which process is gone, well inside the timeout above
 # (after it, the service would end this process first, unreadably).
 NAMING_S = 3
-# The messages of a collective or coordination call whose peer has gone.
-_LOST = (
-    "Connection closed by peer",
-    "Connection reset by peer",
-    "heartbeat timeout",
-    "stopped sending heartbeats",
-    "failed to connect to all addresses",
-    "Socket closed",
-)
+# The messages of a collective whose peer has gone (gloo's, the CPU collectives'), or of the
+# coordination service's verdict; a storage or network error elsewhere is not one of them.
+_COLLECTIVE = ("Gloo",)
+_GONE = ("Connection closed by peer", "Connection reset by peer", "Read error")
+_DECLARED = ("heartbeat timeout", "stopped sending heartbeats")
 
 
 def lost_peer(error: BaseException) -> PeerLost | None:
@@ -45,7 +41,8 @@ def lost_peer(error: BaseException) -> PeerLost | None:
     if not jax.distributed.is_initialized() or jax.process_count() < 2:
         return None
     text = str(error)
-    if not any(marker in text for marker in _LOST):
+    collective = any(m in text for m in _COLLECTIVE) and any(m in text for m in _GONE)
+    if not (collective or any(m in text for m in _DECLARED)):
         return None
     lost = _lost_processes(deadline=time.monotonic() + NAMING_S)
     who = (

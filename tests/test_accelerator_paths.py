@@ -77,15 +77,50 @@ def test_half_precision_logits_come_back_in_half_precision_on_an_accelerator(on_
     assert layers.output_logits(y, table, jnp.float32).dtype == jnp.float32
 
 
-def test_one_pass_gradient_norm_equals_optax(monkeypatch):
+@pytest.mark.parametrize("update_reads_it", [False, True])
+def test_gradient_as_one_vector_gives_optax_norm_and_the_scaled_leaves(update_reads_it):
     tree = {
         "a": jax.random.normal(jax.random.PRNGKey(2), (5, 7)),
         "b": [jnp.arange(4.0), jnp.ones((2, 3), jnp.bfloat16)],
     }
     scale = jnp.float32(0.25)
-    cpu = step_module._scaled_tree_norm(tree, scale, on_cpu=True)
-    gpu = jax.jit(functools.partial(step_module._scaled_tree_norm, on_cpu=False))(tree, scale)
-    np.testing.assert_allclose(gpu, cpu, rtol=1e-6)
+    cpu_norm, cpu_tree = step_module._scaled_gradient(
+        tree, scale, as_one=False, update_reads_it=False
+    )
+
+    @jax.jit
+    def accelerator(tree, scale):
+        norm, scaled = step_module._scaled_gradient(
+            tree, scale, as_one=True, update_reads_it=update_reads_it
+        )
+        return norm, scaled()
+
+    norm, scaled = accelerator(tree, scale)
+    np.testing.assert_allclose(norm, cpu_norm, rtol=1e-6)
+    expected = cpu_tree()
+    assert jax.tree.structure(scaled) == jax.tree.structure(expected)
+    for got, want in zip(jax.tree.leaves(scaled), jax.tree.leaves(expected)):
+        assert got.dtype == want.dtype and got.shape == want.shape
+        np.testing.assert_array_equal(got, want)
+
+
+def test_layer_norm_parameter_gradients_in_one_reduction_equal_the_cpu_ones(monkeypatch):
+    """On a GPU LayerNorm's scale and bias gradients are one reduction over [N, 2, D]."""
+    keys = jax.random.split(jax.random.PRNGKey(3), 4)
+    x = jax.random.normal(keys[0], (3, 5, 16))
+    scale = 1.0 + 0.1 * jax.random.normal(keys[1], (16,))
+    bias = 0.1 * jax.random.normal(keys[2], (16,))
+    dy = jax.random.normal(keys[3], (3, 5, 16))
+
+    def grads():
+        _, vjp = jax.vjp(lambda *a: layers.normalize(*a, 1e-6), x, scale, bias)
+        return vjp(dy)
+
+    cpu = grads()
+    monkeypatch.setattr(layers, "compile_platform", lambda *a: "gpu")
+    gpu = grads()
+    for got, want in zip(gpu, cpu):
+        np.testing.assert_allclose(got, want, rtol=1e-5, atol=1e-6)
 
 
 @pytest.mark.parametrize("dtype", [jnp.float32, jnp.bfloat16])

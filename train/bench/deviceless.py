@@ -144,6 +144,9 @@ def format_report(report: dict[str, Any]) -> str:
         f"| all | {report['kernels']:,} | {report['bytes'] / gb:.2f} | | "
         f"{est['busy_s'] * 1e3:.2f} |",
         "",
+        f"bytes as read (a sliced operand: its slices); with every operand whole: "
+        f"{report['listed_bytes'] / gb:.2f} GB, elementwise "
+        f"{report['categories']['elementwise and reductions']['listed_bytes'] / gb:.2f}",
         f"bytes per token: {report['bytes_per_token']:,.0f}",
         f"estimated step: {est['step_s'] * 1e3:.2f} ms = kernels {est['busy_s'] * 1e3:.2f} ms + "
         f"gaps {est['gap_s'] * 1e3:.2f} ms ({report['kernels']:,} x "

@@ -4,8 +4,11 @@ estimate of the step's device time from them.
 Read from the optimised HLO text (`compiled.as_text()`), so it works on any program,
 including one compiled for a device this host does not have (`train.bench.targets`). A kernel
 is a top-level instruction of the entry computation or of a loop body (a `while`'s body runs
-its known trip count of times); its bytes are its operands' plus its outputs' sizes, as a
-roofline reads them.
+its known trip count of times); its bytes are what it reads and writes, as a roofline prices
+them: its outputs' sizes plus its operands', except that an operand a fusion reads only
+through static slices counts the slices' sizes (XLA merges sibling products and updates into
+one kernel over a shared buffer, each reading a part of it). `listed_bytes` keeps every
+operand whole, the rule the program was first counted by (issue 62).
 
 The estimate prices XLA's own kernels by roofline (bytes at a share of the memory bandwidth,
 products at a matrix rate), adds a fixed gap per kernel (launch and scheduling between
@@ -112,6 +115,7 @@ class Instruction:
     opcode: str
     operands: tuple[str, ...]  # operand names
     attrs: str  # everything after the operand list
+    argument: str = ""  # the operand list's text when it names no instruction: parameter(N)'s N
 
 
 def _split_instruction(name: str, rest: str) -> Instruction | None:
@@ -136,8 +140,10 @@ def _split_instruction(name: str, rest: str) -> Instruction | None:
                             if d == 0:
                                 break
                         close += 1
-                    operands = tuple(re.findall(r"%([\w.\-]+)", rest[i + 1 : close]))
-                    return Instruction(name, shape, opcode, operands, rest[close + 1 :])
+                    inside = rest[i + 1 : close]
+                    operands = tuple(re.findall(r"%([\w.\-]+)", inside))
+                    argument = "" if operands else inside.strip()
+                    return Instruction(name, shape, opcode, operands, rest[close + 1 :], argument)
             depth += 1
         elif c in ")}]":
             depth -= 1
@@ -199,10 +205,11 @@ class Kernel:
     name: str
     category: str
     count: int
-    bytes: float  # every execution's operands + outputs
+    bytes: float  # every execution's outputs + operands as read (sliced operands: the slices)
     flops: float  # matrix-product FLOPs (matmul kernels; attention's products in attention)
     target: str = ""  # a custom call's target, or a fusion's kind
     shapes: tuple[tuple[int, ...], ...] = ()  # an attention kernel's operand shapes
+    listed_bytes: float = 0.0  # every execution's outputs + operands whole
 
     def as_dict(self) -> dict[str, Any]:
         out = dataclasses.asdict(self)
@@ -248,6 +255,42 @@ def _category(inst: Instruction, called_has_dot: bool) -> str:
     ):
         return "copies and transposes"
     return "elementwise and reductions"
+
+
+def sliced_reads(body: list[Instruction]) -> dict[int, float]:
+    """A fused computation's parameters that it reads only through static `slice`s (perhaps
+    after a bitcast or a conversion: the pad logit `x[..., pad]` of a loss) -> {parameter
+    number: the bytes of the parameter's elements those slices take}."""
+    users: dict[str, list[Instruction]] = {}
+    for inst in body:
+        for operand in inst.operands:
+            users.setdefault(operand, []).append(inst)
+
+    def sliced_elements(name: str) -> int | None:
+        uses = users.get(name)
+        if not uses:
+            return None
+        total = 0
+        for use in uses:
+            if use.opcode == "slice":
+                total += math.prod(_dims(use.shape))
+            elif use.opcode in ("bitcast", "convert"):
+                inner = sliced_elements(use.name)
+                if inner is None:
+                    return None
+                total += inner
+            else:
+                return None
+        return total
+
+    reads = {}
+    for inst in body:
+        if inst.opcode == "parameter":
+            elements = sliced_elements(inst.name)
+            if elements is not None:
+                size = math.prod(_dims(inst.shape))
+                reads[int(inst.argument)] = shape_bytes(inst.shape) * elements / max(size, 1)
+    return reads
 
 
 def program_kernels(text: str) -> list[Kernel]:
@@ -299,8 +342,13 @@ def program_kernels(text: str) -> list[Kernel]:
             category = _category(inst, flops > 0 or called in convolutions)
             if category == "matmul" and inst.opcode == "custom-call":
                 flops = _gemm_custom_call_flops(inst, shapes)
-            size = shape_bytes(inst.shape)
-            size += sum(shape_bytes(shapes.get(o, "")) for o in inst.operands)
+            out = shape_bytes(inst.shape)
+            listed = out + sum(shape_bytes(shapes.get(o, "")) for o in inst.operands)
+            read = sliced_reads(computations.get(called, ())) if called else {}
+            size = out + sum(
+                min(read.get(i, math.inf), shape_bytes(shapes.get(o, "")))
+                for i, o in enumerate(inst.operands)
+            )
             kernel = kernels.get(inst.name)
             if kernel is None:
                 target = _custom_call_target(inst.attrs) or (_attr(inst.attrs, "kind") or "")
@@ -316,6 +364,7 @@ def program_kernels(text: str) -> list[Kernel]:
                 )
             kernel.count += trips
             kernel.bytes += trips * size
+            kernel.listed_bytes += trips * listed
             kernel.flops += trips * flops
 
     visit(entry, 1)
@@ -453,7 +502,8 @@ def summarize(kernels: list[Kernel], pricing: Pricing, *, top: int = 10) -> dict
     attention kernels' counts by target (a custom call's), the `top` largest by bytes, and
     the estimated step time: kernel times plus a gap per kernel."""
     by_category: dict[str, dict[str, float]] = {
-        c: {"kernels": 0, "bytes": 0.0, "flops": 0.0, "est_s": 0.0} for c in CATEGORIES
+        c: {"kernels": 0, "bytes": 0.0, "listed_bytes": 0.0, "flops": 0.0, "est_s": 0.0}
+        for c in CATEGORIES
     }
     unpriced = []
     sources: Counter = Counter()
@@ -470,6 +520,7 @@ def summarize(kernels: list[Kernel], pricing: Pricing, *, top: int = 10) -> dict
         row = by_category[k.category]
         row["kernels"] += k.count
         row["bytes"] += k.bytes
+        row["listed_bytes"] += k.listed_bytes
         row["flops"] += k.flops
         row["est_s"] += est
     n = sum(k.count for k in kernels)
@@ -481,6 +532,7 @@ def summarize(kernels: list[Kernel], pricing: Pricing, *, top: int = 10) -> dict
     return {
         "kernels": n,
         "bytes": sum(k.bytes for k in kernels),
+        "listed_bytes": sum(k.listed_bytes for k in kernels),
         "categories": by_category,
         "attention_kernels": dict(attention),
         "top": [k.as_dict() for k in kernels[:top]],

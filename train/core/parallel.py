@@ -335,7 +335,9 @@ class DataParallel:
             return jax.pmap(
                 step, axis_name=DATA_AXIS, donate_argnums=(0,), devices=self.local_devices
             )
-        step = make_train_step(loss_fn, lr_schedule=lr_schedule)
+        step = make_train_step(
+            loss_fn, lr_schedule=lr_schedule, whole_gradient=self.sharding == "replicated"
+        )
         state_sh = self.state_shardings(state)
         return CompiledStep(
             jax.jit(

@@ -36,7 +36,11 @@ LossFn = Callable[..., tuple[Array, dict[str, Array], PyTree]]
 
 
 def make_train_step(
-    loss_fn: LossFn, *, lr_schedule: optax.Schedule | None = None, axis_name: str | None = None
+    loss_fn: LossFn,
+    *,
+    lr_schedule: optax.Schedule | None = None,
+    axis_name: str | None = None,
+    whole_gradient: bool = True,
 ):
     """-> train_step(state, batch) -> (state, metrics).
 
@@ -46,6 +50,9 @@ def make_train_step(
     gradient was NaN or infinite, or the gradient's norm overflowed: that update was not
     applied); all scalars, left on device.
     axis_name: set under `pmap`: gradients and sums are psummed over that axis.
+    whole_gradient: every device holds every gradient leaf whole (False when the parameters
+      are split over devices, fsdp); a GPU's or TPU's program then treats the gradient as one
+      vector (`_scaled_gradient`).
     """
 
     def train_step(state: TrainState, batch: dict[str, Array]):
@@ -73,14 +80,15 @@ def make_train_step(
         # the branch), so XLA fuses it into those reads instead of writing out a divided copy
         # of every leaf (benchmarks/README.md).
         inv_tokens = 1.0 / jnp.maximum(sums["n_tokens"], 1.0)
-
-        def mean_grads():
-            return jax.tree.map(lambda g: g * inv_tokens.astype(g.dtype), grads)
-
         # The platform from the parameters, the step's arguments (whose abstract values carry
         # their mesh; values made by autodiff's transpose may not).
         platform = compile_platform(*jax.tree.leaves(state.params))
-        grad_norm = _scaled_tree_norm(grads, inv_tokens, on_cpu=platform == "cpu")
+        # One vector over the whole gradient only where each device holds all of it: split
+        # leaves (fsdp) would be gathered into it.
+        as_one = platform != "cpu" and whole_gradient
+        grad_norm, mean_grads = _scaled_gradient(
+            grads, inv_tokens, as_one=as_one, update_reads_it=platform == "gpu"
+        )
         # A non-finite loss or gradient never reaches the parameters: the step counter moves
         # on (the next step reads the next batch), everything else stays as it was. The flag
         # travels with the metrics, so the host learns of it without an extra transfer. The
@@ -110,24 +118,53 @@ def make_train_step(
     return train_step
 
 
-def _scaled_tree_norm(tree: PyTree, scale: Array, *, on_cpu: bool) -> Array:
-    """The global L2 norm of `tree` with every leaf multiplied by `scale`, as
-    `optax.tree.norm` computes it on a CPU.
+def _scaled_gradient(
+    tree: PyTree, scale: Array, *, as_one: bool, update_reads_it: bool
+) -> tuple[Array, Callable[[], PyTree]]:
+    """(the global L2 norm of `tree` with every leaf multiplied by `scale`, a function that
+    returns that scaled tree), as `optax.tree.norm` and a `jax.tree.map` compute them when
+    not `as_one` (a CPU's program, or leaves split over devices). The scaled tree is made
+    where the update reads it, so XLA fuses the product into those reads instead of writing
+    out a scaled copy of every leaf (benchmarks/README.md).
 
-    Compiled for a GPU or TPU, the squares of every leaf are summed in one reduction over
-    their concatenation, which XLA fuses into the reduction's reads: a reduction per leaf is
-    a kernel or two each, about 350 of a Transformer base step's 1,560 on an H200
-    (benchmarks/target_h200_2026-12-02/), each for a few bytes. The same sum in another order.
+    `as_one` (compiled for a GPU or TPU, every leaf whole on each device): the leaves are
+    concatenated into one float32 vector [P], written once, and the norm is one reduction
+    over it; with `update_reads_it` (a GPU), the update reads each leaf as a slice of it. A
+    reduction per leaf is a kernel or two each, and an update per leaf a kernel each; the
+    update's kernels reading slices of one buffer are siblings XLA:GPU merges into a kernel
+    per leaf shape (benchmarks/target_h200_2026-12-02/: the Transformer base step 1,569 ->
+    1,300 kernels for the norm, 1,300 -> 1,068 for the update). The same sums in another
+    order, the same scaled values.
     """
-    leaves = jax.tree.leaves(tree)
-    if not leaves or on_cpu:
-        return optax.tree.norm(jax.tree.map(lambda g: g * scale.astype(g.dtype), tree))
+    leaves, treedef = jax.tree.flatten(tree)
+
+    def per_leaf() -> PyTree:
+        return jax.tree.map(lambda g: g * scale.astype(g.dtype), tree)
+
+    if not leaves or not as_one:
+        return optax.tree.norm(per_leaf()), per_leaf
     flat = jnp.concatenate([jnp.ravel(x).astype(jnp.float32) for x in leaves])
     # Kept whole: XLA's simplifier would turn the sum of a concatenation back into a sum per
     # leaf. Writing it out costs one pass over the gradient (a few hundred MB on an H200's
     # 4.8 TB/s) against hundreds of launches.
-    flat = lax.optimization_barrier(flat) * scale
-    return jnp.sqrt(jnp.sum(flat * flat))
+    flat = lax.optimization_barrier(flat)
+    scaled = flat * scale
+    norm = jnp.sqrt(jnp.sum(scaled * scaled))
+
+    if not update_reads_it:  # a TPU launches no kernel per leaf
+        return norm, per_leaf
+
+    def scaled_tree() -> PyTree:
+        out, start = [], 0
+        for leaf in leaves:
+            # Sliced before it is scaled, so each update's kernel reads only its part of the
+            # shared buffer.
+            part = lax.slice_in_dim(flat, start, start + leaf.size) * scale
+            out.append(part.reshape(leaf.shape).astype(leaf.dtype))
+            start += leaf.size
+        return jax.tree.unflatten(treedef, out)
+
+    return norm, scaled_tree
 
 
 def make_eval_step(loss_fn: LossFn, *, axis_name: str | None = None):

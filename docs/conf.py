@@ -61,6 +61,8 @@ extensions = [
     "parallel_notebooks",
     # The command reference, written from the commands' own parsers at each build.
     "commands",
+    # A short name in a docstring (`TransformerConfig`) links to the object it names.
+    "short_names",
 ]
 
 exclude_patterns = [
@@ -73,11 +75,15 @@ exclude_patterns = [
     "sync_notebooks.py",
 ]
 
-# Our docstrings write code in single backticks (Markdown habit): show it as code, not italics.
-default_role = "code"
+# Our docstrings write names and code in single backticks (Markdown habit): a name that is a
+# documented object links to it (the `py:obj` role, and _ext/short_names.py for short names);
+# anything else shows as code, not italics.
+default_role = "py:obj"
 autodoc_member_order = "bysource"
+# Defaults as the source writes them (`dtype=jnp.float32`, not "<class 'jax.numpy.float32'>").
+autodoc_preserve_defaults = True
 autodoc_typehints = "none"  # the shapes in the docstrings say more than the annotations
-autodoc_default_options = {"members": True, "show-inheritance": False}
+autodoc_default_options = {"members": True, "show-inheritance": True}
 # One page per module: the API pages list their modules in `autosummary` tables, and
 # autosummary writes each module's page (api/generated/, from _templates/autosummary/module.rst).
 autosummary_generate = True
@@ -149,13 +155,61 @@ _FLAX_FIELDS = re.compile(
 )
 
 
-def _drop_flax_fields(app, what, name, obj, options, signature, return_annotation):
+# A dataclass's generated __init__ has no source to preserve its defaults from: a class held as
+# a default (`dtype: Any = jnp.float32`) would print as "<class 'jax.numpy.float32'>".
+_CLASS_REPR = re.compile(r"<class '([\w.]+)'>")
+
+
+def _class_default(match: re.Match) -> str:
+    path = match.group(1)
+    return "jnp." + path.rsplit(".", 1)[1] if path.startswith("jax.numpy.") else path
+
+
+def _tidy_signature(app, what, name, obj, options, signature, return_annotation):
     if signature and "_Sentinel" in signature:
         signature = _FLAX_FIELDS.sub("", signature)
+    if signature:
+        signature = _CLASS_REPR.sub(_class_default, signature)
     return signature, return_annotation
 
 
+_NOT_PROSE = re.compile(r"^\s*([-*+] |\d+[.)] |:|\.\. |>>>)")
+
+
+def _indent(line: str) -> int:
+    return len(line) - len(line.lstrip())
+
+
+def _indented_blocks_as_literal(app, what, name, obj, options, lines):
+    """Our docstrings indent what is laid out by hand (a shape legend, a usage example, a
+    table of files) under a paragraph, Markdown-style. reStructuredText reads that as a block
+    quote and runs its lines together; here the paragraph ends with "::", which makes the
+    block literal, as written. Lists, fields, directives and blocks already literal are left
+    alone."""
+    for i in range(2, len(lines)):
+        line, prev = lines[i], lines[i - 2]
+        if not line.strip() or lines[i - 1].strip() or not prev.strip():
+            continue
+        if _indent(line) <= _indent(prev) or prev.rstrip().endswith("::"):
+            continue
+        start = i - 2  # the first line of the paragraph above
+        while start > 0 and lines[start - 1].strip() and _indent(lines[start - 1]) == _indent(prev):
+            start -= 1
+        if start > 0 and lines[start - 1].strip():
+            continue  # the paragraph continues something (a list item's or a field's body)
+        if _NOT_PROSE.match(lines[start]):
+            continue
+        lines[i - 2] = prev.rstrip() + (":" if prev.rstrip().endswith(":") else " ::")
+
+
+def _drop_object_base(app, name, obj, options, bases):
+    """A class's bases, without `object`: "Bases: object" says nothing."""
+    bases[:] = [b for b in bases if b is not object]
+
+
 def setup(app):
+    app.connect("autodoc-process-bases", _drop_object_base)
+    app.connect("autodoc-process-docstring", _indented_blocks_as_literal)
     app.connect("autodoc-skip-member", _skip_class_aliases)
     app.connect("autodoc-skip-member", _skip_flax_module_members)
-    app.connect("autodoc-process-signature", _drop_flax_fields)
+    app.connect("autodoc-process-signature", _tidy_signature)

@@ -191,3 +191,39 @@ def test_the_command_reference_lists_every_flag_mode_and_preset():
     blocks = re.findall(r"```text\n(.*?)```", page, re.S)
     assert len(blocks) == len(commands.COMMANDS)
     assert max(len(line) for block in blocks for line in block.splitlines()) <= 100
+
+
+# What fits a code block of the site at 1280 px without scrolling sideways (furo's text column).
+CODE_COLUMNS = 88
+_FIGURE = re.compile(r"\bplt\.(show|subplots|figure)\(")
+
+
+def _code_cells(source: Path):
+    return [c for c in jupytext.read(source).cells if c.cell_type == "code"]
+
+
+def test_tutorial_code_fits_the_page_without_scrolling():
+    long = [
+        f"{source.name}: {line}"
+        for source in _notebook_sources()
+        for cell in _code_cells(source)
+        for line in cell.source.splitlines()
+        if len(line) > CODE_COLUMNS
+    ]
+    assert not long, f"lines over {CODE_COLUMNS} columns:\n" + "\n".join(long)
+
+
+def test_every_figure_of_a_tutorial_has_alt_text():
+    """A figure's alt text is its cell's `mystnb.image.alt`: without it, the page gives the
+    image's hashed file name to a screen reader. The tutorials and the site's executed pages
+    (the results page)."""
+    missing = []
+    pages = _sync_notebooks().notebook_sources(DOCS)
+    for source in [*_notebook_sources(), *pages]:
+        for cell in _code_cells(source):
+            if not _FIGURE.search(cell.source):
+                continue
+            alt = cell.metadata.get("mystnb", {}).get("image", {}).get("alt", "")
+            if len(alt.split()) < 5:  # a sentence, not a placeholder
+                missing.append(f"{source.name}: {cell.source.splitlines()[0]}")
+    assert not missing, "figures without alt text:\n" + "\n".join(missing)

@@ -35,14 +35,16 @@ class TransformerConfig:
     """Hyper-parameters of `Transformer`; the defaults are the paper's base model (Table 3).
 
     Attributes:
-      src_vocab_size, tgt_vocab_size: V of each side. The default 37000 is the paper's shared
-        WMT14 En-De BPE vocabulary.
+      src_vocab_size: V of the source side. The default 37000 is the paper's shared WMT14
+        En-De BPE vocabulary.
+      tgt_vocab_size: V of the target side (the same default).
       d_model: D, the model width.
       n_heads: H, the attention heads (K = D / H).
       d_ff: inner width of the position-wise FFN.
       activation: the FFN's nonlinearity: "relu" (the paper), "gelu" (exact, erf-based) or
         "swish" / "silu" (x * sigmoid(x), OPUS-MT's Marian models).
-      n_encoder_layers, n_decoder_layers: stack depths (N in the paper).
+      n_encoder_layers: the encoder stack's depth (N in the paper).
+      n_decoder_layers: the decoder stack's depth (N in the paper).
       dropout: residual dropout on every sublayer output and on the embedding + position sums.
       attention_dropout: dropout on the attention weights (the paper uses none; the Annotated
         Transformer and tensor2tensor do).
@@ -60,11 +62,12 @@ class TransformerConfig:
       tie_output: the pre-softmax projection is the transposed target embedding.
       output_bias: add a learned [V] bias to the tied logits (Marian's `final_logits_bias`);
         an untied projection always has its own bias.
-      pad_id, bos_id, eos_id: special token ids inside both vocabularies. bos_id is the token
-        decoding starts from. eos_id differs from both; bos_id may equal pad_id, as in Marian,
-        which starts decoding from pad. Then the decoder's self-attention masks no target
-        position as padding (it could not tell the start from a pad): it is causal only, which
-        with right-padded targets still keeps every pad out of what a real position sees.
+      pad_id: the padding id, inside both vocabularies.
+      bos_id: the id decoding starts from. It may equal pad_id, as in Marian, which starts
+        decoding from pad. Then the decoder's self-attention masks no target position as
+        padding (it could not tell the start from a pad): it is causal only, which with
+        right-padded targets still keeps every pad out of what a real position sees.
+      eos_id: the id that ends a sentence; it differs from pad_id and bos_id.
       dtype: compute dtype (float32, bfloat16 or float16). Parameters are always float32;
         attention logits, softmax, output logits and the loss are float32. In half precision
         the output projection multiplies in `dtype` with float32 results (its gradient too).

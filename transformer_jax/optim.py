@@ -35,9 +35,11 @@ class OptimizerConfig:
         Transformer-XL reference: Adam with its usual betas, linear warm-up over
         warmup_steps, then cosine from learning_rate to min_learning_rate over decay_steps).
       learning_rate: the rate of 'constant', the peak of 'cosine' (unused by 'noam').
-      d_model, lr_factor: the model width and factor of 'noam'.
+      d_model: the model width of 'noam'.
+      lr_factor: the factor of 'noam'.
       warmup_steps: the warm-up of each schedule (0: none, 'constant' and 'cosine' only).
-      decay_steps, min_learning_rate: the cosine horizon and floor.
+      decay_steps: the cosine horizon.
+      min_learning_rate: the cosine floor.
       clip_norm: clip the gradient to this global norm first (None: no clipping).
       ema_decay: keep an average of the parameters at this decay (0: none); see `params_ema`.
       horizon_in_state: the schedule's length is not decay_steps but a value of the optimizer

@@ -27,8 +27,11 @@ class TransformerXLConfig:
 
     Attributes:
       vocab_size: V, number of token ids.
-      n_layers, n_heads, d_model, d_head, d_inner: depth, heads H, width D, head width K and
-        feed-forward width.
+      n_layers: depth, the number of layers.
+      n_heads: H, the attention heads.
+      d_model: D, the model width.
+      d_head: K, the head width.
+      d_inner: the feed-forward width.
       d_embed: width of the (first cluster's) embedding table; defaults to `d_model`. When it
         differs from `d_model` the embedding is projected to `d_model`.
       dropout: on word and position embeddings, on each sublayer output, inside the

@@ -67,8 +67,10 @@ class RunConfig:
       sharding: 'replicated' (every device holds all parameters and optimizer state) or
         'fsdp' (each leaf split over the devices along one axis, ZeRO-3 style; jit only). A
         resumed run may change it: the numbers are the same either way.
-      log_every, eval_every, checkpoint_every: in steps; eval_every 0 = at the end only (a
-        checkpoint is saved at each evaluation, and at checkpoint_every).
+      log_every: log the training metrics every this many steps.
+      eval_every: validate every this many steps (0: at the end only); a checkpoint is saved
+        at each evaluation.
+      checkpoint_every: save a checkpoint every this many steps too.
       keep_checkpoints: the last N are kept (and the best by validation loss).
       average_checkpoints: evaluate (the final validation, the test sets, decoding, and the
         task's inference commands) with the element-wise mean of the evaluation parameters

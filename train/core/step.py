@@ -51,8 +51,8 @@ def make_train_step(
     applied); all scalars, left on device.
     axis_name: set under `pmap`: gradients and sums are psummed over that axis.
     whole_gradient: every device holds every gradient leaf whole (False when the parameters
-      are split over devices, fsdp); a GPU's or TPU's program then treats the gradient as one
-      vector (`_scaled_gradient`).
+    are split over devices, fsdp); a GPU's or TPU's program then treats the gradient as one
+    vector (`_scaled_gradient`).
     """
 
     def train_step(state: TrainState, batch: dict[str, Array]):

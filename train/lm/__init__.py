@@ -28,7 +28,8 @@ from train.lm.task import (
 
 def train_and_evaluate(config: LMConfig, workdir: str) -> dict[str, Any]:
     """Trains (or resumes) in `workdir`, then evaluates on valid and test; returns the final
-    metrics (step, reason, val_/test_ loss, ppl and, at the char level, bpc)."""
+    metrics (step, reason, the validation and test loss, ppl and, at the char level, bpc:
+    `val_loss`, `test_ppl`, ...)."""
     return _run(TASK, config, workdir)
 
 

@@ -54,20 +54,27 @@ class LMConfig(RunConfig):
       decay_steps: the length of the cosine decay (the reference's max_step); part of the
         training recipe, so fixed for a run (0: equal to steps when the config is made; with
         fit_to_budget it stays 0: the decay is over the steps the run chooses).
-      learning_rate, warmup_steps, min_learning_rate: Adam with linear warm-up over
-        warmup_steps, then cosine from learning_rate to min_learning_rate at decay_steps.
+      learning_rate: Adam's peak rate, after a linear warm-up over warmup_steps, then a
+        cosine down to min_learning_rate at decay_steps.
+      warmup_steps: the linear warm-up's steps.
+      min_learning_rate: the cosine's floor.
       clip_norm: global gradient-norm clipping (the reference: 0.25).
-      eval_batch_size, eval_tgt_len, eval_mem_len: evaluation rows, segment and memory length.
+      eval_batch_size: evaluation rows.
+      eval_tgt_len: evaluation segment length.
+      eval_mem_len: evaluation memory length.
       eval_tokens: evaluate on the first N tokens of each stream (0 = all).
       reset_memory_each_epoch: start each pass over the training stream with an empty memory,
         as the reference does (its memory ends where the last epoch's stream did); False
         carries it over.
-      train_text, valid_text, test_text: with dataset 'text', the user's files (train.lm.text);
-        the model's vocab_size is the training text's vocabulary, counted by its source
-        when the data is prepared (`train.lm.sources.config_for_data`).
+      train_text: with dataset 'text', the user's training file (train.lm.text); the model's
+        vocab_size is its vocabulary, counted by its source when the data is prepared
+        (`train.lm.sources.config_for_data`).
+      valid_text: with dataset 'text', the validation file.
+      test_text: with dataset 'text', the test file.
       level: how text is read: 'word' | 'char' | 'byte'.
-      min_count, max_vocab: a word or char enters the vocabulary when seen at least min_count
-        times in training, at most max_vocab symbols with <eos> and <unk> (0: no limit).
+      min_count: a word or char enters the vocabulary when seen at least this many times in
+        training.
+      max_vocab: at most this many symbols with <eos> and <unk> (0: no limit).
       split_bytes: byte level, one file: (train, valid, test) byte counts of train_text.
       text_feature: with a TFDS dataset, the text feature read from each example.
     """

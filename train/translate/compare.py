@@ -10,7 +10,7 @@ their tutorials' Adam 1e-3 and gradient clipping), under the same budget: `minut
 time from the start of its run (loading the data, compiling and the periodic validation
 included) and/or `steps`. The SentencePiece model is trained once, before any clock starts,
 in W/tokenizer. Then the test split is also decoded greedily (translate decodes it with beam
-search), and the comparison writes:
+search), and the comparison writes::
 
   W/compare.md                  the table: parameters, training time, steps, validation and
                                 test perplexity, test sacreBLEU with greedy decoding and beam

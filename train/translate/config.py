@@ -77,8 +77,9 @@ class TranslateConfig(RunConfig):
       ema_decay: evaluate (validation, test, beam search, --translate) with an exponential
         moving average of the parameters at this decay (0 = off: the raw parameters). It is
         kept in the optimizer state, so it is checkpointed and resumes exactly.
-      beam_size, length_penalty, decode_margin: beam search on the test split; outputs are at
-        most (source bucket length + decode_margin) pieces.
+      beam_size: the beam of the search on the test split.
+      length_penalty: that search's length penalty.
+      decode_margin: its outputs are at most (source bucket length + decode_margin) pieces.
       eval_sentences: evaluate on the first N sentences of each split (0 = all).
       eval_batch_size: sentences decoded (and scored) together in evaluation.
       test_split: the Multi30k test set of a Multi30k run (and of --eval).
@@ -93,17 +94,21 @@ class TranslateConfig(RunConfig):
         dataset in data_dir ('tfds:wmt14_translate/de-en'; train.data.tfds_source): its train
         split trains a joint SentencePiece model of vocab_size pieces and the model, its
         validation split validates, its test split is the test set ('<NAME>.test').
-      src_lang, tgt_lang: the direction. On Multi30k 'de' -> 'en' (the default) or 'en' ->
-        'de'; on a TFDS dataset two of its language features (default 'de', 'en'); with
-        files, the suffixes of the run's outputs in W/translations/ (none given: 'src' and
-        'tgt', see `output_languages`).
-      train_src, train_tgt: parallel text files to train on instead of Multi30k (UTF-8, one
-        sentence a line, optionally gzipped: train.data.text_files); a joint SentencePiece
-        model of vocab_size pieces is trained on them.
-      valid_src, valid_tgt: the validation pair of files (needed with training files).
-      test_src, test_tgt: test sets, as many of each, each scored (BLEU and chrF) and
-        written under its own name; without them a file run has no test evaluation and a
-        Multi30k run uses test_split.
+      src_lang: the source side of the direction. On Multi30k 'de' -> 'en' (the default) or
+        'en' -> 'de'; on a TFDS dataset one of its language features (default 'de'); with
+        files, the suffix of the run's source outputs in W/translations/ (none given: 'src',
+        see `output_languages`).
+      tgt_lang: the target side, as src_lang (default 'en'; with files, 'tgt').
+      train_src: the source side of parallel text files to train on instead of Multi30k
+        (UTF-8, one sentence a line, optionally gzipped: train.data.text_files); a joint
+        SentencePiece model of vocab_size pieces is trained on both sides.
+      train_tgt: the target side of those files, line for line.
+      valid_src: the validation pair's source file (needed with training files).
+      valid_tgt: the validation pair's target file.
+      test_src: test sets' source files, each scored (BLEU and chrF) and written under its
+        own name; without them a file run has no test evaluation and a Multi30k run uses
+        test_split.
+      test_tgt: the test sets' target files, as many as test_src, in the same order.
       skip_empty: leave out pairs with an empty side instead of refusing the file.
       spm_sample: with training files or a TFDS dataset, the SentencePiece model trains on
         at most this many of their training sentences: all when the data has no more, else

@@ -2,6 +2,7 @@
 (`--pretrained DIR`). Chosen once, by `model_origin`, from the run's `pretrained` field.
 
 The origin owns what differs between the two:
+
 - the model's config: the preset's sizes (the registry), or the folder's config.json with only
   regularisation overridable (`MARIAN_MAY_CHANGE`);
 - the vocabulary: SentencePiece trained on the run's data, or the folder's own tokenizer,

@@ -51,14 +51,18 @@ class ConvS2SConfig(BaselinePresets):
     """Sizes of ConvS2S; defaults are bentrevett's Multi30k tutorial sizes.
 
     Attributes:
-      src_vocab_size, tgt_vocab_size: vocabulary sizes (V).
+      src_vocab_size: the source vocabulary size (V).
+      tgt_vocab_size: the target vocabulary size (V).
       emb_dim: embedding width (E).
       hid_dim: convolution width (D).
-      enc_layers, dec_layers: number of conv blocks.
+      enc_layers: the encoder's conv blocks.
+      dec_layers: the decoder's conv blocks.
       kernel_size: convolution width k; odd, so the encoder's "same" padding is symmetric.
       dropout: on the embeddings, on every conv input and before the output layer.
       max_positions: size of the learned position table: the longest source or target.
-      pad_id, bos_id, eos_id: special token ids, shared by source and target.
+      pad_id: the padding id, shared by source and target.
+      bos_id: the id decoding starts from.
+      eos_id: the id that ends a sentence.
       dtype: computation dtype (parameters stay float32).
     """
 

@@ -1,26 +1,32 @@
-"""The recurrent seq2seq models the Transformer replaced: GRU/LSTM, Bahdanau, Luong, hard attention.
+r"""The recurrent seq2seq models the Transformer replaced: GRU/LSTM, Bahdanau, Luong, hard attention.
 
-  GRUSeq2Seq         Cho et al. 2014: the decoder sees only the encoder's final state, the
-                     "context vector", at every step (no attention). With `cell='lstm'` and
-                     `n_layers=2` it is Sutskever et al. 2014 (bentrevett's tutorial 1) but for
-                     the context fed to every step.
-  BahdanauSeq2Seq    Bahdanau et al. 2015: bidirectional GRU encoder, additive score
-                     v^T tanh(W1 h_s + W2 s_{t-1}) from the previous decoder state, context
-                     concatenated with the embedded decoder input (as the TensorFlow NMT
-                     tutorial and bentrevett's pytorch-seq2seq do).
-  LuongSeq2Seq       Luong et al. 2015, global attention with the dot / general / concat scores
-                     of the current decoder state h_t, attentional state
-                     h~_t = tanh(W_c [c_t; h_t]) and input feeding (h~_{t-1} joins the input).
-  LuongLocalSeq2Seq  Luong local-p: predicted centre p_t = S_len * sigmoid(v_p^T tanh(W_p h_t)),
-                     window [p_t - D, p_t + D], weights softmax-over-window * Gaussian.
-  LuongLocalMSeq2Seq Luong local-m: monotonic centre p_t = t (the decoder step), window
-                     [p_t - D, p_t + D], weights softmax over the window (no Gaussian).
-  HardAttentionSeq2Seq  Stochastic "hard" attention (Xu et al. 2015, section 4.1) on Luong's
-                     decoder: a_t = softmax(score) is a distribution over source positions; in
-                     training one position s_t ~ a_t is sampled and c_t = h_{s_t}; at evaluation
-                     c_t = h_{argmax a_t} (or, with `hard_inference='expectation'`, the soft
-                     context sum_s a_t(s) h_s). No gradient flows through the sample: the score
-                     is trained by REINFORCE, see `transformer_jax.losses.hard_attention_surrogate`.
+`GRUSeq2Seq`
+    Cho et al. 2014: the decoder sees only the encoder's final state, the "context vector",
+    at every step (no attention). With `cell='lstm'` and `n_layers=2` it is Sutskever et al.
+    2014 (bentrevett's tutorial 1) but for the context fed to every step.
+`BahdanauSeq2Seq`
+    Bahdanau et al. 2015: bidirectional GRU encoder, additive score
+    :math:`v^\top \tanh(W_1 h_s + W_2 s_{t-1})` from the previous decoder state, context
+    concatenated with the embedded decoder input (as the TensorFlow NMT tutorial and
+    bentrevett's pytorch-seq2seq do).
+`LuongSeq2Seq`
+    Luong et al. 2015, global attention with the dot / general / concat scores of the current
+    decoder state :math:`h_t`, attentional state :math:`\tilde h_t = \tanh(W_c [c_t; h_t])`
+    and input feeding (:math:`\tilde h_{t-1}` joins the input).
+`LuongLocalSeq2Seq`
+    Luong local-p: predicted centre
+    :math:`p_t = S \cdot \mathrm{sigmoid}(v_p^\top \tanh(W_p h_t))` (S the source length),
+    window :math:`[p_t - D, p_t + D]`, weights softmax over the window times a Gaussian.
+`LuongLocalMSeq2Seq`
+    Luong local-m: monotonic centre :math:`p_t = t` (the decoder step), window
+    :math:`[p_t - D, p_t + D]`, weights softmax over the window (no Gaussian).
+`HardAttentionSeq2Seq`
+    Stochastic "hard" attention (Xu et al. 2015, section 4.1) on Luong's decoder:
+    :math:`a_t = \mathrm{softmax}(\mathrm{score})` is a distribution over source positions;
+    in training one position :math:`s_t \sim a_t` is sampled and :math:`c_t = h_{s_t}`; at
+    evaluation :math:`c_t = h_{\arg\max a_t}` (or, with `hard_inference='expectation'`, the
+    soft context :math:`\sum_s a_t(s) h_s`). No gradient flows through the sample: the score
+    is trained by REINFORCE, see `transformer_jax.losses.hard_attention_surrogate`.
 
 Every attention weight goes through `transformer_jax.attention` (`attend` or
 `attention_weights`; H = 1 head, T = 1 query: the decoders run one step at a time).
@@ -114,7 +120,8 @@ class RNNSeq2SeqConfig(BaselinePresets):
     """Sizes of the recurrent baselines; defaults are the bentrevett Multi30k tutorial sizes.
 
     Attributes:
-      src_vocab_size, tgt_vocab_size: vocabulary sizes (V).
+      src_vocab_size: the source vocabulary size (V).
+      tgt_vocab_size: the target vocabulary size (V).
       emb_dim: token embedding width (E), encoder and decoder.
       enc_hidden: recurrent width of the encoder, per direction.
       dec_hidden: recurrent width of the decoder (D); also Luong's attentional state width.
@@ -123,14 +130,16 @@ class RNNSeq2SeqConfig(BaselinePresets):
       attn_dim: width of the additive score (A); used by Bahdanau and Luong `concat`.
       bidirectional: bidirectional encoder (outputs 2 * enc_hidden wide).
       dropout: dropout on the embeddings and, with n_layers > 1, between recurrent layers.
-      luong_score: 'dot' (h_t . h_s), 'general' (h_t . W_a h_s) or 'concat'
-        (v^T tanh(W_a [h_t; h_s])); Luong models only.
+      luong_score: 'dot' (:math:`h_t^\\top h_s`), 'general' (:math:`h_t^\\top W_a h_s`) or
+        'concat' (:math:`v^\\top \\tanh(W_a [h_t; h_s])`); Luong models only.
       local_window: D of Luong local-p and local-m: the window is [p_t - D, p_t + D]
         (paper: 10).
       hard_inference: what hard attention attends to at evaluation: 'argmax' (the most
         probable source position, the same one-position context as in training) or
         'expectation' (the soft context sum_s a_t(s) h_s of Xu et al.'s deterministic view).
-      pad_id, bos_id, eos_id: special token ids, shared by source and target.
+      pad_id: the padding id, shared by source and target.
+      bos_id: the id decoding starts from.
+      eos_id: the id that ends a sentence.
     """
 
     src_vocab_size: int

@@ -370,7 +370,8 @@ def parse_args(argv: Sequence[str] | None) -> tuple[str, dict[str, Any]]:
     """-> (workdir, keyword arguments of `compare`)."""
     parser = argparse.ArgumentParser(
         prog="python -m train.compare",
-        description=__doc__,
+        # The docstring's reStructuredText "::" (a literal block on the site) reads as ":" here.
+        description=__doc__.replace("::\n", ":\n"),
         formatter_class=argparse.RawDescriptionHelpFormatter,
     )
     parser.add_argument(

@@ -159,7 +159,7 @@ ENTRY %main (g: f32[100], b: f32[8], x: bf16[4,6]) -> (f32[10], f32[8], f32[4,1]
   %x = bf16[4,6]{1,0} parameter(2)
   ROOT %loop_add_fusion = (f32[10]{0}, f32[8]{0}, f32[4,1]{1,0}) fusion(%g, %b, %x), kind=kLoop, calls=%fused_update
 }
-"""
+"""  # noqa: E501 - HLO lines as XLA prints them
 
 
 def test_an_operand_read_only_through_slices_counts_the_slices():

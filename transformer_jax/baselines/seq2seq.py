@@ -1,4 +1,5 @@
-r"""The recurrent seq2seq models the Transformer replaced: GRU/LSTM, Bahdanau, Luong, hard attention.
+r"""The recurrent seq2seq models the Transformer replaced: GRU/LSTM, Bahdanau, Luong, hard
+attention.
 
 `GRUSeq2Seq`
     Cho et al. 2014: the decoder sees only the encoder's final state, the "context vector",

@@ -16,6 +16,7 @@ from __future__ import annotations
 import contextlib
 import dataclasses
 import functools
+import os
 from collections.abc import Iterator
 
 import jax
@@ -208,6 +209,9 @@ def _topology_devices(name: str) -> tuple[jax.Device, ...]:
                 topology="1x1x1",
             )
         else:
+            # Compile-only: no chip is opened, so a second process compiling for a TPU at the
+            # same time (a test beside a bench) need not wait on libtpu's one-process lock.
+            os.environ.setdefault("ALLOW_MULTIPLE_LIBTPU_LOAD", "1")
             topology = topologies.get_topology_desc(target.name, "tpu")
     except (NotImplementedError, RuntimeError) as e:
         extra = "gpu-target" if isinstance(target, GpuTarget) else "tpu"

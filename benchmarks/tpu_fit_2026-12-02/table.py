@@ -10,6 +10,7 @@ SLICES = {
     "v5e:2x4": "v5e-8 (8 chips)",
     "v5p:2x2x1": "v5p-8 (4 chips)",
     "v6e:2x4": "v6e-8 (8 chips)",
+    "v5e:4x4": "v5e-16 (16 chips, 4 hosts)",
 }
 NO_ROOM = re.compile(r"HLO temporaries \(([\d.]+)G\) exceeds available HBM \(([\d.]+)G\)")
 

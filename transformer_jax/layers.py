@@ -189,13 +189,13 @@ def _normalize_bwd(epsilon, saved, dy):
     x_hat = (x - mean) * r
     g = dy * scale
     d_x = r * (g - g.mean(-1, keepdims=True) - x_hat * (g * x_hat).mean(-1, keepdims=True))
-    rows = (-1, dy.shape[-1])
     if compile_platform(x) == "gpu":
         # One reduction over [N, 2, D] instead of two over [N, D]: XLA:GPU runs each as two
         # kernels, and keeps these siblings apart (benchmarks/target_h200_2026-12-02/).
         both = jnp.stack([dy * x_hat, dy], -2).reshape(-1, 2, dy.shape[-1]).sum(0)
         d_scale, d_bias = both[0], both[1]
     else:
+        rows = (-1, dy.shape[-1])
         d_scale = (dy * x_hat).reshape(rows).sum(0)
         d_bias = dy.reshape(rows).sum(0)
     return d_x.astype(x.dtype), d_scale.astype(scale.dtype), d_bias.astype(bias.dtype)

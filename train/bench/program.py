@@ -312,6 +312,8 @@ def program_kernels(text: str) -> list[Kernel]:
         if any(i.opcode == "convolution" for i in insts)
     }
     kernels: dict[str, Kernel] = {}
+    # A fused computation's sliced reads, worked out once per computation, not per call.
+    reads_of: dict[str, dict[int, float]] = {}
 
     def visit(computation: str, trips: int) -> None:
         for inst in computations.get(computation, ()):
@@ -344,7 +346,9 @@ def program_kernels(text: str) -> list[Kernel]:
                 flops = _gemm_custom_call_flops(inst, shapes)
             out = shape_bytes(inst.shape)
             listed = out + sum(shape_bytes(shapes.get(o, "")) for o in inst.operands)
-            read = sliced_reads(computations.get(called, ())) if called else {}
+            if called and called not in reads_of:
+                reads_of[called] = sliced_reads(computations.get(called, ()))
+            read = reads_of.get(called, {})
             size = out + sum(
                 min(read.get(i, math.inf), shape_bytes(shapes.get(o, "")))
                 for i, o in enumerate(inst.operands)

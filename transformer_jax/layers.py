@@ -13,12 +13,14 @@ from __future__ import annotations
 
 from collections.abc import Callable
 from functools import partial
+from typing import NamedTuple
 
 import flax.linen as nn
 import jax
 import jax.numpy as jnp
 from jax import lax
 
+from transformer_jax import fused_norm
 from transformer_jax.attention import beam_attention, dot_product_attention
 from transformer_jax.config import ACTIVATIONS, TransformerConfig
 from transformer_jax.int8 import Int8Dense
@@ -28,6 +30,46 @@ Array = jax.Array
 DecoderLayerCache = dict[str, Array]
 
 
+class Deferred(NamedTuple):
+    """A product whose bias is still to be added, by the kernel it goes to
+    (`LayerNorm.after_residual`): product [..., O] and bias [O], in the product's dtype."""
+
+    product: Array
+    bias: Array
+
+
+class Dense(nn.Dense):
+    """`nn.Dense`: the same parameters and the same values. `defer_bias=True` hands the bias
+    back unadded, as `Deferred`, for a kernel that adds it on its way (a program compiled for
+    a GPU: `Residual`), so the bias add and its gradient's sums are not kernels of their own.
+    """
+
+    @nn.compact
+    def __call__(self, inputs: Array, *, defer_bias: bool = False) -> Array | Deferred:
+        """[..., I] -> [..., O] (or `Deferred` with `defer_bias`)."""
+        kernel = self.param(
+            "kernel", self.kernel_init, (jnp.shape(inputs)[-1], self.features), self.param_dtype
+        )
+        bias = (
+            self.param("bias", self.bias_init, (self.features,), self.param_dtype)
+            if self.use_bias
+            else None
+        )
+        inputs, kernel, bias = self.promote_dtype(inputs, kernel, bias, dtype=self.dtype)
+        if self.dot_general_cls is not None:
+            dot_general = self.dot_general_cls()
+        else:
+            dot_general = self.dot_general or lax.dot_general
+        y = dot_general(
+            inputs, kernel, (((inputs.ndim - 1,), (0,)), ((), ())), precision=self.precision
+        )
+        if bias is None:
+            return y
+        if defer_bias:
+            return Deferred(y, bias)
+        return y + jnp.reshape(bias, (1,) * (y.ndim - 1) + (-1,))
+
+
 def dense(features: int, *, dtype, quantize: str | None = None, **kwargs) -> nn.Module:
     """A Dense layer computing in `dtype`, with float32 parameters, the paper code's
     Xavier-uniform kernel and a zero bias, its product `dense_product`; with quantize="int8",
@@ -35,7 +77,7 @@ def dense(features: int, *, dtype, quantize: str | None = None, **kwargs) -> nn.
     plus the kernel's scale)."""
     if quantize == "int8":
         return Int8Dense(features, **kwargs)
-    return nn.Dense(
+    return Dense(
         features,
         dtype=dtype,
         param_dtype=jnp.float32,
@@ -214,14 +256,47 @@ class LayerNorm(nn.Module):
     dtype: jnp.dtype | None = None
     param_dtype: jnp.dtype = jnp.float32
 
+    def _parameters(self, d: int) -> tuple[Array, Array]:
+        scale = self.param("scale", nn.initializers.ones, (d,), self.param_dtype)
+        bias = self.param("bias", nn.initializers.zeros, (d,), self.param_dtype)
+        return scale, bias
+
     @nn.compact
     def __call__(self, x: Array) -> Array:
         """[..., D] -> [..., D]."""
-        d = x.shape[-1]
-        scale = self.param("scale", nn.initializers.ones, (d,), self.param_dtype)
-        bias = self.param("bias", nn.initializers.zeros, (d,), self.param_dtype)
+        scale, bias = self._parameters(x.shape[-1])
         dtype = self.dtype or jnp.result_type(x, scale, bias)
         return normalize(x, scale, bias, self.epsilon).astype(dtype)
+
+    @nn.compact
+    def after_residual(
+        self,
+        x: Array,
+        y: Array,
+        *,
+        rate: float,
+        deterministic: bool,
+        y_bias: Array | None = None,
+    ) -> Array:
+        """LayerNorm(x + Dropout(rate)(y + y_bias)) as one kernel forward and one backward
+        (`transformer_jax.fused_norm`), for the programs `fused_norm.applies` to: x, y
+        [..., D] (y_bias [D] or None) -> [..., D], the same parameters as `__call__`. Dropout
+        (unless `deterministic` or rate 0) by the kernels' hash of a seed drawn from the
+        'dropout' stream."""
+        scale, bias = self._parameters(x.shape[-1])
+        dtype = self.dtype or jnp.result_type(x, y, scale, bias)
+        rng = None if deterministic or rate == 0.0 else self.make_rng("dropout")
+        return fused_norm.add_dropout_normalize(
+            x,
+            y,
+            scale,
+            bias,
+            epsilon=self.epsilon,
+            y_bias=y_bias,
+            rate=rate,
+            dropout_rng=rng,
+            dtype=dtype,
+        )
 
 
 def layer_norm(config: TransformerConfig, **kwargs) -> LayerNorm:
@@ -270,11 +345,13 @@ class MultiHeadAttention(nn.Module):
         deterministic: bool,
         return_weights: bool = False,
         heads_first: bool = False,
+        defer_bias: bool = False,
     ):
         """inputs_q [B, T, D], key/value [B, S, H, K] (or [B, H, S, K] with `heads_first`),
         mask -> [B, T, H, K] -> [B, T, D] (and the weights [B, H, T, S] float32 if
         `return_weights`: `attention_maps` asks; it takes the XLA path, so only then is the
-        fused kernel ruled out)."""
+        fused kernel ruled out). `defer_bias`: the output projection's bias unadded
+        (`Deferred`)."""
         cfg = self.config
         query = self._split_heads(self.query(inputs_q))
         rate = cfg.attention_dropout
@@ -292,7 +369,8 @@ class MultiHeadAttention(nn.Module):
             heads_first=heads_first,
         )
         out, weights = out if return_weights else (out, None)
-        out = self.out(out.reshape(*out.shape[:-2], cfg.d_model))
+        out = out.reshape(*out.shape[:-2], cfg.d_model)
+        out = self.out(out, defer_bias=True) if defer_bias else self.out(out)
         return (out, weights) if return_weights else out
 
     def attend_to_beams(
@@ -315,9 +393,10 @@ class MultiHeadAttention(nn.Module):
         mask: Array | None = None,
         deterministic: bool = True,
         return_weights: bool = False,
+        defer_bias: bool = False,
     ):
         """inputs_q [B, T, D] attends to inputs_kv [B, S, D] -> [B, T, D] (and the weights
-        [B, H, T, S] if `return_weights`)."""
+        [B, H, T, S] if `return_weights`; `defer_bias` as `attend_to`'s)."""
         key, value = self.project_kv(inputs_kv)
         return self.attend_to(
             inputs_q,
@@ -326,6 +405,7 @@ class MultiHeadAttention(nn.Module):
             mask=mask,
             deterministic=deterministic,
             return_weights=return_weights,
+            defer_bias=defer_bias,
         )
 
 
@@ -335,14 +415,15 @@ class FeedForward(nn.Module):
     config: TransformerConfig
 
     @nn.compact
-    def __call__(self, x: Array) -> Array:
-        """[B, T, D] -> [B, T, D]."""
+    def __call__(self, x: Array, *, defer_bias: bool = False) -> Array | Deferred:
+        """[B, T, D] -> [B, T, D] (`defer_bias`: the outer bias unadded, `Deferred`)."""
         cfg = self.config
         q = cfg.quantize
         h = ACTIVATIONS[cfg.activation](
             dense(cfg.d_ff, dtype=cfg.dtype, quantize=q, name="inner")(x)
         )
-        return dense(cfg.d_model, dtype=cfg.dtype, quantize=q, name="outer")(h)
+        outer = dense(cfg.d_model, dtype=cfg.dtype, quantize=q, name="outer")
+        return outer(h, defer_bias=True) if defer_bias else outer(h)
 
 
 class Residual(nn.Module):
@@ -364,23 +445,42 @@ class Residual(nn.Module):
         """The sublayer's input: [B, T, D] -> [B, T, D]."""
         return self.norm(x) if self.config.norm_first else x
 
-    def post(self, x: Array, sublayer_out: Array, *, deterministic: bool) -> Array:
-        """x [B, T, D], the sublayer's output [B, T, D] -> [B, T, D]."""
+    def fused(self, x: Array) -> bool:
+        """Whether `post` runs as one kernel (`LayerNorm.after_residual`): post-LN in a program
+        for one GPU (`transformer_jax.fused_norm.applies`)."""
+        return not self.config.norm_first and fused_norm.applies(x)
+
+    def _sublayer_options(self, x: Array) -> dict:
+        """What the sublayer is asked: its output projection's bias unadded where `post`'s
+        kernel adds it (not for int8 layers, which add their own)."""
+        return {"defer_bias": True} if self.fused(x) and not self.config.quantize else {}
+
+    def post(self, x: Array, sublayer_out: Array | Deferred, *, deterministic: bool) -> Array:
+        """x [B, T, D], the sublayer's output [B, T, D] (or `Deferred`) -> [B, T, D]."""
+        bias = None
+        if isinstance(sublayer_out, Deferred):
+            sublayer_out, bias = sublayer_out
+        if self.fused(x):
+            return self.norm.after_residual(
+                x, sublayer_out, y_bias=bias, rate=self.config.dropout, deterministic=deterministic
+            )
+        if bias is not None:
+            sublayer_out = sublayer_out + bias
         y = x + self.dropout(sublayer_out, deterministic=deterministic)
         return y if self.config.norm_first else self.norm(y)
 
-    def __call__(
-        self, x: Array, sublayer: Callable[[Array], Array], *, deterministic: bool
-    ) -> Array:
-        """x [B, T, D] -> [B, T, D], the whole wrapper around `sublayer` ([B, T, D] -> same)."""
-        return self.post(x, sublayer(self.pre(x)), deterministic=deterministic)
+    def __call__(self, x: Array, sublayer: Callable[..., Array], *, deterministic: bool) -> Array:
+        """x [B, T, D] -> [B, T, D], the whole wrapper around `sublayer` ([B, T, D] -> same;
+        it takes `defer_bias=True` where `post` adds its output projection's bias)."""
+        out = sublayer(self.pre(x), **self._sublayer_options(x))
+        return self.post(x, out, deterministic=deterministic)
 
     def with_weights(
         self, x: Array, attention: Callable, *, deterministic: bool, return_weights: bool
     ) -> tuple[Array, Array | None]:
         """`__call__` around an attention sublayer that returns (out, weights) when
         `return_weights`, else out -> (x [B, T, D], weights or None)."""
-        out = attention(self.pre(x))
+        out = attention(self.pre(x), **self._sublayer_options(x))
         out, weights = out if return_weights else (out, None)
         return self.post(x, out, deterministic=deterministic), weights
 
@@ -403,8 +503,8 @@ class EncoderLayer(nn.Module):
         self-attention weights [B, H, S, S] if `return_weights`)."""
         x, weights = self.self_attn_residual.with_weights(
             x,
-            lambda h: self.self_attn(
-                h, h, mask=mask, deterministic=deterministic, return_weights=return_weights
+            lambda h, **kw: self.self_attn(
+                h, h, mask=mask, deterministic=deterministic, return_weights=return_weights, **kw
             ),
             deterministic=deterministic,
             return_weights=return_weights,
@@ -449,7 +549,7 @@ class DecoderLayer(nn.Module):
         `return_weights`)."""
         y, weights = self.cross_attn_residual.with_weights(
             y,
-            lambda h: self.cross_attn.attend_to(
+            lambda h, **kw: self.cross_attn.attend_to(
                 h,
                 cross_key,
                 cross_value,
@@ -457,6 +557,7 @@ class DecoderLayer(nn.Module):
                 deterministic=deterministic,
                 return_weights=return_weights,
                 heads_first=heads_first,
+                **kw,
             ),
             deterministic=deterministic,
             return_weights=return_weights,
@@ -479,8 +580,13 @@ class DecoderLayer(nn.Module):
         'cross': [B, H, T, S]})."""
         y, self_weights = self.self_attn_residual.with_weights(
             y,
-            lambda h: self.self_attn(
-                h, h, mask=self_mask, deterministic=deterministic, return_weights=return_weights
+            lambda h, **kw: self.self_attn(
+                h,
+                h,
+                mask=self_mask,
+                deterministic=deterministic,
+                return_weights=return_weights,
+                **kw,
             ),
             deterministic=deterministic,
             return_weights=return_weights,

@@ -42,3 +42,21 @@ def compile_platform(*arrays) -> str:
     # ROCm and CUDA devices both answer "gpu" through jax.Device.platform; the names a
     # PJRT plugin may give ("cuda", "rocm") are folded into it.
     return "gpu" if platform in ("cuda", "rocm") else platform
+
+
+def keep_placement(out: jax.Array, like: jax.Array) -> jax.Array:
+    """`out` placed as `like` where `like`'s traced value names a mesh and `out`'s does not.
+
+    A Pallas call's outputs carry no mesh, so `compile_platform` of what is computed from them
+    would fall back to the process's backend (a GPU program compiled on a CPU host would take
+    the CPU's choices after the first kernel). A sharding constraint equal to the input's
+    puts the mesh back; on one device it compiles to nothing.
+    """
+    sharding = getattr(getattr(like, "aval", None), "sharding", None)
+    mesh = getattr(sharding, "mesh", None)
+    if mesh is None or getattr(mesh, "empty", True) or out.shape != like.shape:
+        return out
+    mine = getattr(getattr(out, "aval", None), "sharding", None)
+    if not getattr(getattr(mine, "mesh", None), "empty", True):
+        return out
+    return jax.lax.with_sharding_constraint(out, sharding)

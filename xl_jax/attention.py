@@ -21,6 +21,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
+from transformer_jax import fused_norm
 from transformer_jax.attention import dot_product_attention, uses_fused_kernel
 from transformer_jax.layers import LayerNorm
 from transformer_jax.platform import compile_platform
@@ -201,6 +202,8 @@ class RelativeMultiHeadAttention(nn.Module):
                 implementation=implementation,
             )  # [B, T, H, K]
         out = nn.DenseGeneral(cfg.d_model, axis=(-2, -1), name="o_net", **dense)(attn)
+        if not cfg.norm_first and fused_norm.applies(h):
+            return layer_norm.after_residual(h, out, rate=cfg.dropout, deterministic=deterministic)
         out = nn.Dropout(cfg.dropout)(out, deterministic=deterministic)
         if cfg.norm_first:
             return h + out

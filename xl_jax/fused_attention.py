@@ -40,6 +40,8 @@ import jax.numpy as jnp
 import numpy as np
 from jax.experimental import pallas as pl
 
+from transformer_jax.hashed_dropout import drop as _drop
+from transformer_jax.hashed_dropout import dropout_keep, dropout_seed
 from transformer_jax.platform import compile_platform
 
 Array = jax.Array
@@ -70,38 +72,6 @@ def _barrier(interpret: bool) -> None:
         from jax.experimental.pallas import triton as plgpu
 
         plgpu.debug_barrier()
-
-
-def _fmix32(x: Array) -> Array:
-    """MurmurHash3's 32-bit finaliser: every input bit moves every output bit."""
-    x = x ^ (x >> 16)
-    x = x * jnp.uint32(0x85EBCA6B)
-    x = x ^ (x >> 13)
-    x = x * jnp.uint32(0xC2B2AE35)
-    return x ^ (x >> 16)
-
-
-def dropout_keep(seed: Array, bh: Array, i: Array, j: Array, rate: float) -> Array:
-    """Attention dropout's keep mask from a hash of (seed, batch * H + head, query, key).
-
-    Args:
-      seed: uint32 scalar (drawn from the step's dropout key).
-      bh: uint32 scalar or array, b * H + h.
-      i, j: uint32 query and key positions (broadcast together).
-      rate: the drop probability.
-    Returns:
-      bool, True = keep, with probability 1 - rate (to 2^-32), independent across entries.
-    """
-    x = _fmix32(seed ^ (bh * jnp.uint32(0x9E3779B1)))
-    x = _fmix32(x ^ (i * jnp.uint32(0x85EBCA77)))
-    x = _fmix32(x ^ (j * jnp.uint32(0xC2B2AE3D)))
-    threshold = jnp.uint32(min(int(rate * 2.0**32), 2**32 - 1))
-    return x >= threshold
-
-
-def dropout_seed(dropout_rng: Array) -> Array:
-    """The kernels' [1] int32 seed (uint32 bits) from a dropout key."""
-    return jax.lax.bitcast_convert_type(jax.random.bits(dropout_rng, (1,), jnp.uint32), jnp.int32)
 
 
 def reference_keep_mask(
@@ -208,11 +178,6 @@ class _Tile:
         # A block wholly before the first valid key contributes nothing.
         hi = jnp.where(j0 + self.bk <= kstart, lo, hi)
         return lo, jnp.maximum(hi, lo)
-
-
-def _drop(x, keep, rate):
-    """Inverted dropout by a keep mask: kept entries scaled by 1 / (1 - rate), the rest 0."""
-    return jnp.where(keep, x * (1.0 / (1.0 - rate)), 0.0)
 
 
 # ------------------------------------------------------------------------------- kernels

@@ -29,7 +29,8 @@ import flax.linen as nn
 import jax
 import jax.numpy as jnp
 
-from transformer_jax.layers import LayerNorm
+from transformer_jax import fused_norm
+from transformer_jax.layers import Dense, LayerNorm
 from transformer_jax.shapes import check_token_ids
 from xl_jax.adaptive import AdaptiveEmbedding, ProjectedAdaptiveLogSoftmax
 from xl_jax.attention import RelativeMultiHeadAttention, relative_positions, sinusoid_embedding
@@ -66,7 +67,13 @@ class PositionwiseFF(nn.Module):
         y = layer_norm(x) if cfg.norm_first else x
         y = nn.relu(nn.Dense(cfg.d_inner, name="dense_in", **dense)(y))
         y = nn.Dropout(cfg.dropout)(y, deterministic=deterministic)
-        y = nn.Dense(cfg.d_model, name="dense_out", **dense)(y)
+        dense_out = Dense(cfg.d_model, name="dense_out", **dense)
+        if not cfg.norm_first and fused_norm.applies(x):
+            y, bias = dense_out(y, defer_bias=True)  # the bias added in the fused kernel
+            return layer_norm.after_residual(
+                x, y, y_bias=bias, rate=cfg.dropout, deterministic=deterministic
+            )
+        y = dense_out(y)
         y = nn.Dropout(cfg.dropout)(y, deterministic=deterministic)
         return x + y if cfg.norm_first else layer_norm(x + y)
 

@@ -8,6 +8,8 @@ that a program compiled for an H200 takes the Triton kernels.
 
 from __future__ import annotations
 
+import functools
+
 import flax.linen as nn
 import jax
 import jax.numpy as jnp
@@ -62,6 +64,43 @@ def test_kernels_equal_the_reference_forward_and_every_gradient(rate, with_y_bia
     np.testing.assert_allclose(got, want, rtol=1e-5, atol=1e-5)
     for name, g, r in zip(("x", "y", "scale", "bias", "y_bias"), got_grads, want_grads):
         np.testing.assert_allclose(g, r, rtol=1e-4, atol=1e-4, err_msg=name)
+
+
+def test_two_branches_gradients_are_added_in_the_kernel():
+    """With `branches` the output comes twice; each copy's gradient reaches the backward
+    kernel and the gradients equal those of one output used twice. One copy unused is a
+    symbolic zero, which the kernel does not read."""
+    x, y, scale, bias, y_bias, w = _inputs(256, 1024, seed=2)
+    w2 = jnp.roll(w, 1, axis=0)
+    rng = jax.random.PRNGKey(5)
+    seed = dropout_seed(rng)
+    kw = dict(epsilon=1e-5, y_bias=y_bias, rate=0.1, dropout_rng=rng, interpret=True)
+
+    def both(*a):
+        left, right = fused_norm.add_dropout_normalize(*a, **kw, branches=True)
+        return (left * w).sum() + (right * w2).sum()
+
+    left, right = fused_norm.add_dropout_normalize(x, y, scale, bias, **kw, branches=True)
+    np.testing.assert_array_equal(left, right)
+
+    def one_used(*a):
+        return (fused_norm.add_dropout_normalize(*a, **kw, branches=True)[1] * w2).sum()
+
+    def reference(*a, weights):
+        out = fused_norm.reference(*a, seed, epsilon=1e-5, rate=0.1, y_bias=y_bias)
+        return (out * weights).sum()
+
+    argnums = (0, 1, 2, 3)
+    for got, want in zip(
+        jax.grad(both, argnums)(x, y, scale, bias),
+        jax.grad(functools.partial(reference, weights=w + w2), argnums)(x, y, scale, bias),
+    ):
+        np.testing.assert_allclose(got, want, rtol=1e-4, atol=1e-4)
+    for got, want in zip(
+        jax.grad(one_used, argnums)(x, y, scale, bias),
+        jax.grad(functools.partial(reference, weights=w2), argnums)(x, y, scale, bias),
+    ):
+        np.testing.assert_allclose(got, want, rtol=1e-4, atol=1e-4)
 
 
 def test_reference_without_dropout_is_layer_norm_of_the_sum():
@@ -128,8 +167,9 @@ def test_dense_is_flax_dense_and_defers_its_bias_exactly():
     want = nn.Dense(**kwargs).apply(params, x)
     np.testing.assert_array_equal(ours.apply(params, x), want)
     deferred = ours.apply(params, x, defer_bias=True)
-    assert isinstance(deferred, Deferred) and deferred.bias.dtype == jnp.bfloat16
-    np.testing.assert_array_equal(deferred.product + deferred.bias, want)
+    # The bias as stored (float32), for the kernel to add in float32.
+    assert isinstance(deferred, Deferred) and deferred.bias.dtype == jnp.float32
+    np.testing.assert_array_equal(deferred.product + deferred.bias.astype(jnp.bfloat16), want)
 
 
 def _force_fused(monkeypatch):

@@ -30,6 +30,7 @@ import functools
 import jax
 import jax.numpy as jnp
 from jax import lax
+from jax.custom_derivatives import SymbolicZero
 from jax.experimental import pallas as pl
 
 from transformer_jax.hashed_dropout import drop, dropout_keep, dropout_seed
@@ -161,12 +162,13 @@ def _bwd_kernel(
     scale_ref,
     mean_ref,
     rstd_ref,
-    dout_ref,
-    *refs,  # (y's bias), then the outputs: dx, (dy unless rate == 0), the partial sums
+    *refs,  # the output's cotangents, (y's bias), then dx, (dy unless rate == 0), the sums
     plan,
     rate,
     y_bias: bool,
+    cotangents: int,
 ):
+    dout_refs, refs = refs[:cotangents], refs[cotangents:]
     y_bias_ref = refs[:1] if y_bias else ()
     dx_ref, *dy_ref, dparam_ref = refs[len(y_bias_ref) :]
     tile, tiles = plan
@@ -182,7 +184,9 @@ def _bwd_kernel(
         s = x_ref[rows, :].astype(jnp.float32) + _dropped(y, seed, base + i * tile, rate)
         r = rstd_ref[rows][:, None]
         x_hat = (s - mean_ref[rows][:, None]) * r
-        dout = dout_ref[rows, :].astype(jnp.float32)
+        dout = dout_refs[0][rows, :].astype(jnp.float32)
+        for other in dout_refs[1:]:  # the second branch's (`Branches`): summed here
+            dout = dout + other[rows, :].astype(jnp.float32)
         g = dout * scale
         c1 = jnp.sum(g, axis=1)[:, None] / d
         c2 = jnp.sum(g * x_hat, axis=1)[:, None] / d
@@ -243,7 +247,7 @@ def _forward(x, y, scale, bias, y_bias, seed, statics):
     )(seed, x, y, scale, bias, *y_bias)
 
 
-def _backward(x, y, scale, y_bias, seed, mean, rstd, dout, statics):
+def _backward(x, y, scale, y_bias, seed, mean, rstd, douts, statics):
     _, rate, _, interpret = statics
     n, d = x.shape
     plan = _plan(n, d)
@@ -258,37 +262,53 @@ def _backward(x, y, scale, y_bias, seed, mean, rstd, dout, statics):
         out_specs.append(block)
     out_shape.append(jax.ShapeDtypeStruct((grid, sums, d), jnp.float32))
     out_specs.append(partial)
+    kernel = functools.partial(
+        _bwd_kernel, plan=plan, rate=rate, y_bias=bool(y_bias), cotangents=len(douts)
+    )
     dx, *dy, dparams = pl.pallas_call(
-        functools.partial(_bwd_kernel, plan=plan, rate=rate, y_bias=bool(y_bias)),
+        kernel,
         grid=(grid,),
-        in_specs=[seed_spec, block, block, vector, stat, stat, block] + [vector] * len(y_bias),
+        in_specs=[seed_spec, block, block, vector, stat, stat]
+        + [block] * len(douts)
+        + [vector] * len(y_bias),
         out_specs=out_specs,
         out_shape=out_shape,
         name="residual_dropout_norm_bwd",
         **_settings(interpret),
-    )(seed, x, y, scale, mean, rstd, dout, *y_bias)
+    )(seed, x, y, scale, mean, rstd, *douts, *y_bias)
     dy = dy[0] if dy else dx.astype(y.dtype)
     return dx, dy, dparams.sum(0)
 
 
 @functools.partial(jax.custom_vjp, nondiff_argnums=(6,))
 def _fused(x, y, scale, bias, y_bias, seed, statics):
-    return _forward(x, y, scale, bias, y_bias, seed, statics)[0]
+    """-> the output twice (`Branches`' two consumers: their cotangents reach the backward
+    kernel apart, and it adds them)."""
+    out = _forward(x, y, scale, bias, y_bias, seed, statics)[0]
+    return out, out
 
 
 def _fused_fwd(x, y, scale, bias, y_bias, seed, statics):
+    # symbolic_zeros: the primals come wrapped (CustomVJPPrimal), the statics not.
+    x, y, scale, bias, y_bias, seed = (
+        None if a is None else a.value for a in (x, y, scale, bias, y_bias, seed)
+    )
     out, mean, rstd = _forward(x, y, scale, bias, y_bias, seed, statics)
-    return out, (x, y, scale, bias, y_bias, seed, mean, rstd)
+    return (out, out), (x, y, scale, bias, y_bias, seed, mean, rstd)
 
 
-def _fused_bwd(statics, saved, dout):
+def _fused_bwd(statics, saved, douts):
     x, y, scale, bias, y_bias, seed, mean, rstd = saved
-    dx, dy, dparams = _backward(x, y, scale, y_bias, seed, mean, rstd, dout, statics)
+    # An unused output's cotangent is a symbolic zero: the kernel reads only the others.
+    douts = [d for d in douts if not isinstance(d, SymbolicZero)]
+    if not douts:
+        douts = [jnp.zeros(x.shape, x.dtype)]
+    dx, dy, dparams = _backward(x, y, scale, y_bias, seed, mean, rstd, douts, statics)
     d_y_bias = None if y_bias is None else dparams[2].astype(y_bias.dtype)
     return dx, dy, dparams[0].astype(scale.dtype), dparams[1].astype(bias.dtype), d_y_bias, None
 
 
-_fused.defvjp(_fused_fwd, _fused_bwd)
+_fused.defvjp(_fused_fwd, _fused_bwd, symbolic_zeros=True)
 
 
 def add_dropout_normalize(
@@ -302,8 +322,9 @@ def add_dropout_normalize(
     rate: float = 0.0,
     dropout_rng: Array | None = None,
     dtype=None,
+    branches: bool = False,
     interpret: bool | None = None,
-) -> Array:
+) -> Array | tuple[Array, Array]:
     """LayerNorm(x + dropout(y + y_bias)) over the last axis, fused: the kernels above under a
     custom VJP.
 
@@ -318,9 +339,13 @@ def add_dropout_normalize(
       rate, dropout_rng: dropout of y, drawn by `hashed_dropout.dropout_keep` of (seed, row,
         feature) from a seed `dropout_rng` gives (None or rate 0: no dropout).
       dtype: the output's dtype (default x's).
+      branches: return the output twice, for two consumers (post-LN's next sublayer and next
+        residual): the backward kernel then adds their gradients, which XLA would otherwise
+        add in a kernel of its own.
       interpret: Pallas interpret mode; default: on unless the program is compiled for a GPU.
     Returns:
-      [..., D] in `dtype`: `reference`'s values for the flattened rows.
+      [..., D] in `dtype`: `reference`'s values for the flattened rows (twice, as a pair,
+      with `branches`).
     """
     vectors = (scale, bias) if y_bias is None else (scale, bias, y_bias)
     if x.shape != y.shape or any(v.shape != x.shape[-1:] for v in vectors):
@@ -334,5 +359,6 @@ def add_dropout_normalize(
     seed = dropout_seed(dropout_rng) if rate > 0.0 else jnp.zeros((1,), jnp.int32)
     d = x.shape[-1]
     statics = (float(epsilon), rate, jnp.dtype(dtype or x.dtype), bool(interpret))
-    out = _fused(x.reshape(-1, d), y.reshape(-1, d), scale, bias, y_bias, seed, statics)
-    return keep_placement(out.reshape(x.shape), x)
+    outs = _fused(x.reshape(-1, d), y.reshape(-1, d), scale, bias, y_bias, seed, statics)
+    outs = tuple(keep_placement(out.reshape(x.shape), x) for out in outs)
+    return outs if branches else outs[0]

@@ -32,10 +32,27 @@ DecoderLayerCache = dict[str, Array]
 
 class Deferred(NamedTuple):
     """A product whose bias is still to be added, by the kernel it goes to
-    (`LayerNorm.after_residual`): product [..., O] and bias [O], in the product's dtype."""
+    (`LayerNorm.after_residual`): product [..., O] in the layer's dtype and bias [O] as the
+    parameter is stored."""
 
     product: Array
     bias: Array
+
+
+class Branches(NamedTuple):
+    """A post-LN output for its two consumers in a training step: `sublayer`, what the next
+    sublayer reads, and `residual`, what the next residual adds. The same values as two
+    arrays, so that their gradients reach the fused kernel that wrote them apart and it adds
+    them (`transformer_jax.fused_norm`), not a kernel of their own. `unbranched` gives the
+    one array."""
+
+    sublayer: Array
+    residual: Array
+
+
+def unbranched(x: Array | Branches) -> Array:
+    """A layer's output as one array [..., D] (`Branches`' sublayer array)."""
+    return x.sublayer if isinstance(x, Branches) else x
 
 
 class Dense(nn.Dense):
@@ -55,6 +72,7 @@ class Dense(nn.Dense):
             if self.use_bias
             else None
         )
+        param_bias = bias
         inputs, kernel, bias = self.promote_dtype(inputs, kernel, bias, dtype=self.dtype)
         if self.dot_general_cls is not None:
             dot_general = self.dot_general_cls()
@@ -66,7 +84,8 @@ class Dense(nn.Dense):
         if bias is None:
             return y
         if defer_bias:
-            return Deferred(y, bias)
+            # As stored: the kernel adds it in float32, and a cast would be a kernel of its own.
+            return Deferred(y, param_bias)
         return y + jnp.reshape(bias, (1,) * (y.ndim - 1) + (-1,))
 
 
@@ -277,12 +296,14 @@ class LayerNorm(nn.Module):
         rate: float,
         deterministic: bool,
         y_bias: Array | None = None,
-    ) -> Array:
+        branches: bool = False,
+    ) -> Array | tuple[Array, Array]:
         """LayerNorm(x + Dropout(rate)(y + y_bias)) as one kernel forward and one backward
         (`transformer_jax.fused_norm`), for the programs `fused_norm.applies` to: x, y
-        [..., D] (y_bias [D] or None) -> [..., D], the same parameters as `__call__`. Dropout
-        (unless `deterministic` or rate 0) by the kernels' hash of a seed drawn from the
-        'dropout' stream."""
+        [..., D] (y_bias [D] or None) -> [..., D] (twice with `branches`,
+        `fused_norm.add_dropout_normalize`), the same parameters as `__call__`. Dropout (unless
+        `deterministic` or rate 0) by the kernels' hash of a seed drawn from the 'dropout'
+        stream."""
         scale, bias = self._parameters(x.shape[-1])
         dtype = self.dtype or jnp.result_type(x, y, scale, bias)
         rng = None if deterministic or rate == 0.0 else self.make_rng("dropout")
@@ -296,6 +317,7 @@ class LayerNorm(nn.Module):
             rate=rate,
             dropout_rng=rng,
             dtype=dtype,
+            branches=branches,
         )
 
 
@@ -441,37 +463,49 @@ class Residual(nn.Module):
         self.norm = layer_norm(self.config)
         self.dropout = nn.Dropout(self.config.dropout)
 
-    def pre(self, x: Array) -> Array:
+    def pre(self, x: Array | Branches) -> Array:
         """The sublayer's input: [B, T, D] -> [B, T, D]."""
+        x = unbranched(x)
         return self.norm(x) if self.config.norm_first else x
 
-    def fused(self, x: Array) -> bool:
+    def fused(self, x: Array | Branches) -> bool:
         """Whether `post` runs as one kernel (`LayerNorm.after_residual`): post-LN in a program
         for one GPU (`transformer_jax.fused_norm.applies`)."""
-        return not self.config.norm_first and fused_norm.applies(x)
+        return not self.config.norm_first and fused_norm.applies(unbranched(x))
 
-    def _sublayer_options(self, x: Array) -> dict:
+    def _sublayer_options(self, x: Array | Branches) -> dict:
         """What the sublayer is asked: its output projection's bias unadded where `post`'s
         kernel adds it (not for int8 layers, which add their own)."""
         return {"defer_bias": True} if self.fused(x) and not self.config.quantize else {}
 
-    def post(self, x: Array, sublayer_out: Array | Deferred, *, deterministic: bool) -> Array:
-        """x [B, T, D], the sublayer's output [B, T, D] (or `Deferred`) -> [B, T, D]."""
+    def post(
+        self, x: Array | Branches, sublayer_out: Array | Deferred, *, deterministic: bool
+    ) -> Array | Branches:
+        """x [B, T, D], the sublayer's output [B, T, D] (or `Deferred`) -> [B, T, D]; as
+        `Branches` where the fused kernel trains (their gradients meet in its backward)."""
         bias = None
         if isinstance(sublayer_out, Deferred):
             sublayer_out, bias = sublayer_out
         if self.fused(x):
-            return self.norm.after_residual(
-                x, sublayer_out, y_bias=bias, rate=self.config.dropout, deterministic=deterministic
+            out = self.norm.after_residual(
+                x.residual if isinstance(x, Branches) else x,
+                sublayer_out,
+                y_bias=bias,
+                rate=self.config.dropout,
+                deterministic=deterministic,
+                branches=not deterministic,
             )
+            return out if deterministic else Branches(*out)
+        x = unbranched(x)
         if bias is not None:
-            sublayer_out = sublayer_out + bias
+            sublayer_out = sublayer_out + bias.astype(sublayer_out.dtype)
         y = x + self.dropout(sublayer_out, deterministic=deterministic)
         return y if self.config.norm_first else self.norm(y)
 
     def __call__(self, x: Array, sublayer: Callable[..., Array], *, deterministic: bool) -> Array:
-        """x [B, T, D] -> [B, T, D], the whole wrapper around `sublayer` ([B, T, D] -> same;
-        it takes `defer_bias=True` where `post` adds its output projection's bias)."""
+        """x [B, T, D] -> [B, T, D] (or `Branches`, as `post`), the whole wrapper around
+        `sublayer` ([B, T, D] -> same; it takes `defer_bias=True` where `post` adds its output
+        projection's bias)."""
         out = sublayer(self.pre(x), **self._sublayer_options(x))
         return self.post(x, out, deterministic=deterministic)
 

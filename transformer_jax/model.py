@@ -31,7 +31,15 @@ from jax import lax
 from transformer_jax.attention import combine_masks, make_causal_mask, make_padding_mask
 from transformer_jax.config import DECODE_QUANTIZATIONS, TransformerConfig
 from transformer_jax.int8 import Int8Embed, quantize_params
-from transformer_jax.layers import DecoderLayer, EncoderLayer, dense, layer_norm, output_logits
+from transformer_jax.layers import (
+    Branches,
+    DecoderLayer,
+    EncoderLayer,
+    dense,
+    layer_norm,
+    output_logits,
+    unbranched,
+)
 from transformer_jax.positional import PositionalEncoding
 from transformer_jax.shapes import check_token_ids
 
@@ -61,6 +69,7 @@ class Encoder(nn.Module):
             if return_weights:
                 x, w = x
                 weights.append(w)
+        x = unbranched(x)
         x = self.final_norm(x) if self.final_norm is not None else x
         return (x, jnp.stack(weights, axis=1)) if return_weights else x
 
@@ -76,7 +85,8 @@ class Decoder(nn.Module):
         self.layers = [DecoderLayer(cfg) for _ in range(cfg.n_decoder_layers)]  # layers_i
         self.final_norm = layer_norm(cfg) if cfg.norm_first else None
 
-    def _finish(self, y: Array) -> Array:
+    def _finish(self, y: Array | Branches) -> Array:
+        y = unbranched(y)
         return self.final_norm(y) if self.final_norm is not None else y
 
     def __call__(

@@ -23,7 +23,7 @@ import numpy as np
 
 from transformer_jax import fused_norm
 from transformer_jax.attention import dot_product_attention, uses_fused_kernel
-from transformer_jax.layers import LayerNorm
+from transformer_jax.layers import Branches, LayerNorm
 from transformer_jax.platform import compile_platform
 from xl_jax import fused_attention
 from xl_jax.config import TransformerXLConfig
@@ -132,7 +132,7 @@ class RelativeMultiHeadAttention(nn.Module):
         *,
         valid: Array | None = None,  # [B] int, the memory's valid count (the fused kernel's mask)
         deterministic: bool = True,
-    ) -> Array:  # [B, T, D]
+    ) -> Array | Branches:  # [B, T, D]
         cfg = self.config
         H, K = cfg.n_heads, cfg.d_head
         init = nn.initializers.normal(0.02)
@@ -203,7 +203,11 @@ class RelativeMultiHeadAttention(nn.Module):
             )  # [B, T, H, K]
         out = nn.DenseGeneral(cfg.d_model, axis=(-2, -1), name="o_net", **dense)(attn)
         if not cfg.norm_first and fused_norm.applies(h):
-            return layer_norm.after_residual(h, out, rate=cfg.dropout, deterministic=deterministic)
+            # Training: the output twice, for the feed-forward's sublayer and its residual.
+            out = layer_norm.after_residual(
+                h, out, rate=cfg.dropout, deterministic=deterministic, branches=not deterministic
+            )
+            return out if deterministic else Branches(*out)
         out = nn.Dropout(cfg.dropout)(out, deterministic=deterministic)
         if cfg.norm_first:
             return h + out

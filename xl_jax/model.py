@@ -30,7 +30,7 @@ import jax
 import jax.numpy as jnp
 
 from transformer_jax import fused_norm
-from transformer_jax.layers import Dense, LayerNorm
+from transformer_jax.layers import Branches, Dense, LayerNorm, unbranched
 from transformer_jax.shapes import check_token_ids
 from xl_jax.adaptive import AdaptiveEmbedding, ProjectedAdaptiveLogSoftmax
 from xl_jax.attention import RelativeMultiHeadAttention, relative_positions, sinusoid_embedding
@@ -49,8 +49,11 @@ class PositionwiseFF(nn.Module):
     config: TransformerXLConfig
 
     @nn.compact
-    def __call__(self, x: Array, *, deterministic: bool = True) -> Array:  # [B, T, D]
+    def __call__(self, x: Array | Branches, *, deterministic: bool = True) -> Array:  # [B, T, D]
+        """x [B, T, D] (or the attention's `Branches`: the sublayer's input and the residual's
+        as two arrays) -> [B, T, D]."""
         cfg = self.config
+        x, residual = unbranched(x), (x.residual if isinstance(x, Branches) else x)
         # nn.Dense's own product, not transformer_jax.layers.dense_product: a custom VJP hides
         # its dot from the remat policy (`dots_with_no_batch_dims_saveable`), and remat
         # 'attention' would then recompute the FFN in the backward pass (+11.5% FLOPs on
@@ -71,7 +74,7 @@ class PositionwiseFF(nn.Module):
         if not cfg.norm_first and fused_norm.applies(x):
             y, bias = dense_out(y, defer_bias=True)  # the bias added in the fused kernel
             return layer_norm.after_residual(
-                x, y, y_bias=bias, rate=cfg.dropout, deterministic=deterministic
+                residual, y, y_bias=bias, rate=cfg.dropout, deterministic=deterministic
             )
         y = dense_out(y)
         y = nn.Dropout(cfg.dropout)(y, deterministic=deterministic)

@@ -2,7 +2,8 @@
 # The papers' recipes compiled for TPU slices on a CPU host (issue 65): does each fit?
 # Needs libtpu aside (as .ci/run installs it):
 #   pip install --target DIR --no-deps "libtpu==0.0.42.*"; export TPU_DIR=DIR
-# Usage: bash benchmarks/tpu_fit_2026-12-02/run.sh [SHARDING]   (default: fsdp)
+# Usage: bash benchmarks/tpu_fit_2026-12-02/run.sh [SHARDING]   (default: fsdp; CELL_TIMEOUT=S
+# bounds each compile, default 1200 s)
 # Each cell: slice, recipe, rows (empty: the recipe's own batch; the LM recipes' 60 and 22
 # rows do not split over 8 or 16 chips, and enwik8's not over 4), folder.
 set -uo pipefail
@@ -35,7 +36,7 @@ for cell in "${cells[@]}"; do
   mkdir -p "$out"
   extra=()
   [ "$rows" != "-" ] && extra=(--preset_batch_size "$rows")
-  timeout 1200 python -m train.bench --target "$target" --preset "$preset" \
+  timeout "${CELL_TIMEOUT:-1200}" python -m train.bench --target "$target" --preset "$preset" \
     --sharding "$sharding" --out "$out" "${extra[@]}" > "$out/log.txt" 2>&1
   echo "$sharding $target $folder: exit $?"
 done

@@ -1,0 +1,241 @@
+"""Mutation testing of the numerical and state-keeping core (issue 67): how many plausible
+one-line bugs the tests that claim a module would miss.
+
+Cosmic Ray (https://github.com/sixty-north/cosmic-ray) mutates one module at a time (operators
+swapped, constants changed, comparisons flipped, statements removed) and runs the tests that
+cover it against each mutant: a mutant the tests fail on is killed, one they pass survives.
+It edits files in place, so this script runs it in a git worktree of HEAD in a temporary
+folder: the checkout you work in is never touched. Not part of CI: each mutant is one pytest
+process (about 10-15 s on a 2-core machine, JAX's import and compiles included), so a module
+takes from minutes to an hour.
+
+    pip install "attention-jax[mutation]"      # cosmic-ray
+    python benchmarks/mutation/run.py transformer_jax/positional.py --out benchmarks/mutation/DATE
+    python benchmarks/mutation/run.py --list   # the modules and the tests each is run with
+
+Writes OUT/scores.json (per module: killed, survived, timed out, incompetent, the score) and
+OUT/scores.md with each surviving mutant's diff, to be killed by a test or listed as
+equivalent with its reason (OUT/equivalent.md, by hand).
+"""
+
+from __future__ import annotations
+
+import argparse
+import datetime
+import json
+import os
+import platform
+import shlex
+import subprocess
+import sys
+import tempfile
+from pathlib import Path
+
+REPO = Path(__file__).resolve().parents[2]
+
+# Each module with the tests that claim its behaviour (pytest arguments).
+MODULES: dict[str, list[str]] = {
+    "transformer_jax/positional.py": [
+        "tests/test_positional.py",
+        "tests/test_transformer.py",
+        "-k",
+        "sinusoid or positional or pad_positions or offset or width or batched or learned or by_name",
+    ],
+    "transformer_jax/losses.py": ["tests/test_losses_optim.py", "tests/test_accelerator_paths.py"],
+    "transformer_jax/optim.py": ["tests/test_losses_optim.py", "tests/test_schedule_fit.py"],
+    "transformer_jax/attention.py": ["tests/test_attention.py"],
+    "transformer_jax/decoding/search.py": [
+        "tests/test_decode.py",
+        "tests/test_transformer_decode.py",
+        "tests/test_properties.py",
+    ],
+    "xl_jax/attention.py": ["tests/test_xl_attention.py"],
+    "xl_jax/memory.py": ["tests/test_xl_model.py", "tests/test_xl_attention.py"],
+    "xl_jax/adaptive.py": ["tests/test_xl_adaptive.py"],
+    "xl_jax/fused_attention.py": ["tests/test_xl_fused_attention.py"],
+    "train/core/checkpoint.py": ["tests/test_train_loop.py", "tests/test_faults.py"],
+    "train/core/loop.py": ["tests/test_train_loop.py"],
+    "train/core/workdir_checks.py": ["tests/test_workdir_errors.py"],
+    "train/data/batching.py": ["tests/test_data_batching.py"],
+    "train/data/token_cache.py": ["tests/test_token_cache.py"],
+}
+
+OUTCOMES = ("killed", "survived", "timeout", "incompetent")
+
+
+def _config(module: str, tests: list[str], timeout: float) -> str:
+    command = [
+        sys.executable,
+        "-m",
+        "pytest",
+        "-x",
+        "-q",
+        "-p",
+        "no:cacheprovider",
+        "-n",
+        "0",
+        "--durations=0",
+        *tests,
+    ]
+    return "\n".join(
+        [
+            "[cosmic-ray]",
+            f"module-path = {json.dumps(module)}",
+            f"timeout = {timeout}",
+            "excluded-modules = []",
+            f"test-command = {json.dumps(shlex.join(command))}",
+            "",
+            "[cosmic-ray.distributor]",
+            'name = "local"',
+            "",
+        ]
+    )
+
+
+def _cosmic_ray(*args: str, cwd: Path) -> subprocess.CompletedProcess:
+    return subprocess.run(
+        [sys.executable, "-m", "cosmic_ray.cli", *args],
+        cwd=cwd,
+        capture_output=True,
+        text=True,
+        check=False,
+    )
+
+
+def _summarize(dump: str) -> tuple[dict[str, int], list[dict]]:
+    """`cosmic-ray dump` lines -> (counts by outcome, the survivors with their diffs)."""
+    counts = dict.fromkeys(OUTCOMES, 0)
+    survivors = []
+    for line in dump.splitlines():
+        if not line.strip():
+            continue
+        item, result = json.loads(line)
+        if result is None:
+            continue
+        if result.get("worker_outcome") == "timeout":
+            outcome = "timeout"
+        elif result.get("worker_outcome") != "normal":
+            outcome = "incompetent"
+        else:
+            outcome = result.get("test_outcome")
+        counts[outcome] = counts.get(outcome, 0) + 1
+        if outcome == "survived":
+            mutation = item["mutations"][0]
+            survivors.append(
+                {
+                    "operator": mutation["operator_name"],
+                    "occurrence": mutation["occurrence"],
+                    "line": mutation["start_pos"][0],
+                    "diff": result.get("diff", ""),
+                }
+            )
+    return counts, survivors
+
+
+def run_module(module: str, tests: list[str], tree: Path, work: Path, timeout: float) -> dict:
+    name = module.replace("/", "_")
+    config = work / f"{name}.toml"
+    session = work / f"{name}.sqlite"
+    config.write_text(_config(module, tests, timeout))
+    for args in (("init", str(config), str(session)), ("exec", str(config), str(session))):
+        done = _cosmic_ray(*args, cwd=tree)
+        if done.returncode != 0:
+            raise RuntimeError(f"cosmic-ray {args[0]} for {module}: {done.stderr[-2000:]}")
+    counts, survivors = _summarize(_cosmic_ray("dump", str(session), cwd=tree).stdout)
+    judged = counts["killed"] + counts["survived"] + counts["timeout"]
+    score = (counts["killed"] + counts["timeout"]) / judged if judged else None
+    return {"module": module, "tests": tests, **counts, "score": score, "survivors": survivors}
+
+
+def _report(results: list[dict], meta: dict) -> str:
+    lines = [
+        "# Mutation scores",
+        "",
+        f"`{meta['command']}`, {meta['machine']}, {meta['date']}; cosmic-ray "
+        f"{meta['cosmic_ray']}, at commit {meta['commit']}.",
+        "",
+        "A timed-out mutant counts as killed (the tests did not pass); an incompetent one (it "
+        "does not import) counts neither way.",
+        "",
+        "| module | killed | survived | timed out | incompetent | score |",
+        "|---|---:|---:|---:|---:|---:|",
+    ]
+    for r in results:
+        score = "-" if r["score"] is None else f"{100 * r['score']:.1f}%"
+        lines.append(
+            f"| `{r['module']}` | {r['killed']} | {r['survived']} | {r['timeout']} | "
+            f"{r['incompetent']} | {score} |"
+        )
+    for r in results:
+        if r["survivors"]:
+            lines += ["", f"## Survivors in `{r['module']}`", ""]
+            for s in r["survivors"]:
+                where = f"line {s['line']}, {s['operator']}:"
+                lines += [where, "", "```diff", s["diff"], "```", ""]
+    return "\n".join(lines) + "\n"
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("modules", nargs="*", help="modules to mutate (default: all listed)")
+    parser.add_argument("--out", type=Path, default=None, help="folder for scores.json/.md")
+    parser.add_argument("--timeout", type=float, default=300.0, help="seconds a mutant's tests")
+    parser.add_argument("--list", action="store_true", help="print the modules and their tests")
+    args = parser.parse_args(argv)
+    if args.list:
+        for module, tests in MODULES.items():
+            print(module, "<-", shlex.join(tests))
+        return 0
+    modules = args.modules or list(MODULES)
+    unknown = [m for m in modules if m not in MODULES]
+    if unknown:
+        parser.error(f"not in the list (--list): {', '.join(unknown)}")
+    try:
+        import cosmic_ray  # noqa: F401
+    except ImportError:
+        parser.error('cosmic-ray is not installed: pip install "attention-jax[mutation]"')
+    commit = subprocess.run(
+        ["git", "rev-parse", "--short", "HEAD"], cwd=REPO, capture_output=True, text=True
+    ).stdout.strip()
+    out = args.out or REPO / "benchmarks" / "mutation" / datetime.date.today().isoformat()
+    out.mkdir(parents=True, exist_ok=True)
+    results = []
+    with tempfile.TemporaryDirectory(prefix="mutation-") as tmp:
+        tree, work = Path(tmp) / "tree", Path(tmp)
+        subprocess.run(
+            ["git", "worktree", "add", "--detach", str(tree), "HEAD"],
+            cwd=REPO,
+            check=True,
+            capture_output=True,
+        )
+        try:
+            for module in modules:
+                print(f"[mutation] {module} ...", flush=True)
+                result = run_module(module, MODULES[module], tree, work, args.timeout)
+                print(f"[mutation] {module}: {json.dumps({k: result[k] for k in OUTCOMES})}")
+                results.append(result)
+        finally:
+            subprocess.run(
+                ["git", "worktree", "remove", "--force", str(tree)], cwd=REPO, check=False
+            )
+    meta = {
+        "command": "python benchmarks/mutation/run.py " + shlex.join(argv or sys.argv[1:]),
+        "machine": f"{platform.processor() or platform.machine()}, {os.cpu_count()} cores",
+        "date": datetime.date.today().isoformat(),
+        "commit": commit,
+        "cosmic_ray": _version("cosmic-ray"),
+    }
+    (out / "scores.json").write_text(json.dumps({"meta": meta, "modules": results}, indent=1))
+    (out / "scores.md").write_text(_report(results, meta))
+    print(f"[mutation] {out / 'scores.md'}")
+    return 0
+
+
+def _version(package: str) -> str:
+    from importlib.metadata import version
+
+    return version(package)
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -15,7 +15,7 @@ takes from minutes to an hour.
 
 Writes OUT/scores.json (per module: killed, survived, timed out, incompetent, the score) and
 OUT/scores.md with each surviving mutant's diff, to be killed by a test or listed as
-equivalent with its reason (OUT/equivalent.md, by hand).
+equivalent with its reason (benchmarks/mutation/README.md, by hand).
 """
 
 from __future__ import annotations
@@ -220,7 +220,7 @@ def main(argv: list[str] | None = None) -> int:
             )
     meta = {
         "command": "python benchmarks/mutation/run.py " + shlex.join(argv or sys.argv[1:]),
-        "machine": f"{platform.processor() or platform.machine()}, {os.cpu_count()} cores",
+        "machine": _machine(),
         "date": datetime.date.today().isoformat(),
         "commit": commit,
         "cosmic_ray": _version("cosmic-ray"),
@@ -229,6 +229,21 @@ def main(argv: list[str] | None = None) -> int:
     (out / "scores.md").write_text(_report(results, meta))
     print(f"[mutation] {out / 'scores.md'}")
     return 0
+
+
+def _machine() -> str:
+    """The CPU as `lscpu` names it (model name, family, model) and its core count."""
+    fields = {}
+    try:
+        for line in Path("/proc/cpuinfo").read_text().splitlines():
+            key, _, value = line.partition(":")
+            fields.setdefault(key.strip(), value.strip())
+    except OSError:
+        return f"{platform.machine()}, {os.cpu_count()} cores"
+    return (
+        f"{fields.get('model name', platform.machine())} (cpu family {fields.get('cpu family')}, "
+        f"model {fields.get('model')}), {os.cpu_count()} cores"
+    )
 
 
 def _version(package: str) -> str:

@@ -34,7 +34,7 @@ from jax.custom_derivatives import SymbolicZero
 from jax.experimental import pallas as pl
 
 from transformer_jax.hashed_dropout import drop, dropout_keep, dropout_seed
-from transformer_jax.platform import compile_platform, keep_placement
+from transformer_jax.platform import compile_devices, compile_platform, keep_placement
 
 Array = jax.Array
 
@@ -52,18 +52,6 @@ def _triton_params():
     return plgpu.CompilerParams(**TRITON_OPTIONS)
 
 
-def _mesh_devices(*arrays: Array) -> int:
-    """How many devices the program over `arrays` spans: the set mesh's, else that of the
-    first array whose sharding names one (1 where none does: plain `jit` on one device, or
-    inside `pmap`)."""
-    mesh = jax.sharding.get_abstract_mesh()
-    for x in arrays:
-        if not mesh.empty:
-            break
-        mesh = getattr(getattr(getattr(x, "aval", None), "sharding", None), "mesh", mesh)
-    return getattr(mesh, "size", 0) or 1
-
-
 def applies(x: Array, *others: Array) -> bool:
     """Whether a program over `x` [..., D] (and `others`, arrays of the same computation:
     a kernel's output carries no mesh, so pass one that does) takes the kernels: compiled
@@ -73,7 +61,7 @@ def applies(x: Array, *others: Array) -> bool:
     rows = x.size // max(d, 1)
     return (
         compile_platform(x, *others) == "gpu"
-        and _mesh_devices(x, *others) == 1
+        and compile_devices(x, *others) == 1
         and 16 <= d <= TILE_ELEMENTS
         and d & (d - 1) == 0
         and rows % 8 == 0
@@ -192,9 +180,9 @@ def _bwd_kernel(
         c2 = jnp.sum(g * x_hat, axis=1)[:, None] / d
         ds = r * (g - c1 - x_hat * c2)
         dx_ref[rows, :] = ds.astype(dx_ref.dtype)
-        # dropout's VJP is dropout by the same mask: _dropped of ds with y's rows.
-        dy = _dropped(ds, seed, base + i * tile, rate) if dy_ref else ds
-        if dy_ref:
+        dy = ds
+        if dy_ref:  # dropout's VJP is dropout by the same mask: _dropped of ds with y's rows
+            dy = _dropped(ds, seed, base + i * tile, rate)
             dy_ref[0][rows, :] = dy.astype(dy_ref[0].dtype)
         return (
             d_scale + jnp.sum(dout * x_hat, axis=0),

@@ -55,6 +55,11 @@ def unbranched(x: Array | Branches) -> Array:
     return x.sublayer if isinstance(x, Branches) else x
 
 
+def residual_branch(x: Array | Branches) -> Array:
+    """What the next residual adds [..., D] (`Branches`' residual array)."""
+    return x.residual if isinstance(x, Branches) else x
+
+
 class Dense(nn.Dense):
     """`nn.Dense`: the same parameters and the same values. `defer_bias=True` hands the bias
     back unadded, as `Deferred`, for a kernel that adds it on its way (a program compiled for
@@ -488,7 +493,7 @@ class Residual(nn.Module):
             sublayer_out, bias = sublayer_out
         if self.fused(x):
             out = self.norm.after_residual(
-                x.residual if isinstance(x, Branches) else x,
+                residual_branch(x),
                 sublayer_out,
                 y_bias=bias,
                 rate=self.config.dropout,

@@ -20,6 +20,11 @@ def _mesh_platform(mesh) -> str | None:
     return getattr(device, "platform", None)
 
 
+def _traced_mesh(x):
+    """The mesh `x`'s traced value is placed on (None where it names none)."""
+    return getattr(getattr(getattr(x, "aval", None), "sharding", None), "mesh", None)
+
+
 def compile_platform(*arrays) -> str:
     """'cpu', 'gpu' or 'tpu': the platform the computation over `arrays` is compiled for.
 
@@ -33,15 +38,26 @@ def compile_platform(*arrays) -> str:
     for x in arrays:
         if platform is not None:
             break
-        aval = getattr(x, "aval", None)
-        sharding = getattr(aval, "sharding", None)
-        platform = _mesh_platform(getattr(sharding, "mesh", None))
+        platform = _mesh_platform(_traced_mesh(x))
         if platform is None and isinstance(x, jax.Array) and not isinstance(x, jax.core.Tracer):
             platform = next(iter(x.devices())).platform
     platform = platform or jax.default_backend()
     # ROCm and CUDA devices both answer "gpu" through jax.Device.platform; the names a
     # PJRT plugin may give ("cuda", "rocm") are folded into it.
     return "gpu" if platform in ("cuda", "rocm") else platform
+
+
+def compile_devices(*arrays) -> int:
+    """How many devices the computation over `arrays` is compiled for: the set mesh's size,
+    else that of the first array whose traced value names a mesh (1 where none does: plain
+    `jit` on one device, or inside `pmap`)."""
+    mesh = jax.sharding.get_abstract_mesh()
+    for x in arrays:
+        if not mesh.empty:
+            break
+        traced = _traced_mesh(x)
+        mesh = mesh if traced is None else traced
+    return getattr(mesh, "size", 0) or 1
 
 
 def keep_placement(out: jax.Array, like: jax.Array) -> jax.Array:
@@ -52,11 +68,9 @@ def keep_placement(out: jax.Array, like: jax.Array) -> jax.Array:
     the CPU's choices after the first kernel). A sharding constraint equal to the input's
     puts the mesh back; on one device it compiles to nothing.
     """
-    sharding = getattr(getattr(like, "aval", None), "sharding", None)
-    mesh = getattr(sharding, "mesh", None)
-    if mesh is None or getattr(mesh, "empty", True) or out.shape != like.shape:
+    mesh = _traced_mesh(like)
+    if mesh is None or mesh.empty or out.shape != like.shape:
         return out
-    mine = getattr(getattr(out, "aval", None), "sharding", None)
-    if not getattr(getattr(mine, "mesh", None), "empty", True):
+    if not getattr(_traced_mesh(out), "empty", True):
         return out
-    return jax.lax.with_sharding_constraint(out, sharding)
+    return jax.lax.with_sharding_constraint(out, like.aval.sharding)

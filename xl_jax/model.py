@@ -30,7 +30,7 @@ import jax
 import jax.numpy as jnp
 
 from transformer_jax import fused_norm
-from transformer_jax.layers import Branches, Dense, LayerNorm, unbranched
+from transformer_jax.layers import Branches, Dense, LayerNorm, residual_branch, unbranched
 from transformer_jax.shapes import check_token_ids
 from xl_jax.adaptive import AdaptiveEmbedding, ProjectedAdaptiveLogSoftmax
 from xl_jax.attention import RelativeMultiHeadAttention, relative_positions, sinusoid_embedding
@@ -53,7 +53,7 @@ class PositionwiseFF(nn.Module):
         """x [B, T, D] (or the attention's `Branches`: the sublayer's input and the residual's
         as two arrays) -> [B, T, D]."""
         cfg = self.config
-        x, residual = unbranched(x), (x.residual if isinstance(x, Branches) else x)
+        x, residual = unbranched(x), residual_branch(x)
         # nn.Dense's own product, not transformer_jax.layers.dense_product: a custom VJP hides
         # its dot from the remat policy (`dots_with_no_batch_dims_saveable`), and remat
         # 'attention' would then recompute the FFN in the backward pass (+11.5% FLOPs on

@@ -18,7 +18,7 @@ import pytest
 
 from transformer_jax import Transformer, TransformerConfig, fused_norm
 from transformer_jax.hashed_dropout import dropout_keep, dropout_seed
-from transformer_jax.layers import Deferred, Dense, normalize
+from transformer_jax.layers import Deferred, Dense, biased_product, normalize
 from xl_jax import TransformerXL, TransformerXLConfig
 
 
@@ -172,21 +172,46 @@ def test_dense_is_flax_dense_and_defers_its_bias_exactly():
     np.testing.assert_array_equal(deferred.product + deferred.bias.astype(jnp.bfloat16), want)
 
 
+@pytest.mark.parametrize("dtype", [jnp.float32, jnp.bfloat16])
+def test_biased_product_is_the_product_plus_the_bias_with_their_gradients(dtype):
+    keys = jax.random.split(jax.random.PRNGKey(0), 4)
+    x = jax.random.normal(keys[0], (3, 5, 16), dtype)
+    kernel = jax.random.normal(keys[1], (16, 24), dtype)
+    bias = jax.random.normal(keys[2], (24,), dtype)
+    g = jax.random.normal(keys[3], (3, 5, 24), dtype)
+
+    def reference(x, kernel, bias):
+        return x @ kernel + bias
+
+    out, vjp = jax.vjp(biased_product, x, kernel, bias)
+    want, want_vjp = jax.vjp(reference, x, kernel, bias)
+    assert out.dtype == dtype and out.shape == want.shape
+    tol = dict(rtol=2e-2, atol=5e-2) if dtype == jnp.bfloat16 else dict(rtol=1e-5, atol=1e-5)
+    np.testing.assert_allclose(np.float32(out), np.float32(want), **tol)
+    for got, expected in zip(vjp(g), want_vjp(g)):
+        assert got.dtype == expected.dtype and got.shape == expected.shape
+        np.testing.assert_allclose(np.float32(got), np.float32(expected), **tol)
+
+
 def _force_fused(monkeypatch):
     """The models take the fused path, as in a program compiled for one GPU (the kernels
     interpreted, since this process's backend is the CPU)."""
     monkeypatch.setattr(fused_norm, "applies", lambda *a: True)
 
 
-def test_transformer_fused_path_equals_its_xla_path(monkeypatch):
-    cfg = TransformerConfig.tiny(src_vocab_size=40, tgt_vocab_size=40, dropout=0.0)
+@pytest.mark.parametrize("attention_dropout", [0.0, 0.3])
+def test_transformer_fused_path_equals_its_xla_path(monkeypatch, attention_dropout):
+    cfg = TransformerConfig.tiny(
+        src_vocab_size=40, tgt_vocab_size=40, dropout=0.0, attention_dropout=attention_dropout
+    )
     src = jax.random.randint(jax.random.PRNGKey(0), (2, 8), 1, 40)
     tgt = jax.random.randint(jax.random.PRNGKey(1), (2, 8), 1, 40)
     model = Transformer(cfg)
-    params = model.init(jax.random.PRNGKey(2), src, tgt)
+    params = _with_random_biases(model.init(jax.random.PRNGKey(2), src, tgt))
 
     def loss(p):
-        logits = model.apply(p, src, tgt, deterministic=False)
+        rngs = {"dropout": jax.random.PRNGKey(3)}
+        logits = model.apply(p, src, tgt, deterministic=False, rngs=rngs)
         return (logits.astype(jnp.float32) ** 2).mean(), logits
 
     (want, want_logits), want_grads = jax.value_and_grad(loss, has_aux=True)(params)
@@ -199,6 +224,29 @@ def test_transformer_fused_path_equals_its_xla_path(monkeypatch):
     flat_got, flat_want = jax.tree.leaves_with_path(got_grads), jax.tree.leaves(want_grads)
     for (path, g), w in zip(flat_got, flat_want):
         np.testing.assert_allclose(g, w, rtol=1e-3, atol=1e-5, err_msg=jax.tree_util.keystr(path))
+    key_biases = [
+        g for path, g in flat_got if "'key'" in jax.tree_util.keystr(path) and g.ndim == 1
+    ]
+    assert len(key_biases) == cfg.n_encoder_layers + 2 * cfg.n_decoder_layers
+    # The keys' biases do not move the softmax: the fused path does not add them at all.
+    for g in key_biases:
+        np.testing.assert_array_equal(g, 0.0)
+
+
+def _with_random_biases(params):
+    """The parameters with every bias drawn (they start at zero), so a bias that a path adds
+    in the wrong place, or not at all, changes its outputs."""
+    leaves, tree = jax.tree.flatten_with_path(params)
+    keys = jax.random.split(jax.random.PRNGKey(7), len(leaves))
+    return jax.tree.unflatten(
+        tree,
+        [
+            x + 0.5 * jax.random.normal(k, x.shape, x.dtype)
+            if jax.tree_util.keystr(path).endswith("['bias']")
+            else x
+            for (path, x), k in zip(leaves, keys)
+        ],
+    )
 
 
 def test_transformer_fused_path_drops_with_dropout(monkeypatch):

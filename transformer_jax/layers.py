@@ -67,8 +67,20 @@ class Dense(nn.Dense):
     """
 
     @nn.compact
-    def __call__(self, inputs: Array, *, defer_bias: bool = False) -> Array | Deferred:
-        """[..., I] -> [..., O] (or `Deferred` with `defer_bias`)."""
+    def __call__(
+        self,
+        inputs: Array,
+        *,
+        defer_bias: bool = False,
+        input_bias: Array | None = None,
+        bias_in_product: bool = False,
+    ) -> Array | Deferred:
+        """[..., I] -> [..., O] (or `Deferred` with `defer_bias`). `input_bias` [I]: a bias
+        the inputs still owe (a `Deferred` value's, `MultiHeadAttention.attend_to`), taken
+        as `(inputs + input_bias) @ kernel + bias` with `input_bias @ kernel` folded into the
+        bias in float32, so the [..., I] sum is never formed. `bias_in_product`: the bias
+        added inside the product (`biased_product`; a program compiled for a GPU, where it
+        saves the bias add's pass over [..., O])."""
         kernel = self.param(
             "kernel", self.kernel_init, (jnp.shape(inputs)[-1], self.features), self.param_dtype
         )
@@ -77,8 +89,13 @@ class Dense(nn.Dense):
             if self.use_bias
             else None
         )
+        if input_bias is not None:
+            folded = jnp.dot(input_bias, kernel, precision=lax.Precision.HIGHEST)
+            bias = folded if bias is None else bias + folded
         param_bias = bias
         inputs, kernel, bias = self.promote_dtype(inputs, kernel, bias, dtype=self.dtype)
+        if bias is not None and bias_in_product:
+            return biased_product(inputs, kernel, bias)
         if self.dot_general_cls is not None:
             dot_general = self.dot_general_cls()
         else:
@@ -145,6 +162,50 @@ def _dense_product_bwd(saved, grad):
 
 
 dense_product.defvjp(_dense_product_fwd, _dense_product_bwd)
+
+
+@jax.custom_vjp
+def biased_product(x: Array, kernel: Array, bias: Array) -> Array:
+    """x [..., I] @ kernel [I, O] + bias [O] -> [..., O] as one product: x gains a column of
+    ones (and zeros to a multiple of 8, the GEMM's 16-byte rows) and the kernel the bias as
+    its row, so the product writes the sum (no bias-add kernel reading and writing [N, O])
+    and the bias's gradient is a row of the kernel's gradient product (no reduction over
+    [N, O]). The ones column costs [N, I + 8], a quarter of the bias add's traffic where
+    O = 4 I (the FFN's inner layer)."""
+    return _biased_product_fwd(x, kernel, bias)[0]
+
+
+def _augmented(x: Array, kernel: Array, bias: Array) -> tuple[Array, Array]:
+    """[N, I + 8] rows of x with a ones column and zeros; [I + 8, O] kernel with the bias row."""
+    rows = x.reshape(-1, x.shape[-1])
+    extra = jnp.zeros((rows.shape[0], 8), rows.dtype).at[:, 0].set(1)
+    pad = jnp.zeros((7, kernel.shape[1]), kernel.dtype)
+    return (
+        jnp.concatenate([rows, extra], axis=1),
+        jnp.concatenate([kernel, bias[None].astype(kernel.dtype), pad], axis=0),
+    )
+
+
+def _biased_product_fwd(x, kernel, bias):
+    rows, augmented = _augmented(x, kernel, bias)
+    out = (rows @ augmented).reshape(*x.shape[:-1], kernel.shape[1])
+    return out, (rows, kernel, bias, x.shape)
+
+
+def _biased_product_bwd(saved, grad):
+    rows, kernel, bias, x_shape = saved
+    g = grad.reshape(-1, grad.shape[-1])  # [N, O]
+    d_x = (g @ kernel.T).reshape(x_shape)
+    d_augmented = rows.T @ g  # [I + 8, O]
+    i = kernel.shape[0]
+    return (
+        d_x.astype(rows.dtype),
+        d_augmented[:i].astype(kernel.dtype),
+        d_augmented[i].astype(bias.dtype),
+    )
+
+
+biased_product.defvjp(_biased_product_fwd, _biased_product_bwd)
 
 
 def dense_dot_general(lhs, rhs, dimension_numbers, precision=None, preferred_element_type=None):
@@ -352,15 +413,27 @@ class MultiHeadAttention(nn.Module):
         """[B, T, D] -> [B, T, H, K]."""
         return x.reshape(*x.shape[:-1], self.config.n_heads, self.config.head_dim)
 
-    def project_kv(self, inputs_kv: Array, *, heads_first: bool = False) -> tuple[Array, Array]:
-        """[B, S, D] -> key, value [B, S, H, K] (or [B, H, S, K] with `heads_first`)."""
-        key, value = (
-            self._split_heads(self.key(inputs_kv)),
-            self._split_heads(self.value(inputs_kv)),
-        )
+    def project_kv(
+        self, inputs_kv: Array, *, heads_first: bool = False, defer_bias: bool = False
+    ) -> tuple[Array, Array | Deferred]:
+        """[B, S, D] -> key, value [B, S, H, K] (or [B, H, S, K] with `heads_first`).
+
+        `defer_bias` (a program whose residual adds the output projection's bias in its
+        kernel, `Residual`): the key without its bias, which moves every score of a query by
+        the same q . b_k and so leaves the softmax as it is (its gradient is zero); the value
+        as `Deferred` [B, S, H, K] with its bias [D], which `attend_to` folds into the output
+        projection's bias. Neither bias add is then a kernel of its own.
+        """
+        value_bias = None
+        if defer_bias:
+            key = self.key(inputs_kv, defer_bias=True).product
+            value, value_bias = self.value(inputs_kv, defer_bias=True)
+        else:
+            key, value = self.key(inputs_kv), self.value(inputs_kv)
+        key, value = self._split_heads(key), self._split_heads(value)
         if heads_first:
-            return key.swapaxes(1, 2), value.swapaxes(1, 2)
-        return key, value
+            key, value = key.swapaxes(1, 2), value.swapaxes(1, 2)
+        return key, (value if value_bias is None else Deferred(value, value_bias))
 
     def attend_to(
         self,
@@ -374,15 +447,26 @@ class MultiHeadAttention(nn.Module):
         heads_first: bool = False,
         defer_bias: bool = False,
     ):
-        """inputs_q [B, T, D], key/value [B, S, H, K] (or [B, H, S, K] with `heads_first`),
-        mask -> [B, T, H, K] -> [B, T, D] (and the weights [B, H, T, S] float32 if
-        `return_weights`: `attention_maps` asks; it takes the XLA path, so only then is the
-        fused kernel ruled out). `defer_bias`: the output projection's bias unadded
-        (`Deferred`)."""
+        """inputs_q [B, T, D], key/value [B, S, H, K] (or [B, H, S, K] with `heads_first`;
+        the value may be `project_kv`'s `Deferred`), mask -> [B, T, H, K] -> [B, T, D] (and the
+        weights [B, H, T, S] float32 if `return_weights`: `attention_maps` asks; it takes the
+        XLA path, so only then is the fused kernel ruled out). `defer_bias`: the output
+        projection's bias unadded (`Deferred`)."""
         cfg = self.config
         query = self._split_heads(self.query(inputs_q))
         rate = cfg.attention_dropout
         dropping = not deterministic and rate > 0.0
+        value_bias = None
+        if isinstance(value, Deferred):
+            value, value_bias = value
+            if dropping or not defer_bias:
+                # Dropped weights no longer sum to one, so the bias would not pass through
+                # the attention unchanged (and without `defer_bias` there is no bias of the
+                # output projection's to fold it into): add it to the values.
+                h, k = cfg.n_heads, cfg.head_dim
+                value_bias = value_bias.reshape((h, 1, k) if heads_first else (h, k))
+                value = value + value_bias.astype(value.dtype)
+                value_bias = None
         out = dot_product_attention(
             query,
             key,
@@ -397,7 +481,9 @@ class MultiHeadAttention(nn.Module):
         )
         out, weights = out if return_weights else (out, None)
         out = out.reshape(*out.shape[:-2], cfg.d_model)
-        out = self.out(out, defer_bias=True) if defer_bias else self.out(out)
+        # Each query's weights sum to one, so softmax(s) (v + b_v) = softmax(s) v + b_v, and
+        # b_v goes through the output projection as b_v @ W_o.
+        out = self.out(out, defer_bias=True, input_bias=value_bias) if defer_bias else self.out(out)
         return (out, weights) if return_weights else out
 
     def attend_to_beams(
@@ -424,7 +510,7 @@ class MultiHeadAttention(nn.Module):
     ):
         """inputs_q [B, T, D] attends to inputs_kv [B, S, D] -> [B, T, D] (and the weights
         [B, H, T, S] if `return_weights`; `defer_bias` as `attend_to`'s)."""
-        key, value = self.project_kv(inputs_kv)
+        key, value = self.project_kv(inputs_kv, defer_bias=defer_bias)
         return self.attend_to(
             inputs_q,
             key,
@@ -443,12 +529,12 @@ class FeedForward(nn.Module):
 
     @nn.compact
     def __call__(self, x: Array, *, defer_bias: bool = False) -> Array | Deferred:
-        """[B, T, D] -> [B, T, D] (`defer_bias`: the outer bias unadded, `Deferred`)."""
+        """[B, T, D] -> [B, T, D] (`defer_bias`, a program compiled for a GPU: the outer bias
+        unadded, `Deferred`, and the inner one added inside its product)."""
         cfg = self.config
         q = cfg.quantize
-        h = ACTIVATIONS[cfg.activation](
-            dense(cfg.d_ff, dtype=cfg.dtype, quantize=q, name="inner")(x)
-        )
+        inner = dense(cfg.d_ff, dtype=cfg.dtype, quantize=q, name="inner")
+        h = ACTIVATIONS[cfg.activation](inner(x, bias_in_product=True) if defer_bias else inner(x))
         outer = dense(cfg.d_model, dtype=cfg.dtype, quantize=q, name="outer")
         return outer(h, defer_bias=True) if defer_bias else outer(h)
 
@@ -478,7 +564,7 @@ class Residual(nn.Module):
         for one GPU (`transformer_jax.fused_norm.applies`)."""
         return not self.config.norm_first and fused_norm.applies(unbranched(x))
 
-    def _sublayer_options(self, x: Array | Branches) -> dict:
+    def sublayer_options(self, x: Array | Branches) -> dict:
         """What the sublayer is asked: its output projection's bias unadded where `post`'s
         kernel adds it (not for int8 layers, which add their own)."""
         return {"defer_bias": True} if self.fused(x) and not self.config.quantize else {}
@@ -511,7 +597,7 @@ class Residual(nn.Module):
         """x [B, T, D] -> [B, T, D] (or `Branches`, as `post`), the whole wrapper around
         `sublayer` ([B, T, D] -> same; it takes `defer_bias=True` where `post` adds its output
         projection's bias)."""
-        out = sublayer(self.pre(x), **self._sublayer_options(x))
+        out = sublayer(self.pre(x), **self.sublayer_options(x))
         return self.post(x, out, deterministic=deterministic)
 
     def with_weights(
@@ -519,7 +605,7 @@ class Residual(nn.Module):
     ) -> tuple[Array, Array | None]:
         """`__call__` around an attention sublayer that returns (out, weights) when
         `return_weights`, else out -> (x [B, T, D], weights or None)."""
-        out = attention(self.pre(x), **self._sublayer_options(x))
+        out = attention(self.pre(x), **self.sublayer_options(x))
         out, weights = out if return_weights else (out, None)
         return self.post(x, out, deterministic=deterministic), weights
 
@@ -630,7 +716,9 @@ class DecoderLayer(nn.Module):
             deterministic=deterministic,
             return_weights=return_weights,
         )
-        cross_key, cross_value = self.cross_attn.project_kv(encoded)
+        cross_key, cross_value = self.cross_attn.project_kv(
+            encoded, **self.cross_attn_residual.sublayer_options(y)
+        )
         y = self._cross_attention_and_ffn(
             y,
             cross_key,

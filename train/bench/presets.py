@@ -16,7 +16,7 @@ import numpy as np
 from train.bench.flops import transformer_flops, xl_flops
 from train.bench.train_steps import TrainBench
 from train.core.task import state_maker
-from train.data.batching import _rows_for
+from train.data.batching import rows_for
 from transformer_jax.optim import make_optimizer
 
 # The data each recipe is for, named only (nothing is read): what its config needs to be made.
@@ -82,7 +82,7 @@ def preset_bench(name: str, *, devices: int = 1, batch_size: int | None = None) 
 
         config = make_config("transformer", preset, **fields)
         length = max(config.buckets)
-        rows = _rows_for(length, tokens_per_batch=config.tokens_per_batch, num_devices=devices)
+        rows = rows_for(length, tokens_per_batch=config.tokens_per_batch, num_devices=devices)
         shape = (rows, length)
         batch = {k: np.zeros(shape, np.int32) for k in ("src", "tgt_in", "tgt_out")}
         flops = transformer_flops(config.model_config, batch=rows, src_len=length, tgt_len=length)

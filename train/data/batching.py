@@ -137,7 +137,10 @@ def _rows_of(tokens, offsets, at, real, length: int, pad_id: int) -> np.ndarray:
     return out
 
 
-def _rows_for(length: int, *, tokens_per_batch: int, num_devices: int) -> int:
+def rows_for(length: int, *, tokens_per_batch: int, num_devices: int) -> int:
+    """The rows of a batch of bucket `length`: as many as `tokens_per_batch` holds, rounded
+    down to a multiple of `num_devices` so each device gets as many; a named error if not one
+    row a device fits."""
     rows = tokens_per_batch // length // num_devices * num_devices
     if rows == 0:
         raise ValueError(
@@ -193,7 +196,7 @@ class TokenBatcher:
             )
         # Rows only for buckets in use: an empty long bucket must not reject a small budget.
         self.rows = {
-            L: _rows_for(L, tokens_per_batch=tokens_per_batch, num_devices=num_devices)
+            L: rows_for(L, tokens_per_batch=tokens_per_batch, num_devices=num_devices)
             for L in self.bucket_counts
         }
         # Member `count` of each bucket is -1, the all-pad row that fills up its last batch.

@@ -366,10 +366,15 @@ def counts_its_vocabulary(dataset: str, fields: Mapping[str, Any]) -> bool:
     the word or char level), rather than fixed (PTB's, or the byte level's 256)."""
     if dataset != "text" and not is_tfds(dataset):
         return False
-    level = fields.get("level", LMConfig.level)
+    level = check_level(fields.get("level", LMConfig.level))
+    return level != "byte"
+
+
+def check_level(level: str) -> str:
+    """`level` if it is one a vocabulary can be read at (`LEVELS`); a named error if not."""
     if level not in LEVELS:
         raise ValueError(f"level: expected one of {LEVELS}, got {level!r}")
-    return level != "byte"
+    return level
 
 
 def make_config(

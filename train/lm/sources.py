@@ -28,10 +28,10 @@ from train.data.token_cache import ids_dtype, stream_cache
 from train.data.tokenizers import CharVocab, WordVocab
 from train.lm.config import (
     DATASETS,
-    LEVELS,
     PAPER_LEVELS,
     VOCAB_SIZES,
     LMConfig,
+    check_level,
     counts_its_vocabulary,
     data_kind,
     make_config,
@@ -111,8 +111,7 @@ def _no_text_options(config: LMConfig) -> None:
 
 def _check_vocabulary_options(config: LMConfig) -> None:
     """The level a counted vocabulary reads its text at."""
-    if config.level not in LEVELS:
-        raise ValueError(f"level: expected one of {LEVELS}, got {config.level!r}")
+    check_level(config.level)
 
 
 def _check_counting(config: LMConfig) -> None:
@@ -200,7 +199,7 @@ class _Counted:
 
     def vocab(self):
         c = self.config
-        vocab = self.count_vocab(c.dataset, dataclasses.asdict(c))
+        vocab = self.count_vocab(c.dataset, vars(c))
         if vocab.vocab_size != c.model_config.vocab_size:
             raise DataError(
                 f"{self._named()} gives {vocab.vocab_size:,} symbols, the run's model "

@@ -21,6 +21,7 @@ equivalent with its reason (benchmarks/mutation/README.md, by hand).
 from __future__ import annotations
 
 import argparse
+import ast
 import datetime
 import json
 import os
@@ -60,7 +61,64 @@ MODULES: dict[str, list[str]] = {
     "train/data/token_cache.py": ["tests/test_token_cache.py"],
 }
 
-OUTCOMES = ("killed", "survived", "timeout", "incompetent")
+OUTCOMES = ("killed", "survived", "timeout", "incompetent", "annotation")
+
+
+def annotation_spans(source: str) -> list[tuple[tuple[int, int], tuple[int, int]]]:
+    """The (line, column) spans of a module's annotations, where it never evaluates them
+    (`from __future__ import annotations`; else none): a mutant inside one (`Array | None`
+    -> `Array + None`) changes nothing a caller can reach, so it is not run."""
+    tree = ast.parse(source)
+    lazy = any(
+        isinstance(node, ast.ImportFrom)
+        and node.module == "__future__"
+        and any(alias.name == "annotations" for alias in node.names)
+        for node in tree.body
+    )
+    if not lazy:
+        return []
+    spans = []
+    for node in ast.walk(tree):
+        for annotation in (
+            getattr(node, "returns", None)
+            if isinstance(node, ast.FunctionDef | ast.AsyncFunctionDef)
+            else None,
+            node.annotation if isinstance(node, ast.arg | ast.AnnAssign) else None,
+        ):
+            if annotation is not None:
+                spans.append(
+                    (
+                        (annotation.lineno, annotation.col_offset),
+                        (annotation.end_lineno, annotation.end_col_offset),
+                    )
+                )
+    return spans
+
+
+def _skip_annotations(session: Path, source: str) -> int:
+    """Marks the session's mutants that lie inside an annotation as skipped; their count."""
+    from cosmic_ray.work_db import use_db
+    from cosmic_ray.work_item import WorkerOutcome, WorkResult
+
+    spans = annotation_spans(source)
+    with use_db(str(session)) as db:
+        jobs = [
+            item.job_id
+            for item in db.pending_work_items
+            if all(
+                any(start <= tuple(m.start_pos) and tuple(m.end_pos) <= end for start, end in spans)
+                for m in item.mutations
+            )
+        ]
+        if jobs:
+            db.set_multiple_results(
+                jobs,
+                WorkResult(
+                    output="inside an annotation, never evaluated",
+                    worker_outcome=WorkerOutcome.SKIPPED,
+                ),
+            )
+    return len(jobs)
 
 
 def _config(module: str, tests: list[str], timeout: float) -> str:
@@ -114,6 +172,8 @@ def _summarize(dump: str) -> tuple[dict[str, int], list[dict]]:
             continue
         if result.get("worker_outcome") == "timeout":
             outcome = "timeout"
+        elif result.get("worker_outcome") == "skipped":
+            outcome = "annotation"
         elif result.get("worker_outcome") != "normal":
             outcome = "incompetent"
         else:
@@ -138,6 +198,8 @@ def run_module(module: str, tests: list[str], tree: Path, work: Path, timeout: f
     session = work / f"{name}.sqlite"
     config.write_text(_config(module, tests, timeout))
     for args in (("init", str(config), str(session)), ("exec", str(config), str(session))):
+        if args[0] == "exec":
+            _skip_annotations(session, (tree / module).read_text())
         done = _cosmic_ray(*args, cwd=tree)
         if done.returncode != 0:
             raise RuntimeError(f"cosmic-ray {args[0]} for {module}: {done.stderr[-2000:]}")
@@ -155,16 +217,17 @@ def _report(results: list[dict], meta: dict) -> str:
         f"{meta['cosmic_ray']}, at commit {meta['commit']}.",
         "",
         "A timed-out mutant counts as killed (the tests did not pass); an incompetent one (it "
-        "does not import) counts neither way.",
+        "does not import) counts neither way, nor does one inside an annotation the module never "
+        "evaluates (not run).",
         "",
-        "| module | killed | survived | timed out | incompetent | score |",
-        "|---|---:|---:|---:|---:|---:|",
+        "| module | killed | survived | timed out | incompetent | in annotations | score |",
+        "|---|---:|---:|---:|---:|---:|---:|",
     ]
     for r in results:
         score = "-" if r["score"] is None else f"{100 * r['score']:.1f}%"
         lines.append(
             f"| `{r['module']}` | {r['killed']} | {r['survived']} | {r['timeout']} | "
-            f"{r['incompetent']} | {score} |"
+            f"{r['incompetent']} | {r['annotation']} | {score} |"
         )
     for r in results:
         if r["survivors"]:

@@ -257,3 +257,113 @@ def test_beam_attention_equals_attention_over_the_cache_each_hypothesis_would_ho
         mask=mask.transpose(0, 2, 1, 3).reshape(b * w, 1, 1, c),
     ).reshape(b, w, h, k)
     np.testing.assert_allclose(got, want, rtol=1e-5, atol=1e-6)
+
+
+def _cudnn_branch_on_this_cpu(monkeypatch):
+    """`dot_product_attention`'s cuDNN branch run here: the program counts as one for a GPU,
+    and `jax.nn`'s fused kernel is replaced by `jax.nn`'s own XLA implementation of the very
+    call the branch makes (its bias, mask and scale as handed over), so what the branch prepares
+    for the kernel is checked without a GPU."""
+    from transformer_jax import attention
+
+    monkeypatch.setattr(attention, "compile_platform", lambda *arrays: "gpu")
+    real = jax.nn.dot_product_attention
+
+    def kernel(q, k, v, *, bias, mask, scale, implementation):
+        assert implementation == "cudnn"
+        return real(q, k, v, bias=bias, mask=mask, scale=scale, implementation="xla")
+
+    monkeypatch.setattr(jax.nn, "dot_product_attention", kernel)
+
+
+@pytest.mark.parametrize("dtype", [jnp.bfloat16, jnp.float16])
+@pytest.mark.parametrize("with_bias", [False, True])
+@pytest.mark.parametrize("heads_first", [False, True])
+def test_the_cudnn_branch_hands_its_kernel_the_same_attention(
+    monkeypatch, dtype, with_bias, heads_first
+):
+    q, k, v = _qkv(seed=10, b=2, t=4, s=6, h=2, k=8)
+    rng = np.random.default_rng(11)
+    mask = rng.random((2, 1, 4, 6)) > 0.4
+    mask[:, :, :, 0] = True
+    mask[1, 0, 2] = False  # one query with every key masked
+    # Scores far below zero where attended: a masked score that is merely "large" (not the
+    # kernel's -2^41 in bf16, -2^15 in fp16) would then outweigh them.
+    bias = (rng.normal(size=(1, 2, 4, 6)) - 100.0).astype(np.float32) if with_bias else None
+    # The reference in float32 from the values the kernel gets (a bias near -100 has steps of
+    # 0.5 in bf16).
+    q, k, v, bias = (
+        None if x is None else np.float32(jnp.asarray(x, dtype)) for x in (q, k, v, bias)
+    )
+    want = dot_product_attention(q, k, v, mask=mask, bias=bias, implementation="xla")
+    unmasked = dot_product_attention(q, k, v, bias=bias, implementation="xla")
+    _cudnn_branch_on_this_cpu(monkeypatch)
+    cast = [jnp.asarray(x, dtype) for x in (q, k, v)]
+    if heads_first:
+        cast[1], cast[2] = cast[1].swapaxes(1, 2), cast[2].swapaxes(1, 2)
+    got = dot_product_attention(
+        *cast,
+        mask=jnp.asarray(mask),
+        bias=bias,
+        implementation="cudnn",
+        heads_first=heads_first,
+    )
+    assert got.dtype == dtype and got.shape == (2, 4, 2, 8)
+    got = np.asarray(got, np.float32)
+    rows = np.ones((2, 4), bool)
+    rows[1, 2] = False
+    np.testing.assert_allclose(got[rows], np.asarray(want)[rows], atol=3e-2, rtol=3e-2)
+    # The fully masked query gets every key back (a finite softmax for the kernel).
+    np.testing.assert_allclose(got[1, 2], np.asarray(unmasked)[1, 2], atol=3e-2, rtol=3e-2)
+
+
+def test_auto_takes_the_fused_kernel_in_a_gpu_program_only_where_it_applies(monkeypatch):
+    from transformer_jax.attention import uses_fused_kernel
+
+    def qk(width=64, t=16, dtype=jnp.bfloat16, key_dtype=None):
+        q, k, _ = _qkv(seed=12, b=2, t=t, s=16, h=2, k=width)
+        return jnp.asarray(q, dtype), jnp.asarray(k, key_dtype or dtype)
+
+    assert not uses_fused_kernel(*qk())  # a CPU program
+    monkeypatch.setattr("transformer_jax.attention.compile_platform", lambda *a: "tpu")
+    assert not uses_fused_kernel(*qk())
+    monkeypatch.setattr("transformer_jax.attention.compile_platform", lambda *a: "gpu")
+    assert uses_fused_kernel(*qk())
+    assert uses_fused_kernel(*qk(dtype=jnp.float16))
+    assert uses_fused_kernel(*qk(width=128)) and uses_fused_kernel(*qk(width=8))
+    assert not uses_fused_kernel(*qk(width=136))  # wider than the kernel takes
+    assert not uses_fused_kernel(*qk(width=41)) and not uses_fused_kernel(*qk(width=12))
+    assert not uses_fused_kernel(*qk(dtype=jnp.float32))
+    assert not uses_fused_kernel(*qk(key_dtype=jnp.float16))
+    assert not uses_fused_kernel(*qk(t=1))  # a decoding step's single query
+    assert not uses_fused_kernel(*qk(), implementation="xla")
+    assert uses_fused_kernel(*qk(dtype=jnp.float32), implementation="cudnn")
+    assert not uses_fused_kernel(*qk(), dropout_rate=0.1, deterministic=False)
+    assert uses_fused_kernel(*qk(), dropout_rate=0.1)  # deterministic unless told
+    assert uses_fused_kernel(*qk(), dropout_rate=0.1, deterministic=True)
+    assert uses_fused_kernel(*qk(), dropout_rate=0.0, deterministic=False)
+
+
+def test_weights_asked_for_take_the_xla_path_whatever_the_implementation():
+    q, k, v = _qkv(seed=13)
+    out, weights = dot_product_attention(q, k, v, implementation="cudnn", return_weights=True)
+    ref_out, ref_w = _np_attention(q, k, v)
+    np.testing.assert_allclose(np.asarray(weights), ref_w, atol=1e-6)
+    np.testing.assert_allclose(np.asarray(out), ref_out, atol=1e-5)
+
+
+def test_no_dropout_unless_a_rate_is_given():
+    q, k, v = _qkv(seed=14)
+    np.testing.assert_array_equal(
+        dot_product_attention(q, k, v, deterministic=False), dot_product_attention(q, k, v)
+    )
+
+
+@pytest.mark.parametrize("with_weights", [False, True])
+def test_heads_first_keys_and_values_give_the_same_attention(with_weights):
+    q, k, v = _qkv(seed=15, b=2, t=3, s=5, h=4, k=6)
+    mask = jnp.asarray(np.random.default_rng(16).random((2, 1, 3, 5)) > 0.3)
+    kw = dict(mask=mask, return_weights=with_weights)
+    want = dot_product_attention(q, k, v, **kw)
+    got = dot_product_attention(q, k.swapaxes(1, 2), v.swapaxes(1, 2), heads_first=True, **kw)
+    chex.assert_trees_all_close(got, want, atol=1e-6)

@@ -220,16 +220,19 @@ def use_fused_kernel(
     """Whether this call goes through `xl_jax.fused_attention`'s kernels.
 
     'pallas' takes them wherever the shapes allow (a power-of-two head width of at least 8,
-    16 on a GPU, and a block size dividing T and M; a decoding step's single query does not),
-    interpreted on a CPU; 'auto' never, until the device measurements show they pay
-    (benchmarks/README.md); 'xla' and 'cudnn' never. Without the memory's valid count (a
+    16 on a GPU, 64 on a TPU, and a block size dividing T and M, 128 on a TPU; a decoding
+    step's single query does not): Triton on a GPU, Mosaic on a TPU, interpreted on a CPU;
+    'auto' never, until the device measurements show they pay (benchmarks/README.md); 'xla'
+    and 'cudnn' never. Without the memory's valid count (a
     caller of this module that passes only a mask) the XLA path runs.
     """
     if config.attention_impl != "pallas" or valid is None:
         return False
+    platform = compile_platform(q)
     return fused_attention.applies(
         head_width=q.shape[-1],
         q_len=q.shape[1],
         mem_len=mem_len,
-        on_gpu=compile_platform(q) == "gpu",
+        on_gpu=platform == "gpu",
+        on_tpu=platform == "tpu",
     )

@@ -542,13 +542,42 @@ def relative_attention(
       block: query and key block size (a power of two dividing T and M); default: the
         largest up to MAX_BLOCK (at least 16 on a GPU, 8 interpreted).
       interpret: Pallas interpret mode; default: on unless the program is compiled for a GPU
-        (`transformer_jax.platform.compile_platform`).
+        or a TPU (`transformer_jax.platform.compile_platform`).
+
+    The kernels follow the program's platform: a GPU's are the Triton kernels above, a TPU's
+    the Mosaic kernels of `xl_jax.fused_attention_tpu` (block a multiple of 128, default
+    128); a CPU interprets the Triton kernels (the Mosaic ones are interpreted by their
+    tests).
     Returns:
       [B, T, H, K] in qu's dtype: what `xl_jax.attention`'s XLA path gives with the same
       mask (and, with dropout, the mask of `reference_keep_mask`).
     """
+    platform = compile_platform(qu, k)
+    if platform == "tpu":
+        # A TPU program takes the Mosaic kernels, under the same contract.
+        from xl_jax import fused_attention_tpu
+
+        if block is None:
+            block = block_size(qu.shape[1], mem_len, **fused_attention_tpu.BLOCKS)
+            if block is None:
+                raise ValueError(f"no TPU block size divides T={qu.shape[1]} and M={mem_len}")
+        return fused_attention_tpu.relative_attention(
+            qu,
+            qv,
+            k,
+            v,
+            r,
+            valid,
+            mem_len=mem_len,
+            same_length=same_length,
+            scale=scale,
+            dropout_rate=dropout_rate,
+            dropout_rng=dropout_rng,
+            block=block,
+            interpret=bool(interpret),
+        )
     if interpret is None:
-        interpret = compile_platform(qu, k) != "gpu"
+        interpret = platform != "gpu"
     b, t, h, kw = qu.shape
     s = k.shape[1]
     if s != mem_len + t or r.shape != (s, h, kw):
@@ -569,12 +598,22 @@ def relative_attention(
     return _attention(qu, qv, k, v, r, kstart, seed, statics)
 
 
-def applies(*, head_width: int, q_len: int, mem_len: int, on_gpu: bool) -> bool:
+def applies(
+    *, head_width: int, q_len: int, mem_len: int, on_gpu: bool, on_tpu: bool = False
+) -> bool:
     """Whether the kernels take these shapes: a power-of-two head width of at least 16 (the
-    matrix units' smallest), and a block size dividing T and M."""
-    minimum = 16 if on_gpu else 8
+    matrix units' smallest), and a block size dividing T and M. On a TPU: a head width of at
+    least 64 (the width the TPU compile is tested at) and 128 dividing T and M (the lanes a
+    score tile spans)."""
+    if on_tpu:
+        from xl_jax import fused_attention_tpu
+
+        width, blocks = 64, fused_attention_tpu.BLOCKS
+    else:
+        width = 16 if on_gpu else 8
+        blocks = dict(minimum=width)
     return (
-        head_width >= minimum
+        head_width >= width
         and head_width & (head_width - 1) == 0
-        and block_size(q_len, mem_len, minimum=minimum) is not None
+        and block_size(q_len, mem_len, **blocks) is not None
     )

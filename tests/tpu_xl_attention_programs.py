@@ -30,15 +30,16 @@ def main(name: str) -> None:
     b, s = B_PER_DEVICE * len(devices), T + M
     rows = NamedSharding(mesh, PartitionSpec("data"))
     whole = NamedSharding(mesh, PartitionSpec())
-    bf = jnp.bfloat16
-    args = [
-        jax.ShapeDtypeStruct((b, T, H, K), bf, sharding=rows),
-        jax.ShapeDtypeStruct((b, T, H, K), bf, sharding=rows),
-        jax.ShapeDtypeStruct((b, s, H, K), bf, sharding=rows),
-        jax.ShapeDtypeStruct((b, s, H, K), bf, sharding=rows),
-        jax.ShapeDtypeStruct((s, H, K), bf, sharding=whole),
-        jax.ShapeDtypeStruct((b,), jnp.int32, sharding=rows),
-    ]
+
+    def arguments(dtype):
+        return [
+            jax.ShapeDtypeStruct((b, T, H, K), dtype, sharding=rows),
+            jax.ShapeDtypeStruct((b, T, H, K), dtype, sharding=rows),
+            jax.ShapeDtypeStruct((b, s, H, K), dtype, sharding=rows),
+            jax.ShapeDtypeStruct((b, s, H, K), dtype, sharding=rows),
+            jax.ShapeDtypeStruct((s, H, K), dtype, sharding=whole),
+            jax.ShapeDtypeStruct((b,), jnp.int32, sharding=rows),
+        ]
 
     def attention(qu, qv, k, v, r, valid):
         # The dispatcher, as the model calls it: the program's platform picks the kernel.
@@ -60,12 +61,15 @@ def main(name: str) -> None:
         return jnp.sum(attention(*a).astype(jnp.float32))
 
     out = {"devices": len(devices)}
-    for part, fn in (
-        ("forward", attention),
-        ("backward", jax.value_and_grad(loss, argnums=(0, 1, 2, 3, 4))),
+    grad = jax.value_and_grad(loss, argnums=(0, 1, 2, 3, 4))
+    # bfloat16 as a model trains; float32's backward takes a full-precision product of its own.
+    for part, fn, dtype in (
+        ("forward", attention, jnp.bfloat16),
+        ("backward", grad, jnp.bfloat16),
+        ("backward_float32", grad, jnp.float32),
     ):
         start = time.perf_counter()
-        compiled = jax.jit(fn).lower(*args).compile()
+        compiled = jax.jit(fn).lower(*arguments(dtype)).compile()
         text = compiled.as_text()
         out[part] = {
             "seconds": round(time.perf_counter() - start, 1),

@@ -75,7 +75,8 @@ class TransformerXLConfig:
         `transformer_jax.attention.dot_product_attention`), or "pallas": the fused relative
         attention of `xl_jax.fused_attention` (position term, rel-shift, masks, online softmax
         and dropatt in one blockwise kernel, no [B, H, T, S] tensor in memory) wherever its
-        shapes allow, else "auto"'s path; interpreted (slowly) on a CPU.
+        shapes allow, else "auto"'s path: Triton on a GPU, Mosaic on a TPU
+        (`xl_jax.fused_attention_tpu`), interpreted (slowly) on a CPU.
     """
 
     vocab_size: int

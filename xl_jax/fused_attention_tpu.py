@@ -55,7 +55,8 @@ BLOCKS = dict(minimum=128, maximum=128)
 
 
 def _iota(shape, dim):
-    # Mosaic has no 1-D iota: index vectors are made 2-D, as the tiles they index.
+    # Indices are made at the 2-D shape of the tiles they index: Mosaic lays vectors out in
+    # 2-D tiles, and a 1-D index vector would need a relayout before every broadcast.
     return jax.lax.broadcasted_iota(jnp.int32, shape, dim)
 
 
@@ -71,10 +72,11 @@ def _tn(a, b):
 
 class _TpuTile:
     """One (query block, key block) pair's scores, mask and dropout, on `_Tile`'s index
-    arithmetic (its mask, visible block ranges), with the shifts done by rolls."""
+    arithmetic (its mask, visible block ranges), with the shifts done by rolls; and the
+    call's H and dropout rate, which the kernels read from it."""
 
-    def __init__(self, tile: _Tile):
-        self.tile = tile
+    def __init__(self, tile: _Tile, *, heads: int, rate: float):
+        self.tile, self.heads, self.rate = tile, heads, rate
         self.bq, self.bk, self.n = tile.bq, tile.bk, tile.n
 
     def r_rows(self, r_ref, i0, j0):
@@ -292,9 +294,10 @@ class _Plan:
                 scale=scale,
                 same_length=same_length,
                 interpret=True,  # _Tile's Triton barrier is not used here
-            )
+            ),
+            heads=self.h,
+            rate=rate,
         )
-        self.tile.heads, self.tile.rate = self.h, rate
         t, s = self.t, self.s
         self.block = pl.BlockSpec((None, None, bq, kw), lambda b, h, i, *_: (b, h, i, 0))
         self.q_all = pl.BlockSpec((None, None, t, kw), lambda b, h, i, *_: (b, h, 0, 0))

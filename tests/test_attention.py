@@ -327,8 +327,11 @@ def test_auto_takes_the_fused_kernel_in_a_gpu_program_only_where_it_applies(monk
     assert not uses_fused_kernel(*qk())  # a CPU program
     monkeypatch.setattr("transformer_jax.attention.compile_platform", lambda *a: "tpu")
     assert not uses_fused_kernel(*qk())
-    monkeypatch.setattr("transformer_jax.attention.compile_platform", lambda *a: "gpu")
+    # The platform's name made at run time, as the devices give it (not an interned literal).
+    gpu = "".join(["g", "pu"])
+    monkeypatch.setattr("transformer_jax.attention.compile_platform", lambda *a: gpu)
     assert uses_fused_kernel(*qk())
+    assert uses_fused_kernel(*qk(), deterministic=False)  # no dropout unless a rate is given
     assert uses_fused_kernel(*qk(dtype=jnp.float16))
     assert uses_fused_kernel(*qk(width=128)) and uses_fused_kernel(*qk(width=8))
     assert not uses_fused_kernel(*qk(width=136))  # wider than the kernel takes

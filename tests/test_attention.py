@@ -18,7 +18,7 @@ from transformer_jax import (
     make_causal_mask,
     make_padding_mask,
 )
-from transformer_jax.attention import masked_softmax
+from transformer_jax.attention import attention_weights, combine_masks, masked_softmax
 
 
 def _np_attention(q, k, v, mask=None, bias=None, scale=None):
@@ -339,6 +339,7 @@ def test_auto_takes_the_fused_kernel_in_a_gpu_program_only_where_it_applies(monk
     assert not uses_fused_kernel(*qk(dtype=jnp.float32))
     assert not uses_fused_kernel(*qk(key_dtype=jnp.float16))
     assert not uses_fused_kernel(*qk(t=1))  # a decoding step's single query
+    assert uses_fused_kernel(*qk(t=2))
     assert not uses_fused_kernel(*qk(), implementation="xla")
     assert uses_fused_kernel(*qk(dtype=jnp.float32), implementation="cudnn")
     assert not uses_fused_kernel(*qk(), dropout_rate=0.1, deterministic=False)
@@ -370,3 +371,33 @@ def test_heads_first_keys_and_values_give_the_same_attention(with_weights):
     want = dot_product_attention(q, k, v, **kw)
     got = dot_product_attention(q, k.swapaxes(1, 2), v.swapaxes(1, 2), heads_first=True, **kw)
     chex.assert_trees_all_close(got, want, atol=1e-6)
+
+
+def test_no_dropout_of_the_weights_unless_a_rate_is_given():
+    scores = jnp.asarray(np.random.default_rng(17).normal(size=(2, 3, 5)), jnp.float32)
+    np.testing.assert_array_equal(
+        attention_weights(scores, deterministic=False), attention_weights(scores)
+    )
+
+
+def test_combine_masks_ands_the_masks_given_and_skips_none():
+    a = jnp.asarray([[True, True, False, False]])
+    b = jnp.asarray([[True], [False]])
+    assert combine_masks() is None and combine_masks(None, None) is None
+    assert combine_masks(None, a) is a
+    np.testing.assert_array_equal(combine_masks(a, None, b), a & b)
+    np.testing.assert_array_equal(combine_masks(b, a, a), a & b)
+
+
+@pytest.mark.parametrize("dtype", [jnp.bfloat16, jnp.float16])
+def test_the_masked_score_folded_into_a_bias_is_the_one_jaxs_cudnn_wrapper_uses(dtype):
+    # The value cuDNN is known to handle (it mishandles the difference of two huge
+    # negatives): JAX's wrapper turns a bool mask into it, and only a device would show another.
+    from jax._src.cudnn import fused_attention_stablehlo as wrapper
+
+    from transformer_jax.attention import _large_negative
+
+    if not hasattr(wrapper, "get_large_negative_number"):
+        pytest.skip("this jax keeps its masked score elsewhere")
+    assert _large_negative(dtype).dtype == dtype
+    np.testing.assert_array_equal(_large_negative(dtype), wrapper.get_large_negative_number(dtype))

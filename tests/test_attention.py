@@ -18,7 +18,13 @@ from transformer_jax import (
     make_causal_mask,
     make_padding_mask,
 )
-from transformer_jax.attention import attention_weights, combine_masks, masked_softmax
+from transformer_jax.attention import (
+    attend,
+    attention_weights,
+    beam_attention,
+    combine_masks,
+    masked_softmax,
+)
 
 
 def _np_attention(q, k, v, mask=None, bias=None, scale=None):
@@ -80,6 +86,7 @@ class DotProductAttentionTest(chex.TestCase):
         tokens = jnp.array([[5, 6, 0], [7, 0, 0]])
         pad = self.variant(functools.partial(make_padding_mask, pad_id=0))(tokens)
         chex.assert_shape(pad, (2, 1, 1, 3))
+        np.testing.assert_array_equal(make_padding_mask(tokens), pad)  # pad id 0 by default
         np.testing.assert_array_equal(np.asarray(pad[:, 0, 0]), [[1, 1, 0], [1, 0, 0]])
         causal = make_causal_mask(4)
         chex.assert_shape(causal, (1, 1, 4, 4))
@@ -118,17 +125,18 @@ def test_masked_softmax_backward_reads_the_weights_alone():
 
 
 def test_attention_dropout_only_when_not_deterministic():
-    q, k, v = _qkv(seed=2)
+    q, k, v = _qkv(seed=2, b=4, t=16, s=16, h=8)
     _, ref_w = _np_attention(q, k, v)
-    kwargs = dict(dropout_rate=0.5, dropout_rng=jax.random.PRNGKey(0), return_weights=True)
+    kwargs = dict(dropout_rate=0.25, dropout_rng=jax.random.PRNGKey(0), return_weights=True)
     _, w_det = dot_product_attention(q, k, v, deterministic=True, **kwargs)
     chex.assert_trees_all_close(np.asarray(w_det), ref_w.astype(np.float32), atol=1e-6)
     _, w_drop = dot_product_attention(q, k, v, deterministic=False, **kwargs)
     w_drop = np.asarray(w_drop)
-    # Inverted dropout: each weight is dropped (0) or kept and scaled by 1 / (1 - rate).
+    # Inverted dropout: each weight is dropped (0) or kept and scaled by 1 / (1 - rate), and
+    # about 1 - rate of them are kept (8,192 weights: the standard deviation is 0.005).
     kept = w_drop != 0
-    assert 0 < kept.mean() < 1
-    np.testing.assert_allclose(w_drop[kept], 2.0 * ref_w[kept], rtol=1e-5)
+    assert abs(kept.mean() - 0.75) < 0.02
+    np.testing.assert_allclose(w_drop[kept], ref_w[kept] / 0.75, rtol=1e-5)
 
 
 @needs_gpu
@@ -228,8 +236,6 @@ def test_cudnn_with_fully_masked_rows_stays_finite_and_agrees_on_the_others():
 def test_beam_attention_equals_attention_over_the_cache_each_hypothesis_would_hold():
     """Index bookkeeping: scoring every slot's keys and selecting the ancestral slot's is
     plain attention over a cache gathered position by position from those slots."""
-    from transformer_jax.attention import beam_attention, dot_product_attention
-
     rng = np.random.default_rng(0)
     b, w, h, c, k = 2, 3, 2, 5, 4
     query = jnp.asarray(rng.normal(size=(b, w, h, k)), jnp.float32)
@@ -257,6 +263,9 @@ def test_beam_attention_equals_attention_over_the_cache_each_hypothesis_would_ho
         mask=mask.transpose(0, 2, 1, 3).reshape(b * w, 1, 1, c),
     ).reshape(b, w, h, k)
     np.testing.assert_allclose(got, want, rtol=1e-5, atol=1e-6)
+    caches = key.swapaxes(1, 2).swapaxes(2, 3).reshape(b, h, c * w, k)
+    with pytest.raises(TypeError):  # the mask is a keyword
+        beam_attention(query, caches, caches, ancestry, mask)
 
 
 def _cudnn_branch_on_this_cpu(monkeypatch):
@@ -341,6 +350,9 @@ def test_auto_takes_the_fused_kernel_in_a_gpu_program_only_where_it_applies(monk
     assert not uses_fused_kernel(*qk(t=1))  # a decoding step's single query
     assert uses_fused_kernel(*qk(t=2))
     assert not uses_fused_kernel(*qk(), implementation="xla")
+    assert not uses_fused_kernel(*qk(), implementation="".join(["x", "la"]))  # made at run time
+    with pytest.raises(TypeError):
+        uses_fused_kernel(*qk(), 0.1)  # the options are keywords
     assert uses_fused_kernel(*qk(dtype=jnp.float32), implementation="cudnn")
     assert not uses_fused_kernel(*qk(), dropout_rate=0.1, deterministic=False)
     assert uses_fused_kernel(*qk(), dropout_rate=0.1)  # deterministic unless told
@@ -401,3 +413,21 @@ def test_the_masked_score_folded_into_a_bias_is_the_one_jaxs_cudnn_wrapper_uses(
         pytest.skip("this jax keeps its masked score elsewhere")
     assert _large_negative(dtype).dtype == dtype
     np.testing.assert_array_equal(_large_negative(dtype), wrapper.get_large_negative_number(dtype))
+
+
+def test_no_dropout_of_the_weights_unless_not_deterministic():
+    scores = jnp.asarray(np.random.default_rng(18).normal(size=(2, 3, 5)), jnp.float32)
+    kw = dict(dropout_rate=0.5, dropout_rng=jax.random.PRNGKey(0))
+    np.testing.assert_array_equal(attention_weights(scores, **kw), attention_weights(scores))
+
+
+def test_attend_mixes_values_laid_out_batch_first_unless_told():
+    rng = np.random.default_rng(19)
+    scores = jnp.asarray(rng.normal(size=(2, 4, 3, 5)), jnp.float32)  # [B, H, T, S]
+    value = jnp.asarray(rng.normal(size=(2, 5, 4, 6)), jnp.float32)  # [B, S, H, K]
+    out, weights = attend(scores, value)
+    want = np.einsum("bhts,bshk->bthk", np.asarray(jax.nn.softmax(scores)), value)
+    np.testing.assert_allclose(out, want, rtol=1e-5, atol=1e-6)
+    np.testing.assert_allclose(weights, jax.nn.softmax(scores), rtol=1e-6)
+    out_first, _ = attend(scores, value.swapaxes(1, 2), heads_first=True)
+    np.testing.assert_allclose(out_first, want, rtol=1e-5, atol=1e-6)

@@ -71,8 +71,9 @@ def _free_port() -> int:
 def _start(
     module: str, args: list[str], *, process_id: int, port: int, via_env: bool = False
 ) -> Running:
-    """Process `process_id` of two, told where the coordinator is by flags, or (via_env) by
-    $TRAIN_DISTRIBUTED, $JAX_COORDINATOR_ADDRESS, $JAX_NUM_PROCESSES and $JAX_PROCESS_ID."""
+    """Process `process_id` of two of `module` (or of a script, a path ending in .py), told
+    where the coordinator is by flags, or (via_env) by $TRAIN_DISTRIBUTED,
+    $JAX_COORDINATOR_ADDRESS, $JAX_NUM_PROCESSES and $JAX_PROCESS_ID."""
     env, address = _env(2), f"127.0.0.1:{port}"
     if via_env:
         env.update(
@@ -93,7 +94,8 @@ def _start(
             "--process_id",
             str(process_id),
         ]
-    return Running([sys.executable, "-m", module, *args, *flags], env)
+    run = [module] if module.endswith(".py") else ["-m", module]  # a script, or a module
+    return Running([sys.executable, *run, *args, *flags], env)
 
 
 def _bind_failed(proc: Running) -> bool:
@@ -366,6 +368,34 @@ def test_a_killed_process_stops_the_other_at_once_naming_it_and_both_resume(tmp_
     assert [code for code, _ in results] == [cli.EXIT_OK] * 2, results[0][1] + results[1][1]
     assert f"resumed from {os.path.join(workdir, 'checkpoints', str(saved))}" in results[0][1]
     assert Checkpoints(workdir).latest_step() == saved + 3
+
+
+def test_a_process_killed_while_the_other_waits_outside_a_collective_stops_it_at_once(
+    tmp_path, data_dir
+):
+    """Process 1 killed while process 0 waits on something that is not a collective (a long
+    compilation, say: here a save made to wait ten minutes, tests/lost_outside_a_collective.py):
+    no collective fails, yet process 0 stops within seconds with one line naming process 1,
+    from its liveness connection (`train.core.peers.Liveness`), not JAX's heartbeat abort."""
+    script = os.path.join(REPO, "tests", "lost_outside_a_collective.py")
+    args = [*LM_FLAGS, "--data_dir", str(data_dir), "--workdir", str(tmp_path / "run")]
+    args += ["--steps", "100000"]
+    for _ in range(ATTEMPTS):
+        port = _free_port()
+        p0, p1 = (_start(script, args, process_id=i, port=port) for i in (0, 1))
+        with p0, p1:
+            codes = finish_all([p0, p1], timeout=120)
+            if codes[0] != EXIT_PEER_LOST and _bind_failed(p0):
+                continue  # the port was taken meanwhile: another one
+            break
+    assert codes == [EXIT_PEER_LOST, -signal.SIGKILL], p0.output[-3000:]
+    message = [line for line in p0.output.splitlines() if line.startswith("error: ")]
+    assert message == [
+        "error: process 1 (of 2) was lost (its connection closed); process 0 stops too. "
+        "Start every process again with the same --workdir: the run resumes from its last "
+        "checkpoint"
+    ], p0.output[-3000:]
+    assert "Check failure" not in p0.output
 
 
 def test_a_spent_time_budget_stops_both_processes_at_the_same_step(tmp_path, data_dir):

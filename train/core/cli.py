@@ -55,7 +55,7 @@ from train.core.flags import (  # noqa: F401 - the flags' API, importable from h
 )
 from train.core.host_memory import keep_host_memory
 from train.core.parallel import maybe_initialize_distributed
-from train.core.peers import exit_now, lost_peer
+from train.core.peers import claim_stop, exit_now, farewell, lost_peer, start_liveness
 from train.core.task import Task, config_from_saved, default_workdir
 from train.core.workdir import local_dir
 
@@ -274,6 +274,8 @@ def start(args: argparse.Namespace) -> dict[str, Any] | None:
         )
     except ValueError as e:  # the per-process flags or their environment variables
         raise UsageError(str(e)) from None
+    # A process that dies from here on stops the others at once (`train.core.peers`).
+    start_liveness()
     # After the distributed start-up (JAX's cache asks it which process writes), before the
     # first compilation.
     enable_compilation_cache()
@@ -401,6 +403,13 @@ def run_command(body: Callable[[], int], *, workdir: str | None, log_name: str =
     logged; a library's ValueError, OSError or RuntimeError exits 1."""
     _quiet_orbax_leftovers(workdir)
     try:
+        return _run_body(body, workdir=workdir, log_name=log_name)
+    finally:
+        farewell()  # the other processes of a multi-process run: this one ended on purpose
+
+
+def _run_body(body: Callable[[], int], *, workdir: str | None, log_name: str) -> int:
+    try:
         return body()
     except KeyboardInterrupt:
         print(
@@ -414,6 +423,7 @@ def run_command(body: Callable[[], int], *, workdir: str | None, log_name: str =
         lost = None if isinstance(e, RunError) else lost_peer(e)
         if lost is not None:
             e = lost  # the failed collective's traceback is still the one logged
+            claim_stop()  # this thread stops the process, not the liveness watch
         # The project's errors carry their exit code, label and whether to log; others are
         # a plain error (exit 1, logged).
         ours = isinstance(e, RunError)
@@ -428,7 +438,7 @@ def run_command(body: Callable[[], int], *, workdir: str | None, log_name: str =
             flush=True,
         )
         if lost is not None:
-            exit_now(code)
+            exit_now(code, lost.lost)
         return code
 
 

@@ -70,6 +70,7 @@ class ProcessesDisagree(UsageError):
 class PeerLost(RunError, RuntimeError):
     """A process of a multi-process run stopped (killed, its host lost): every other process
     stops too (exit 69), naming it; starting all of them again resumes the run from its last
-    checkpoint (`train.core.peers`)."""
+    checkpoint (`train.core.peers`). lost: the indices of the lost processes ([]: unknown)."""
 
     exit_code = EXIT_PEER_LOST
+    lost: list[int] = []  # noqa: RUF012 - set on each instance that knows

@@ -431,3 +431,56 @@ def test_attend_mixes_values_laid_out_batch_first_unless_told():
     np.testing.assert_allclose(weights, jax.nn.softmax(scores), rtol=1e-6)
     out_first, _ = attend(scores, value.swapaxes(1, 2), heads_first=True)
     np.testing.assert_allclose(out_first, want, rtol=1e-5, atol=1e-6)
+
+
+def test_a_padding_mask_is_every_id_but_the_pad_id():
+    # A pad id inside the range of ids (Marian's is the vocabulary's last one): ids below it
+    # are tokens too.
+    tokens = jnp.array([[5, 1, 3, 3], [3, 0, 7, 2]])
+    got = make_padding_mask(tokens, pad_id=3)
+    assert got.shape == (2, 1, 1, 4)
+    np.testing.assert_array_equal(got[:, 0, 0], [[True, True, False, False], [False] + [True] * 3])
+
+
+def test_attention_weights_takes_its_options_by_keyword():
+    scores = jnp.zeros((1, 2, 3))
+    with pytest.raises(TypeError):
+        attention_weights(scores, jnp.ones((1, 2, 3), bool))
+
+
+@pytest.mark.parametrize("rate", [-0.1, 1.0, 1.5])
+def test_a_dropout_rate_outside_0_to_1_is_refused(rate):
+    scores = jnp.zeros((1, 2, 3))
+    value = jnp.zeros((1, 3, 1, 4))
+    for call in (
+        lambda: attention_weights(scores, dropout_rate=rate),
+        lambda: attend(scores[:, None], value, dropout_rate=rate, deterministic=False),
+    ):
+        with pytest.raises(ValueError, match=rf"dropout_rate must be in \[0, 1\), got {rate}"):
+            call()
+
+
+@pytest.mark.parametrize("with_mask", [False, True])
+def test_the_cudnn_branch_folds_the_mask_into_the_bias_it_hands_the_kernel(monkeypatch, with_mask):
+    """One [B, H, T, S] array for the kernel: the mask becomes the bias's masked scores (the
+    kernel is handed no mask), and a bias with no mask goes as it is."""
+    q, k, v = (jnp.asarray(x, jnp.bfloat16) for x in _qkv(seed=20, b=1, t=2, s=3, h=1, k=8))
+    bias = jnp.asarray(np.random.default_rng(21).normal(size=(1, 1, 2, 3)), jnp.float32)
+    mask = jnp.array([[[[True, False, True], [True, True, False]]]])
+    _cudnn_branch_on_this_cpu(monkeypatch)
+    handed = {}
+    kernel = jax.nn.dot_product_attention
+
+    def spy(q, k, v, **kwargs):
+        handed.update(kwargs)
+        return kernel(q, k, v, **kwargs)
+
+    monkeypatch.setattr(jax.nn, "dot_product_attention", spy)
+    dot_product_attention(
+        q, k, v, bias=bias, mask=mask if with_mask else None, implementation="cudnn"
+    )
+    assert handed["mask"] is None
+    want = jnp.asarray(bias, jnp.bfloat16)
+    if with_mask:
+        want = jnp.where(mask, want, -(2.0**41))
+    np.testing.assert_array_equal(handed["bias"], want)

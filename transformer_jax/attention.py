@@ -102,13 +102,16 @@ def attention_weights(
     Args:
       scores: [..., T, S] attention logits (any float dtype; upcast to float32).
       mask: bool, broadcastable to `scores`, True = attend.
-      dropout_rate: probability of dropping an attention weight (inverted dropout).
+      dropout_rate: probability of dropping an attention weight (inverted dropout), in
+        [0, 1): at 1 the kept weights would be divided by zero.
       dropout_rng: PRNG key, required when dropping.
       deterministic: if True no dropout is applied.
     Returns:
       [..., T, S] float32 weights (float64 for float64 scores); each row sums to 1 before
       dropout, masked keys get 0.
     """
+    if not 0.0 <= dropout_rate < 1.0:
+        raise ValueError(f"attention dropout_rate must be in [0, 1), got {dropout_rate}")
     # At least float32; float64 stays float64 so x64 references can be matched to 1e-9.
     scores = scores.astype(jnp.promote_types(scores.dtype, jnp.float32))
     weights = masked_softmax(scores, jnp.ones((), bool) if mask is None else mask)

@@ -347,6 +347,9 @@ def test_auto_takes_the_fused_kernel_in_a_gpu_program_only_where_it_applies(monk
     assert not uses_fused_kernel(*qk(width=41)) and not uses_fused_kernel(*qk(width=12))
     assert not uses_fused_kernel(*qk(dtype=jnp.float32))
     assert not uses_fused_kernel(*qk(key_dtype=jnp.float16))
+    # Keys wider than the query (its dtype safely castable to theirs) are no match either.
+    assert not uses_fused_kernel(*qk(key_dtype=jnp.float32))
+    assert not uses_fused_kernel(*qk(dtype=jnp.float16, key_dtype=jnp.float32))
     assert not uses_fused_kernel(*qk(t=1))  # a decoding step's single query
     assert uses_fused_kernel(*qk(t=2))
     assert not uses_fused_kernel(*qk(), implementation="xla")

@@ -114,3 +114,22 @@ def test_a_process_whose_command_ended_stops_no_one(three):
     assert exits == []
     # The goodbye ended each watch: process 1's end is still open, unwatched.
     assert ends[1].peers[0].fileno() != -1
+
+
+def test_process_0_unable_to_listen_lets_the_others_go_on_at_once(monkeypatch):
+    """No port for process 0 (a sandbox, a firewall): it says so in the store, so the others
+    do not wait a minute for an address that will never come; each start says it goes without
+    (JAX's heartbeats remain)."""
+
+    def refused(*args, **kwargs):
+        raise OSError("no sockets here")
+
+    monkeypatch.setattr(socket, "create_server", refused)
+    store = _Store()
+    with pytest.raises(OSError, match="no sockets here"):
+        peers.Liveness(0, 2).listen(store)
+    # The address published is "": process 1 learns at once that there is none (else its
+    # wait for one would end, a minute later, in the store's AssertionError).
+    with pytest.raises(ConnectionError, match="process 0 could not listen"):
+        peers.Liveness(1, 2).connect(store, "127.0.0.1")
+    assert store.values[peers._ADDRESS_KEY] == ""

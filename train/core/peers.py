@@ -141,10 +141,14 @@ class Liveness:
 
     # -- process 0
     def listen(self, client) -> None:
-        if socket.has_dualstack_ipv6():
-            server = socket.create_server(("", 0), family=socket.AF_INET6, dualstack_ipv6=True)
-        else:
-            server = socket.create_server(("", 0))
+        try:
+            if socket.has_dualstack_ipv6():
+                server = socket.create_server(("", 0), family=socket.AF_INET6, dualstack_ipv6=True)
+            else:
+                server = socket.create_server(("", 0))
+        except OSError:
+            client.key_value_set(_ADDRESS_KEY, "")  # none: the others need not wait for it
+            raise
         client.key_value_set(_ADDRESS_KEY, str(server.getsockname()[1]))
         threading.Thread(target=self._accept, args=(server,), daemon=True).start()
 
@@ -176,6 +180,8 @@ class Liveness:
     # -- the others
     def connect(self, client, host: str) -> None:
         port = client.blocking_key_value_get(_ADDRESS_KEY, CONNECT_S * 1000)
+        if not port:
+            raise ConnectionError("process 0 could not listen for them")
         conn = socket.create_connection((host, int(port)), timeout=CONNECT_S)
         conn.sendall(struct.pack("!i", self.me))
         conn.settimeout(None)

@@ -350,6 +350,7 @@ def test_auto_takes_the_fused_kernel_in_a_gpu_program_only_where_it_applies(monk
     # Keys wider than the query (its dtype safely castable to theirs) are no match either.
     assert not uses_fused_kernel(*qk(key_dtype=jnp.float32))
     assert not uses_fused_kernel(*qk(dtype=jnp.float16, key_dtype=jnp.float32))
+    assert not uses_fused_kernel(*qk(key_dtype=jnp.float8_e4m3fn))  # narrower ones neither
     assert not uses_fused_kernel(*qk(t=1))  # a decoding step's single query
     assert uses_fused_kernel(*qk(t=2))
     assert not uses_fused_kernel(*qk(), implementation="xla")
@@ -445,10 +446,16 @@ def test_a_padding_mask_is_every_id_but_the_pad_id():
     np.testing.assert_array_equal(got[:, 0, 0], [[True, True, False, False], [False] + [True] * 3])
 
 
-def test_attention_weights_takes_its_options_by_keyword():
-    scores = jnp.zeros((1, 2, 3))
-    with pytest.raises(TypeError):
-        attention_weights(scores, jnp.ones((1, 2, 3), bool))
+def test_the_core_takes_its_options_by_keyword():
+    scores, mask = jnp.zeros((1, 1, 2, 3)), jnp.ones((1, 1, 2, 3), bool)
+    q, k, v = _qkv(b=1, t=2, s=3, h=1, k=4)
+    for positional in (
+        lambda: attention_weights(scores, mask),
+        lambda: attend(scores, v, mask),
+        lambda: dot_product_attention(q, k, v, mask),
+    ):
+        with pytest.raises(TypeError):
+            positional()
 
 
 @pytest.mark.parametrize("rate", [-0.1, 1.0, 1.5])

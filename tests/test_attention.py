@@ -494,3 +494,15 @@ def test_the_cudnn_branch_folds_the_mask_into_the_bias_it_hands_the_kernel(monke
     if with_mask:
         want = jnp.where(mask, want, -(2.0**41))
     np.testing.assert_array_equal(handed["bias"], want)
+
+
+def test_attend_and_attention_drop_nothing_unless_not_deterministic():
+    q, k, v = _qkv(seed=22, b=1, t=3, s=5, h=2, k=4)
+    scores = jnp.asarray(np.random.default_rng(23).normal(size=(1, 2, 3, 5)), jnp.float32)
+    kw = dict(dropout_rate=0.5, dropout_rng=jax.random.PRNGKey(1))
+    for call in (
+        lambda **o: attend(scores, v, **o)[0],
+        lambda **o: dot_product_attention(q, k, v, **o),
+    ):
+        np.testing.assert_array_equal(call(**kw), call())
+        assert not np.array_equal(call(**kw, deterministic=False), call())

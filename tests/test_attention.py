@@ -358,6 +358,7 @@ def test_auto_takes_the_fused_kernel_in_a_gpu_program_only_where_it_applies(monk
     with pytest.raises(TypeError):
         uses_fused_kernel(*qk(), 0.1)  # the options are keywords
     assert uses_fused_kernel(*qk(dtype=jnp.float32), implementation="cudnn")
+    assert uses_fused_kernel(*qk(dtype=jnp.float32), implementation="".join(["cu", "dnn"]))
     assert not uses_fused_kernel(*qk(), dropout_rate=0.1, deterministic=False)
     assert uses_fused_kernel(*qk(), dropout_rate=0.1)  # deterministic unless told
     assert uses_fused_kernel(*qk(), dropout_rate=0.1, deterministic=True)

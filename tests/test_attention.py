@@ -24,6 +24,7 @@ from transformer_jax.attention import (
     beam_attention,
     combine_masks,
     masked_softmax,
+    uses_fused_kernel,
 )
 
 
@@ -237,7 +238,7 @@ def test_beam_attention_equals_attention_over_the_cache_each_hypothesis_would_ho
     """Index bookkeeping: scoring every slot's keys and selecting the ancestral slot's is
     plain attention over a cache gathered position by position from those slots."""
     rng = np.random.default_rng(0)
-    b, w, h, c, k = 2, 3, 2, 5, 4
+    b, w, h, c, k = 2, 3, 4, 5, 4  # every size its own: an axis mixed up shows
     query = jnp.asarray(rng.normal(size=(b, w, h, k)), jnp.float32)
     key = jnp.asarray(rng.normal(size=(b, h, w, c, k)), jnp.float32)
     value = jnp.asarray(rng.normal(size=(b, h, w, c, k)), jnp.float32)
@@ -353,6 +354,7 @@ def test_auto_takes_the_fused_kernel_in_a_gpu_program_only_where_it_applies(monk
     assert not uses_fused_kernel(*qk(key_dtype=jnp.float8_e4m3fn))  # narrower ones neither
     assert not uses_fused_kernel(*qk(t=1))  # a decoding step's single query
     assert uses_fused_kernel(*qk(t=2))
+    assert not uses_fused_kernel(*qk(t=0))  # no query at all
     assert not uses_fused_kernel(*qk(), implementation="xla")
     assert not uses_fused_kernel(*qk(), implementation="".join(["x", "la"]))  # made at run time
     with pytest.raises(TypeError):
@@ -466,6 +468,10 @@ def test_a_dropout_rate_outside_0_to_1_is_refused(rate):
     for call in (
         lambda: attention_weights(scores, dropout_rate=rate),
         lambda: attend(scores[:, None], value, dropout_rate=rate, deterministic=False),
+        # The fused kernel's path too (it drops nothing itself).
+        lambda: uses_fused_kernel(
+            jnp.zeros((1, 2, 1, 8)), jnp.zeros((1, 3, 1, 8)), dropout_rate=rate
+        ),
     ):
         with pytest.raises(ValueError, match=rf"dropout_rate must be in \[0, 1\), got {rate}"):
             call()

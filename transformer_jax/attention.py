@@ -89,6 +89,11 @@ def _masked_softmax_bwd(saved, grad):
 masked_softmax.defvjp(_masked_softmax_fwd, _masked_softmax_bwd)
 
 
+def _check_rate(dropout_rate: float) -> None:
+    if not 0.0 <= dropout_rate < 1.0:
+        raise ValueError(f"attention dropout_rate must be in [0, 1), got {dropout_rate}")
+
+
 def attention_weights(
     scores: Array,
     *,
@@ -110,8 +115,7 @@ def attention_weights(
       [..., T, S] float32 weights (float64 for float64 scores); each row sums to 1 before
       dropout, masked keys get 0.
     """
-    if not 0.0 <= dropout_rate < 1.0:
-        raise ValueError(f"attention dropout_rate must be in [0, 1), got {dropout_rate}")
+    _check_rate(dropout_rate)
     # At least float32; float64 stays float64 so x64 references can be matched to 1e-9.
     scores = scores.astype(jnp.promote_types(scores.dtype, jnp.float32))
     weights = masked_softmax(scores, jnp.ones((), bool) if mask is None else mask)
@@ -175,6 +179,7 @@ def uses_fused_kernel(
 
 
 def _use_fused(query, key, dropout_rate, deterministic, return_weights, implementation) -> bool:
+    _check_rate(dropout_rate)  # whichever path, the same refusal
     if implementation == "xla" or return_weights:
         return False
     if not deterministic and dropout_rate > 0.0:

@@ -380,22 +380,15 @@ def test_a_process_killed_while_the_other_waits_outside_a_collective_stops_it_at
     script = os.path.join(REPO, "tests", "lost_outside_a_collective.py")
     args = [*LM_FLAGS, "--data_dir", str(data_dir), "--workdir", str(tmp_path / "run")]
     args += ["--steps", "100000"]
-    for _ in range(ATTEMPTS):
-        port = _free_port()
-        p0, p1 = (_start(script, args, process_id=i, port=port) for i in (0, 1))
-        with p0, p1:
-            codes = finish_all([p0, p1], timeout=120)
-            if codes[0] != EXIT_PEER_LOST and _bind_failed(p0):
-                continue  # the port was taken meanwhile: another one
-            break
-    assert codes == [EXIT_PEER_LOST, -signal.SIGKILL], p0.output[-3000:]
-    message = [line for line in p0.output.splitlines() if line.startswith("error: ")]
+    (code0, out0), (code1, _) = _pair(script, args, timeout=120)
+    assert [code0, code1] == [EXIT_PEER_LOST, -signal.SIGKILL], out0[-3000:]
+    message = [line for line in out0.splitlines() if line.startswith("error: ")]
     assert message == [
         "error: process 1 (of 2) was lost (its connection closed); process 0 stops too. "
         "Start every process again with the same --workdir: the run resumes from its last "
         "checkpoint"
-    ], p0.output[-3000:]
-    assert "Check failure" not in p0.output
+    ], out0[-3000:]
+    assert "Check failure" not in out0
 
 
 def test_a_spent_time_budget_stops_both_processes_at_the_same_step(tmp_path, data_dir):

@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import functools
 
+import chex
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -159,3 +160,80 @@ def test_cpu_programs_keep_their_forms():
     y = jnp.ones((2, 8), jnp.bfloat16)
     assert compile_platform(y) == "cpu"
     assert layers.output_logits(y, jnp.ones((5, 8)), jnp.bfloat16).dtype == jnp.float32
+
+
+@pytest.mark.parametrize(
+    "x_shape, kernel_shape, contracting",
+    [
+        ((2, 5, 8), (8, 3, 2, 4), 1),  # the q/k/v projection, [B, S, D] x [D, 3, H, K]
+        ((2, 5, 2, 4), (2, 4, 8), 2),  # the output projection, [B, T, H, K] x [H, K, D]
+        ((7, 8), (8, 6), 1),  # a plain Dense
+    ],
+)
+def test_flat_products_equal_dense_general_and_its_gradients(x_shape, kernel_shape, contracting):
+    k1, k2, k3 = jax.random.split(jax.random.PRNGKey(5), 3)
+    x = jax.random.normal(k1, x_shape)
+    kernel = jax.random.normal(k2, kernel_shape)
+    n = len(x_shape)
+    dims = ((tuple(range(n - contracting, n)), tuple(range(contracting))), ((), ()))
+    cotangent = jax.random.normal(k3, x_shape[: n - contracting] + kernel_shape[contracting:])
+
+    def run(dot_general):
+        out, vjp = jax.vjp(lambda a, b: dot_general(a, b, dims), x, kernel)
+        return (out, *vjp(cotangent))
+
+    flat, nd = run(layers.flat_dot_general), run(jax.lax.dot_general)
+    for got, want in zip(flat, nd):
+        assert got.shape == want.shape
+        np.testing.assert_allclose(got, want, rtol=1e-5, atol=1e-5)
+
+
+def test_flat_products_leave_other_contractions_to_dot_general(monkeypatch):
+    calls = []
+    original = jax.lax.dot_general
+    monkeypatch.setattr(
+        layers.lax, "dot_general", lambda *a, **k: calls.append(a[2]) or original(*a, **k)
+    )
+    x, y = jnp.ones((3, 4, 5)), jnp.ones((3, 5, 2))
+    batched = (((2,), (1,)), ((0,), (0,)))  # a batch axis: not a Dense's product
+    out = layers.flat_dot_general(x, y, batched)
+    assert out.shape == (3, 4, 2) and calls == [batched]
+    leading = (((0,), (0,)), ((), ()))  # x's first axis contracted, not its last
+    layers.flat_dot_general(jnp.ones((4, 3)), jnp.ones((4, 2)), leading)
+    assert calls[-1] == leading
+
+
+def test_xl_attention_with_flat_products_equals_the_cpu_form(monkeypatch):
+    """XL's attention sublayer as a program compiled for a GPU multiplies (its projections as
+    2-D products): the same output and parameter gradients as the CPU's form."""
+    from xl_jax import attention as xl_attention
+    from xl_jax.config import TransformerXLConfig
+    from xl_jax.memory import attention_mask
+
+    cfg = TransformerXLConfig.tiny(d_model=16, n_heads=2, d_head=4)
+    b, t, m = 2, 3, 4
+    rng = np.random.default_rng(2)
+    h = jnp.asarray(rng.normal(size=(b, t, cfg.d_model)), jnp.float32)
+    mem = jnp.asarray(rng.normal(size=(b, m, cfg.d_model)), jnp.float32)
+    u, v = (jnp.asarray(rng.normal(size=(2, 4)), jnp.float32) for _ in range(2))
+    dist = xl_attention.relative_positions(cfg, q_len=t, mem_len=m)
+    pos = xl_attention.sinusoid_embedding(dist, cfg.d_model)
+    mask = attention_mask(jnp.array([4, 2]), q_len=t, mem_len=m, same_length=False)
+    module = xl_attention.RelativeMultiHeadAttention(cfg)
+    params = module.init(jax.random.key(0), h, mem, pos, mask, u, v)["params"]
+    products = []
+    original = layers.flat_dot_general
+    monkeypatch.setattr(
+        xl_attention, "flat_dot_general", lambda *a, **k: products.append(1) or original(*a, **k)
+    )
+
+    def value_and_grads():
+        loss = lambda p: jnp.sum(jnp.sin(module.apply({"params": p}, h, mem, pos, mask, u, v)))  # noqa: E731
+        return jax.value_and_grad(loss)(params)
+
+    cpu = value_and_grads()
+    assert products == []  # the CPU's program keeps DenseGeneral's own products
+    monkeypatch.setattr(xl_attention, "compile_platform", lambda *a: "gpu")
+    gpu = value_and_grads()
+    assert len(products) == 3  # qkv, r_net and o_net
+    chex.assert_trees_all_close(gpu, cpu, rtol=1e-5, atol=1e-6)

@@ -11,6 +11,7 @@ softmax float32 (inside the attention core).
 
 from __future__ import annotations
 
+import math
 from collections.abc import Callable
 from functools import partial
 from typing import NamedTuple
@@ -225,6 +226,28 @@ def dense_dot_general(lhs, rhs, dimension_numbers, precision=None, preferred_ele
         precision=precision,
         preferred_element_type=preferred_element_type,
     )
+
+
+def flat_dot_general(lhs, rhs, dimension_numbers, precision=None, preferred_element_type=None):
+    """`nn.DenseGeneral`'s dot_general as one 2-D product: lhs's trailing contracted axes and
+    rhs's leading ones flattened, [N, I] x [I, O], then the output reshaped back.
+
+    The same products and sums as `lax.dot_general` on the n-D operands. In a program compiled
+    for a GPU the n-D form's kernel gradient came out of its GEMM in another layout and took a
+    transpose kernel per projection to reach the parameter's; the 2-D form's gradient is
+    `x^T g` in the parameter's own layout. Any other contraction goes to `lax.dot_general`.
+    """
+    (lc, rc), (lb, rb) = dimension_numbers
+    n = len(lc)
+    options = dict(precision=precision, preferred_element_type=preferred_element_type)
+    trailing = tuple(lc) == tuple(range(lhs.ndim - n, lhs.ndim)) and tuple(rc) == tuple(range(n))
+    if lb or rb or not trailing:
+        return lax.dot_general(lhs, rhs, dimension_numbers, **options)
+    lead, feats = lhs.shape[: lhs.ndim - n], rhs.shape[n:]
+    inner = math.prod(rhs.shape[:n])
+    lhs, rhs = lhs.reshape(*lead, inner), rhs.reshape(inner, math.prod(feats))
+    out = lax.dot_general(lhs, rhs, (((len(lead),), (0,)), ((), ())), **options)
+    return out.reshape(*lead, *feats)
 
 
 def output_logits(y: Array, table: Array, dtype) -> Array:

@@ -23,7 +23,7 @@ import numpy as np
 
 from transformer_jax import fused_norm
 from transformer_jax.attention import dot_product_attention, uses_fused_kernel
-from transformer_jax.layers import Branches, LayerNorm
+from transformer_jax.layers import Branches, LayerNorm, flat_dot_general
 from transformer_jax.platform import compile_platform
 from xl_jax import fused_attention
 from xl_jax.config import TransformerXLConfig
@@ -136,11 +136,26 @@ class RelativeMultiHeadAttention(nn.Module):
         cfg = self.config
         H, K = cfg.n_heads, cfg.d_head
         init = nn.initializers.normal(0.02)
-        dense = dict(use_bias=False, dtype=cfg.dtype, param_dtype=cfg.param_dtype, kernel_init=init)
+        t, mem_len = h.shape[1], memory.shape[1]
+        platform = compile_platform(h)
+        fused_kernel = _takes_fused_kernel(
+            cfg, platform, head_width=K, q_len=t, mem_len=mem_len, valid=valid
+        )
+        # A program compiled for a GPU (cuDNN's or XLA's attention) multiplies as 2-D products,
+        # whose kernel gradients come out in the parameters' layout (`flat_dot_general`); the
+        # CPU's program is as before. Not with the Pallas kernels: there the 2-D R projection
+        # tripled the elementwise bytes of XLA's dR assembly (benchmarks/target_h200_2026-12-03/).
+        flat = platform == "gpu" and not fused_kernel
+        dense = dict(
+            use_bias=False,
+            dtype=cfg.dtype,
+            param_dtype=cfg.param_dtype,
+            kernel_init=init,
+            dot_general=flat_dot_general if flat else None,
+        )
         if cfg.untie_r:
             r_w_bias = self.param("r_w_bias", init, (H, K), cfg.param_dtype)
             r_r_bias = self.param("r_r_bias", init, (H, K), cfg.param_dtype)
-        t = h.shape[1]
         layer_norm = LayerNorm(
             epsilon=cfg.layer_norm_eps,
             dtype=cfg.dtype,
@@ -162,8 +177,7 @@ class RelativeMultiHeadAttention(nn.Module):
             dropout_rng = self.make_rng("dropout")
         qu = q + r_w_bias.astype(q.dtype)  # (a) + (c)
         qv = q + r_r_bias.astype(q.dtype)  # (b) + (d)
-        mem_len = cat.shape[1] - t
-        if use_fused_kernel(cfg, q, mem_len=mem_len, valid=valid):
+        if fused_kernel:
             attn = fused_attention.relative_attention(
                 qu,
                 qv,
@@ -226,12 +240,31 @@ def use_fused_kernel(
     and 'cudnn' never. Without the memory's valid count (a
     caller of this module that passes only a mask) the XLA path runs.
     """
-    if config.attention_impl != "pallas" or valid is None:
-        return False
-    platform = compile_platform(q)
-    return fused_attention.applies(
+    return _takes_fused_kernel(
+        config,
+        compile_platform(q),
         head_width=q.shape[-1],
         q_len=q.shape[1],
+        mem_len=mem_len,
+        valid=valid,
+    )
+
+
+def _takes_fused_kernel(
+    config: TransformerXLConfig,
+    platform: str,
+    *,
+    head_width: int,
+    q_len: int,
+    mem_len: int,
+    valid: Array | None,
+) -> bool:
+    """`use_fused_kernel` from the shapes and the platform, before q exists."""
+    if config.attention_impl != "pallas" or valid is None:
+        return False
+    return fused_attention.applies(
+        head_width=head_width,
+        q_len=q_len,
         mem_len=mem_len,
         on_gpu=platform == "gpu",
         on_tpu=platform == "tpu",

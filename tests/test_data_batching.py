@@ -12,7 +12,15 @@ import numpy as np
 import pytest
 from helpers import epoch_batches
 
-from train.data.batching import TokenBatcher, eval_batches, pair_length
+from train.data.batching import (
+    DEFAULT_BUCKETS,
+    PairArrays,
+    TokenBatcher,
+    _pack,
+    eval_batches,
+    pair_length,
+    rows_for,
+)
 
 BUCKETS = (8, 12, 16, 24)
 PAD, BOS, EOS = 0, 1, 2
@@ -191,3 +199,100 @@ def test_bad_batching_options(pairs):
         eval_batches(pairs, batch_size=6, num_devices=4)
     with pytest.raises(ValueError, match="start_step"):
         next(TokenBatcher(pairs, buckets=BUCKETS).iterate(-1))
+
+
+# ------------------------------------------------------- what the mutation run of issue 67 found
+
+
+def test_default_buckets_budget_and_devices_give_the_documented_shapes():
+    # One pair of every length up to the largest default bucket: every default bucket in use.
+    pairs = [([10] * n, [11] * (n - 1)) for n in range(1, 97)]
+    batcher = TokenBatcher(pairs)
+    lengths = (12, 16, 20, 24, 32, 48, 64, 96)
+    assert batcher.buckets == DEFAULT_BUCKETS == lengths
+    assert batcher.tokens_per_batch == 4096 and batcher.num_devices == 1
+    assert batcher.shape_set() == [(4096 // L, L) for L in lengths]
+
+
+def test_bucket_lists_are_checked():
+    assert TokenBatcher([([5], [6])], buckets=(2, 4)).buckets == (2, 4)  # 2 is the least
+    assert TokenBatcher([([5], [6])], buckets=[3]).buckets == (3,)
+    for bad in [(), (1, 4), (0,), (4, 4), (8, 4, 16)]:
+        with pytest.raises(ValueError, match="buckets must be strictly increasing lengths >= 2"):
+            TokenBatcher([([5], [6])], buckets=bad)
+
+
+def test_a_target_as_long_as_a_bucket_goes_to_the_next_one():
+    # The target needs one more position (bos in tgt_in, eos in tgt_out); odd lengths too.
+    buckets = (3, 4, 5, 6, 7, 8)
+    for n in range(1, 8):
+        batcher = TokenBatcher([([5], [6] * n)], tokens_per_batch=64, buckets=buckets)
+        (L,) = batcher.bucket_counts
+        assert L == max(3, n + 1), n
+        (batch,) = epoch_batches(batcher, 0)
+        np.testing.assert_array_equal(batch["tgt_out"][0], [6] * n + [EOS] + [PAD] * (L - n - 1))
+
+
+def test_pair_arrays_hold_each_pair_and_pack_it_with_fill_rows():
+    # A short first pair and a long second one: offsets must start at 0 and lengths come from
+    # differences, not from any other arithmetic that agrees on later pairs.
+    pairs = [([7], [8, 9]), ([20 + i for i in range(9)], [30, 31, 32]), ([40, 41], [])]
+    arrays = PairArrays.from_pairs(pairs)
+    assert len(arrays) == 3
+    assert arrays.src_offsets.tolist() == [0, 1, 10, 12]
+    assert arrays.tgt_offsets.tolist() == [0, 2, 5, 5]
+    src_len, tgt_len = arrays.lengths()
+    assert src_len.tolist() == [1, 9, 2] and tgt_len.tolist() == [2, 3, 0]
+    packed = arrays.pack(np.array([1, -1, 0, 2]), 10, pad_id=PAD, bos_id=BOS, eos_id=EOS)
+    by_hand = _pack([pairs[1], pairs[0], pairs[2]], 10, pad_id=PAD, bos_id=BOS, eos_id=EOS)
+    for key in ("src", "tgt_in", "tgt_out"):
+        want = np.insert(by_hand[key], 1, PAD, axis=0)  # the fill row, all pad
+        np.testing.assert_array_equal(packed[key], want)
+    # One pair and a fill row: the fill row reads no pair's offsets.
+    single = PairArrays.from_pairs([([7, 7], [8])])
+    packed = single.pack(np.array([0, -1]), 4, pad_id=PAD, bos_id=BOS, eos_id=EOS)
+    np.testing.assert_array_equal(packed["tgt_in"], [[BOS, 8, PAD, PAD], [PAD] * 4])
+    assert len(PairArrays.from_pairs([])) == 0
+
+
+def test_pack_by_hand_takes_keywords_and_no_fill_rows_by_default():
+    packed = _pack([([5, 6], [7])], 4, pad_id=PAD, bos_id=BOS, eos_id=EOS)
+    assert packed["src"].tolist() == [[5, 6, PAD, PAD]]
+    with pytest.raises(TypeError):
+        _pack([([5], [7])], 4, PAD, BOS, EOS)  # the special ids are keyword-only
+    with pytest.raises(TypeError):
+        rows_for(12, 4096, 1)
+    with pytest.raises(TypeError):
+        TokenBatcher([([5], [6])], 4096)
+
+
+def test_rows_for_names_the_least_budget_and_refuses_none():
+    assert rows_for(12, tokens_per_batch=100, num_devices=4) == 8
+    assert rows_for(12, tokens_per_batch=24, num_devices=2) == 2  # one row a device
+    for budget in (23, 0, -4096):
+        with pytest.raises(ValueError, match="bucket length 12 on 2 devices: it needs at least 24"):
+            rows_for(12, tokens_per_batch=budget, num_devices=2)
+
+
+def test_errors_name_the_largest_bucket_and_a_negative_epoch():
+    with pytest.raises(
+        ValueError, match=r"no pair fits the largest bucket \(24\); 1 pairs dropped"
+    ):
+        TokenBatcher([([5] * 30, [6])], buckets=BUCKETS)
+    batcher = TokenBatcher([([5], [6])], buckets=BUCKETS)
+    with pytest.raises(ValueError, match="epoch must be >= 0, got -1"):
+        batcher._epoch_plan(-1)
+
+
+def test_eval_batches_defaults_sizes_and_lengths_past_the_largest_bucket():
+    pairs = [([10 + i] * 3, [5]) for i in range(5)]
+    batches = eval_batches(pairs, batch_size=4, buckets=BUCKETS)  # one device by default
+    assert [b["src"].shape for b in batches] == [(4, 8), (4, 8)]
+    assert batches[1]["index"].tolist() == [4, -1, -1, -1]  # three fill rows
+    # A pair needing exactly a bucket's length pads to it; past the largest, to its multiple.
+    for need, length in [(12, 12), (13, 16), (48, 48), (49, 72)]:
+        (batch,) = eval_batches([([5] * need, [6])], batch_size=1, buckets=BUCKETS)
+        assert batch["src"].shape == (1, length), need
+    for size, devices in [(0, 1), (4, 3), (-2, 1)]:
+        with pytest.raises(ValueError, match="batch_size must be a positive multiple"):
+            eval_batches(pairs, batch_size=size, num_devices=devices)

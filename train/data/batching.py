@@ -142,7 +142,7 @@ def rows_for(length: int, *, tokens_per_batch: int, num_devices: int) -> int:
     down to a multiple of `num_devices` so each device gets as many; a named error if not one
     row a device fits."""
     rows = tokens_per_batch // length // num_devices * num_devices
-    if rows == 0:
+    if rows < 1:  # a budget of zero or less included
         raise ValueError(
             f"tokens_per_batch={tokens_per_batch} is too small for bucket length {length} on "
             f"{num_devices} devices: it needs at least {length * num_devices}"

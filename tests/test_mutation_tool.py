@@ -53,3 +53,45 @@ def test_annotation_spans_cover_annotations_and_nothing_else():
 def test_a_module_that_evaluates_its_annotations_has_no_spans():
     eager = SOURCE.replace("from __future__ import annotations\n", "")
     assert _run_module().annotation_spans(eager) == []
+
+
+def _diff(old: str, new: str) -> str:
+    """A one-line mutation of mod.py as Cosmic Ray records it (its title line, then the
+    unified diff)."""
+    return (
+        "--- mutation diff ---\n--- a/mod.py\n+++ b/mod.py\n@@ -1,3 +1,3 @@\n"
+        f" def f(a, b):\n-{old}\n+{new}\n def g():"
+    )
+
+
+def test_recheck_judges_each_survivor_again_with_today_s_tests(tmp_path):
+    import subprocess
+
+    run = _run_module()
+    tree = tmp_path / "tree"
+    tree.mkdir()
+    (tree / "mod.py").write_text("def f(a, b):\n    return a + b\ndef g():\n    return 0\n")
+    # Today's test pins f(2, 2) and f(1, 3) but says nothing of a * b at (2, 2), where + agrees.
+    (tree / "test_mod.py").write_text(
+        "from mod import f\n\ndef test_f():\n    assert f(2, 2) == 4 and f(1, 3) == 4\n"
+    )
+    for command in (["init", "-q"], ["add", "."], ["commit", "-qm", "x"]):
+        subprocess.run(
+            ["git", "-c", "user.name=t", "-c", "user.email=t@t", *command], cwd=tree, check=True
+        )
+    survivors = [
+        {"line": 2, "operator": "Add_Sub", "diff": _diff("    return a + b", "    return a - b")},
+        {"line": 2, "operator": "Add_Mul", "diff": _diff("    return a + b", "    return a * b")},
+        {"line": 2, "operator": "gone", "diff": _diff("    return a + c", "    return a - c")},
+    ]
+    result = {"module": "mod.py", "tests": ["test_mod.py"], "survivors": survivors}
+    rechecked = run.recheck_module(result, tree, timeout=120)
+    # f(1, 3) == -2 kills -; * gives 4 and 3: killed too; the third no longer applies.
+    assert [s["now"] for s in rechecked] == ["killed", "killed", "does not apply"]
+    (tree / "test_mod.py").write_text(
+        "from mod import f\n\ndef test_f():\n    assert f(2, 2) == 4\n"
+    )
+    rechecked = run.recheck_module({**result, "survivors": survivors[1:2]}, tree, timeout=120)
+    assert [(s["operator"], s["now"]) for s in rechecked] == [("Add_Mul", "survived")]
+    # Each mutant is taken back: the module is as committed.
+    assert "return a + b" in (tree / "mod.py").read_text()

@@ -12,6 +12,13 @@ takes from minutes to an hour.
     pip install "attention-jax[mutation]"      # cosmic-ray
     python benchmarks/mutation/run.py transformer_jax/positional.py --out benchmarks/mutation/DATE
     python benchmarks/mutation/run.py --list   # the modules and the tests each is run with
+    python benchmarks/mutation/run.py --recheck benchmarks/mutation/DATE/scores.json
+
+`--recheck` applies each survivor of a run (its diff, from scores.json) to a worktree of HEAD
+and runs the module's tests again: which survivors the tests added since kill, which still
+survive, which no longer apply. Killed mutants stay killed when tests are only added, so this
+answers for the whole module in minutes. It writes recheck.json and recheck.md beside
+scores.json.
 
 Writes OUT/scores.json (per module: killed, survived, timed out, incompetent, the score) and
 OUT/scores.md with each surviving mutant's diff, to be killed by a test or listed as
@@ -22,6 +29,7 @@ from __future__ import annotations
 
 import argparse
 import ast
+import contextlib
 import datetime
 import json
 import os
@@ -62,6 +70,7 @@ MODULES: dict[str, list[str]] = {
 }
 
 OUTCOMES = ("killed", "survived", "timeout", "incompetent", "annotation")
+NOW = ("killed", "survived", "timeout", "does not apply")  # a survivor rechecked
 
 
 def annotation_spans(source: str) -> list[tuple[tuple[int, int], tuple[int, int]]]:
@@ -122,19 +131,7 @@ def _skip_annotations(session: Path, source: str) -> int:
 
 
 def _config(module: str, tests: list[str], timeout: float) -> str:
-    command = [
-        sys.executable,
-        "-m",
-        "pytest",
-        "-x",
-        "-q",
-        "-p",
-        "no:cacheprovider",
-        "-n",
-        "0",
-        "--durations=0",
-        *tests,
-    ]
+    command = _test_command(tests)
     return "\n".join(
         [
             "[cosmic-ray]",
@@ -209,6 +206,79 @@ def run_module(module: str, tests: list[str], tree: Path, work: Path, timeout: f
     return {"module": module, "tests": tests, **counts, "score": score, "survivors": survivors}
 
 
+def _test_command(tests: list[str]) -> list[str]:
+    """The pytest command a mutant is judged by: stop at the first failure, no cache, one
+    process."""
+    return [
+        sys.executable,
+        "-m",
+        "pytest",
+        "-x",
+        "-q",
+        "-p",
+        "no:cacheprovider",
+        "-n",
+        "0",
+        "--durations=0",
+        *tests,
+    ]
+
+
+def recheck_module(result: dict, tree: Path, timeout: float) -> list[dict]:
+    """Each survivor of `result` (a module's entry of scores.json) applied to `tree` and judged
+    by the module's tests: -> the survivors with their `now` ('killed', 'survived', 'timeout'
+    or 'does not apply': the module changed where the mutant was)."""
+    module, rechecked = result["module"], []
+    for survivor in result["survivors"]:
+        # Cosmic Ray's diff opens with a title line of its own before the unified diff.
+        diff = survivor["diff"].removeprefix("--- mutation diff ---\n")
+        applied = subprocess.run(
+            ["git", "apply", "-"], input=diff + "\n", cwd=tree, capture_output=True, text=True
+        )
+        if applied.returncode != 0:
+            rechecked.append({**survivor, "now": "does not apply"})
+            continue
+        try:
+            done = subprocess.run(
+                _test_command(result["tests"]), cwd=tree, capture_output=True, timeout=timeout
+            )
+            now = "survived" if done.returncode == 0 else "killed"
+        except subprocess.TimeoutExpired:
+            now = "timeout"
+        finally:
+            subprocess.run(["git", "checkout", "--", module], cwd=tree, check=True)
+        rechecked.append({**survivor, "now": now})
+        print(f"[recheck] {module}:{survivor['line']} {survivor['operator']}: {now}", flush=True)
+    return rechecked
+
+
+def _recheck_report(rechecked: dict[str, list[dict]], meta: dict) -> str:
+    lines = [
+        "# Survivors rechecked",
+        "",
+        f"`{meta['command']}`, {meta['machine']}, {meta['date']}, at commit {meta['commit']}: "
+        f"the survivors of the run at {meta['run_commit']}, each applied again and judged by "
+        "the module's tests as they are now.",
+        "",
+        "| module | survivors | killed now | still surviving | timed out | no longer apply |",
+        "|---|---:|---:|---:|---:|---:|",
+    ]
+    for module, survivors in rechecked.items():
+        count = {now: sum(s["now"] == now for s in survivors) for now in NOW}
+        lines.append(
+            f"| `{module}` | {len(survivors)} | {count['killed']} | {count['survived']} | "
+            f"{count['timeout']} | {count['does not apply']} |"
+        )
+    for module, survivors in rechecked.items():
+        left = [s for s in survivors if s["now"] in ("survived", "does not apply")]
+        if left:
+            lines += ["", f"## Still surviving or no longer applying in `{module}`", ""]
+            for s in left:
+                lines += [f"line {s['line']}, {s['operator']} ({s['now']}):", ""]
+                lines += ["```diff", s["diff"], "```", ""]
+    return "\n".join(lines) + "\n"
+
+
 def _report(results: list[dict], meta: dict) -> str:
     lines = [
         "# Mutation scores",
@@ -244,11 +314,21 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--out", type=Path, default=None, help="folder for scores.json/.md")
     parser.add_argument("--timeout", type=float, default=300.0, help="seconds a mutant's tests")
     parser.add_argument("--list", action="store_true", help="print the modules and their tests")
+    parser.add_argument(
+        "--recheck",
+        type=Path,
+        default=None,
+        help="a run's scores.json: judge its survivors again with today's tests",
+    )
     args = parser.parse_args(argv)
     if args.list:
         for module, tests in MODULES.items():
             print(module, "<-", shlex.join(tests))
         return 0
+    if args.recheck is not None:
+        if args.modules:
+            parser.error("--recheck takes the modules of its scores.json, not a list")
+        return _recheck(args.recheck, args.out or args.recheck.parent, args.timeout, argv)
     modules = args.modules or list(MODULES)
     unknown = [m for m in modules if m not in MODULES]
     if unknown:
@@ -257,14 +337,43 @@ def main(argv: list[str] | None = None) -> int:
         import cosmic_ray  # noqa: F401
     except ImportError:
         parser.error('cosmic-ray is not installed: pip install "attention-jax[mutation]"')
-    commit = subprocess.run(
-        ["git", "rev-parse", "--short", "HEAD"], cwd=REPO, capture_output=True, text=True
-    ).stdout.strip()
+    commit = _head()
     out = args.out or REPO / "benchmarks" / "mutation" / datetime.date.today().isoformat()
     out.mkdir(parents=True, exist_ok=True)
     results = []
+    with _worktree() as (tree, work):
+        for module in modules:
+            print(f"[mutation] {module} ...", flush=True)
+            result = run_module(module, MODULES[module], tree, work, args.timeout)
+            print(f"[mutation] {module}: {json.dumps({k: result[k] for k in OUTCOMES})}")
+            results.append(result)
+    meta = {**_meta(argv), "commit": commit, "cosmic_ray": _version("cosmic-ray")}
+    (out / "scores.json").write_text(json.dumps({"meta": meta, "modules": results}, indent=1))
+    (out / "scores.md").write_text(_report(results, meta))
+    print(f"[mutation] {out / 'scores.md'}")
+    return 0
+
+
+def _head() -> str:
+    return subprocess.run(
+        ["git", "rev-parse", "--short", "HEAD"], cwd=REPO, capture_output=True, text=True
+    ).stdout.strip()
+
+
+def _meta(argv: list[str] | None) -> dict:
+    return {
+        "command": "python benchmarks/mutation/run.py " + shlex.join(argv or sys.argv[1:]),
+        "machine": _machine(),
+        "date": datetime.date.today().isoformat(),
+    }
+
+
+@contextlib.contextmanager
+def _worktree():
+    """(a git worktree of HEAD, its parent folder for session files), removed after: the
+    checkout you work in is never touched."""
     with tempfile.TemporaryDirectory(prefix="mutation-") as tmp:
-        tree, work = Path(tmp) / "tree", Path(tmp)
+        tree = Path(tmp) / "tree"
         subprocess.run(
             ["git", "worktree", "add", "--detach", str(tree), "HEAD"],
             cwd=REPO,
@@ -272,25 +381,26 @@ def main(argv: list[str] | None = None) -> int:
             capture_output=True,
         )
         try:
-            for module in modules:
-                print(f"[mutation] {module} ...", flush=True)
-                result = run_module(module, MODULES[module], tree, work, args.timeout)
-                print(f"[mutation] {module}: {json.dumps({k: result[k] for k in OUTCOMES})}")
-                results.append(result)
+            yield tree, Path(tmp)
         finally:
             subprocess.run(
                 ["git", "worktree", "remove", "--force", str(tree)], cwd=REPO, check=False
             )
-    meta = {
-        "command": "python benchmarks/mutation/run.py " + shlex.join(argv or sys.argv[1:]),
-        "machine": _machine(),
-        "date": datetime.date.today().isoformat(),
-        "commit": commit,
-        "cosmic_ray": _version("cosmic-ray"),
-    }
-    (out / "scores.json").write_text(json.dumps({"meta": meta, "modules": results}, indent=1))
-    (out / "scores.md").write_text(_report(results, meta))
-    print(f"[mutation] {out / 'scores.md'}")
+
+
+def _recheck(scores: Path, out: Path, timeout: float, argv: list[str] | None) -> int:
+    """`--recheck`: every survivor of the run in `scores` judged again at HEAD; writes
+    OUT/recheck.json and OUT/recheck.md."""
+    run = json.loads(scores.read_text())
+    rechecked = {}
+    with _worktree() as (tree, _):
+        for result in run["modules"]:
+            rechecked[result["module"]] = recheck_module(result, tree, timeout)
+    meta = {**_meta(argv), "commit": _head(), "run_commit": run["meta"]["commit"]}
+    out.mkdir(parents=True, exist_ok=True)
+    (out / "recheck.json").write_text(json.dumps({"meta": meta, "modules": rechecked}, indent=1))
+    (out / "recheck.md").write_text(_recheck_report(rechecked, meta))
+    print(f"[recheck] {out / 'recheck.md'}")
     return 0
 
 

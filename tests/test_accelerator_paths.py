@@ -203,14 +203,16 @@ def test_flat_products_leave_other_contractions_to_dot_general(monkeypatch):
     assert calls[-1] == leading
 
 
-def test_xl_attention_with_flat_products_equals_the_cpu_form(monkeypatch):
-    """XL's attention sublayer as a program compiled for a GPU multiplies (its projections as
-    2-D products): the same output and parameter gradients as the CPU's form."""
+@pytest.mark.parametrize("untie_r", [False, True])
+def test_xl_attention_gpu_forms_equal_the_cpu_form(monkeypatch, untie_r):
+    """XL's attention sublayer in the forms of a program compiled for a GPU (its projections
+    as 2-D products, u and v added as one stack): the same output and gradients, u's and v's
+    included, as the CPU's form."""
     from xl_jax import attention as xl_attention
     from xl_jax.config import TransformerXLConfig
     from xl_jax.memory import attention_mask
 
-    cfg = TransformerXLConfig.tiny(d_model=16, n_heads=2, d_head=4)
+    cfg = TransformerXLConfig.tiny(d_model=16, n_heads=2, d_head=4, untie_r=untie_r)
     b, t, m = 2, 3, 4
     rng = np.random.default_rng(2)
     h = jnp.asarray(rng.normal(size=(b, t, cfg.d_model)), jnp.float32)
@@ -228,8 +230,10 @@ def test_xl_attention_with_flat_products_equals_the_cpu_form(monkeypatch):
     )
 
     def value_and_grads():
-        loss = lambda p: jnp.sum(jnp.sin(module.apply({"params": p}, h, mem, pos, mask, u, v)))  # noqa: E731
-        return jax.value_and_grad(loss)(params)
+        def loss(p, u, v):
+            return jnp.sum(jnp.sin(module.apply({"params": p}, h, mem, pos, mask, u, v)))
+
+        return jax.value_and_grad(loss, argnums=(0, 1, 2))(params, u, v)
 
     cpu = value_and_grads()
     assert products == []  # the CPU's program keeps DenseGeneral's own products

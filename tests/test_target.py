@@ -354,10 +354,11 @@ def test_steps_compile_for_the_h200_with_cudnn_attention(tmp_path):
 
 
 # The quick XL step unrolled (remat 'none', as the bench's XL goals are counted), jax 0.10.2,
-# 2026-12-03: 138 kernels, 359,550 bytes a token, 6 copy kernels of 0.59 MB. With its
-# projections as n-D products (before `flat_dot_general`) 150 kernels, 367,534 bytes a token
-# and 12 copy kernels of 1.46 MB: each kernel gradient went through a transpose.
-UNROLLED_XL_CEILING = {"kernels": 141, "bytes_per_token": 362_000, "copies": 0.65e6}
+# 2026-12-03: 134 kernels, 359,022 bytes a token, 6 copy kernels of 0.72 MB. With u and v
+# added apart (two reductions for their gradients) 138 kernels; with the projections as n-D
+# products too (before `flat_dot_general`) 150 kernels, 367,534 bytes a token and 12 copy
+# kernels of 1.46 MB: each kernel gradient went through a transpose.
+UNROLLED_XL_CEILING = {"kernels": 136, "bytes_per_token": 362_000, "copies": 0.8e6}
 
 
 @pytest.mark.slow

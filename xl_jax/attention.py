@@ -141,17 +141,19 @@ class RelativeMultiHeadAttention(nn.Module):
         fused_kernel = _takes_fused_kernel(
             cfg, platform, head_width=K, q_len=t, mem_len=mem_len, valid=valid
         )
-        # A program compiled for a GPU (cuDNN's or XLA's attention) multiplies as 2-D products,
-        # whose kernel gradients come out in the parameters' layout (`flat_dot_general`); the
-        # CPU's program is as before. Not with the Pallas kernels: there the 2-D R projection
-        # tripled the elementwise bytes of XLA's dR assembly (benchmarks/target_h200_2026-12-03/).
-        flat = platform == "gpu" and not fused_kernel
+        # Forms for a program compiled for a GPU that runs cuDNN's or XLA's attention (the CPU's
+        # program is as before): 2-D products, whose kernel gradients come out in the
+        # parameters' layout (`flat_dot_general`), and u and v added as one [2, H, K] stack, so
+        # their gradients are one reduction. Not with the Pallas kernels: there the 2-D R
+        # projection tripled the elementwise bytes of XLA's dR assembly
+        # (benchmarks/target_h200_2026-12-03/).
+        gpu_forms = platform == "gpu" and not fused_kernel
         dense = dict(
             use_bias=False,
             dtype=cfg.dtype,
             param_dtype=cfg.param_dtype,
             kernel_init=init,
-            dot_general=flat_dot_general if flat else None,
+            dot_general=flat_dot_general if gpu_forms else None,
         )
         if cfg.untie_r:
             r_w_bias = self.param("r_w_bias", init, (H, K), cfg.param_dtype)
@@ -175,8 +177,12 @@ class RelativeMultiHeadAttention(nn.Module):
         dropout_rng = None
         if not deterministic and cfg.dropatt > 0.0:
             dropout_rng = self.make_rng("dropout")
-        qu = q + r_w_bias.astype(q.dtype)  # (a) + (c)
-        qv = q + r_r_bias.astype(q.dtype)  # (b) + (d)
+        if gpu_forms:  # the same sums in q's dtype
+            quv = q[:, :, None] + jnp.stack([r_w_bias, r_r_bias]).astype(q.dtype)  # [B, T, 2, H, K]
+            qu, qv = quv[:, :, 0], quv[:, :, 1]
+        else:
+            qu = q + r_w_bias.astype(q.dtype)  # (a) + (c)
+            qv = q + r_r_bias.astype(q.dtype)  # (b) + (d)
         if fused_kernel:
             attn = fused_attention.relative_attention(
                 qu,

@@ -20,7 +20,7 @@ import pytest
 from helpers import FRESH_LM, REPO, TIMEOUT, made_up_corpus, tiny_lm_config, tree_of, write_lines
 
 from train import lm
-from train.core import cli
+from train.core import cli, workdir_checks
 from train.core.checkpoint import CONFIG_FILE, has_checkpoint, save_run_config
 from train.core.config import config_to_dict
 from train.core.metrics import read_metrics
@@ -241,3 +241,80 @@ def test_an_orphaned_asyncio_task_error_goes_to_error_log_not_stderr(tmp_path):
     assert "Task exception was never retrieved" in log
     assert "ValueError: OUT_OF_RANGE: sibling read of a truncated file" in log
     assert "CheckpointError" in log  # the error itself, as before
+
+
+# --------------------------- train.core.workdir_checks alone (what its mutation run found)
+
+
+def _as_process(monkeypatch, index: int, count: int = 2) -> list[tuple[str, str]]:
+    """This process plays process `index` of `count`; -> the (value, what) pairs that
+    check_workdir hands to check_same_on_every_process (which here compares nothing)."""
+    monkeypatch.setattr(workdir_checks.jax, "process_index", lambda: index)
+    monkeypatch.setattr(workdir_checks.jax, "process_count", lambda: count)
+    compared = []
+    monkeypatch.setattr(
+        workdir_checks, "check_same_on_every_process", lambda v, what: compared.append((v, what))
+    )
+    return compared
+
+
+@pytest.mark.parametrize("count, compares", [(1, False), (2, True), (3, True)])
+def test_the_run_s_settings_are_compared_across_processes_only_past_one(
+    tmp_path, monkeypatch, count, compares
+):
+    compared = _as_process(monkeypatch, 0, count)
+    # The same settings given in another order are the same run on every process.
+    for config in ({"steps": 3, "preset": "tiny"}, {"preset": "tiny", "steps": 3}):
+        assert workdir_checks.check_workdir(None, str(tmp_path / "run"), config, ()) == []
+    if compares:
+        assert compared == [('{"preset": "tiny", "steps": 3}', "the run's settings (flags)")] * 2
+    else:
+        assert compared == []
+
+
+def test_only_process_0_probes_the_checkpoint_directory(tmp_path, monkeypatch, immutable):
+    checkpoints = tmp_path / "run" / "checkpoints"
+    checkpoints.mkdir(parents=True)
+    immutable(checkpoints)
+    _as_process(monkeypatch, 1)  # another host's W may not be this one's: it writes nothing there
+    assert workdir_checks.check_workdir(None, str(tmp_path / "run"), {}, ()) == []
+    _as_process(monkeypatch, 0)
+    with pytest.raises(WorkdirError, match="is not writable"):
+        workdir_checks.check_workdir(None, str(tmp_path / "run"), {}, ())
+
+
+def _failed_start(workdir, *, made_lock: bool = False):
+    with pytest.raises(RuntimeError, match="the start failed"):
+        with workdir_checks.taken_back_unless_saved(str(workdir), made_lock=made_lock):
+            (workdir / CONFIG_FILE).write_text("{}")
+            raise RuntimeError("the start failed")
+
+
+def test_only_process_0_takes_back_what_a_failed_start_wrote(tmp_path, monkeypatch):
+    workdir = tmp_path / "run"
+    workdir.mkdir()
+    _as_process(monkeypatch, 1)
+    _failed_start(workdir)
+    assert (workdir / CONFIG_FILE).exists()  # process 0 writes W's files and takes them back
+    _as_process(monkeypatch, 0)
+    (workdir / CONFIG_FILE).unlink()
+    _failed_start(workdir)
+    assert not (workdir / CONFIG_FILE).exists()
+    with pytest.raises(TypeError):
+        workdir_checks.taken_back_unless_saved(str(workdir), False)  # made_lock by name only
+
+
+def test_a_take_back_that_fails_reports_it_and_keeps_the_start_s_error(
+    tmp_path, monkeypatch, capsys
+):
+    workdir = tmp_path / "run"
+    workdir.mkdir()
+    _as_process(monkeypatch, 0)
+
+    def cannot_remove(root, entries):
+        raise PermissionError(13, "Permission denied")
+
+    monkeypatch.setattr(workdir_checks, "remove_added", cannot_remove)
+    _failed_start(workdir)  # the RuntimeError, not the PermissionError
+    assert "could not remove what this start wrote in" in capsys.readouterr().err
+    assert (workdir / CONFIG_FILE).exists()

@@ -6,6 +6,7 @@ row of a batch can be traced back to its pair and compared with padding done by 
 
 from __future__ import annotations
 
+import dataclasses
 import itertools
 
 import numpy as np
@@ -296,3 +297,54 @@ def test_eval_batches_defaults_sizes_and_lengths_past_the_largest_bucket():
     for size, devices in [(0, 1), (4, 3), (-2, 1)]:
         with pytest.raises(ValueError, match="batch_size must be a positive multiple"):
             eval_batches(pairs, batch_size=size, num_devices=devices)
+
+
+def test_pair_length_counts_the_target_s_shift_for_odd_and_even_targets():
+    assert pair_length([5], [6, 6, 6]) == 4
+    assert pair_length([5], [6, 6]) == 3
+    assert pair_length([5] * 9, [6]) == 9
+    # eval_batches pads to it: an odd target at a bucket's length goes to the next bucket.
+    (batch,) = eval_batches([([5], [6] * 11)], batch_size=1, buckets=BUCKETS)
+    assert batch["src"].shape == (1, 12)
+    (batch,) = eval_batches([([5], [6] * 12)], batch_size=1, buckets=BUCKETS)
+    assert batch["src"].shape == (1, 16)
+
+
+def test_keyword_only_options_of_packing_and_eval_batches():
+    arrays = PairArrays.from_pairs([([5], [6])])
+    with pytest.raises(TypeError):
+        arrays.pack(np.array([0]), 4, PAD, BOS, EOS)
+    with pytest.raises(TypeError):
+        eval_batches([([5], [6])], 4)
+
+
+def test_pair_arrays_are_frozen():
+    arrays = PairArrays.from_pairs([([5], [6])])
+    with pytest.raises(dataclasses.FrozenInstanceError):
+        arrays.src = np.zeros(1, np.int64)
+
+
+def test_example_batches_give_one_all_pad_batch_of_each_shape(batcher):
+    whole = batcher.example_batches()
+    assert [b["src"].shape for b in whole] == batcher.shape_set()
+    assert not any(b[key].any() for b in whole for key in b)
+    half = batcher.example_batches(rows=lambda n: slice(0, n // 2))
+    assert [b["src"].shape for b in half] == [(n // 2, L) for n, L in batcher.shape_set()]
+
+
+def test_the_stream_is_endless_and_the_default_seed_is_0(batcher, pairs):
+    n = batcher.num_batches
+    assert len(list(itertools.islice(batcher.iterate(), 2 * n + 5))) == 2 * n + 5
+    assert len(list(itertools.islice(batcher.iterate(n + 3), 4))) == 4
+    default = TokenBatcher(pairs, tokens_per_batch=200, buckets=BUCKETS, num_devices=4)
+    seed0 = TokenBatcher(pairs, tokens_per_batch=200, buckets=BUCKETS, num_devices=4, seed=0)
+    for a, b in zip(epoch_batches(default, 0), epoch_batches(seed0, 0), strict=True):
+        np.testing.assert_array_equal(a["src"], b["src"])
+
+
+def test_device_counts_below_one_are_refused_and_eval_batches_hold_64_rows():
+    with pytest.raises(ValueError, match="num_devices must be >= 1, got 0"):
+        TokenBatcher([([5], [6])], num_devices=0)
+    batches = eval_batches([([10 + i], [5]) for i in range(70)])
+    assert [b["src"].shape[0] for b in batches] == [64, 64]
+    assert batches[1]["index"].tolist() == list(range(64, 70)) + [-1] * 58

@@ -392,11 +392,11 @@ def _recheck(scores: Path, out: Path, timeout: float, argv: list[str] | None) ->
     """`--recheck`: every survivor of the run in `scores` judged again at HEAD; writes
     OUT/recheck.json and OUT/recheck.md."""
     run = json.loads(scores.read_text())
-    rechecked = {}
+    rechecked, commit = {}, _head()  # the worktree's commit, whatever lands while it runs
     with _worktree() as (tree, _):
         for result in run["modules"]:
             rechecked[result["module"]] = recheck_module(result, tree, timeout)
-    meta = {**_meta(argv), "commit": _head(), "run_commit": run["meta"]["commit"]}
+    meta = {**_meta(argv), "commit": commit, "run_commit": run["meta"]["commit"]}
     out.mkdir(parents=True, exist_ok=True)
     (out / "recheck.json").write_text(json.dumps({"meta": meta, "modules": rechecked}, indent=1))
     (out / "recheck.md").write_text(_recheck_report(rechecked, meta))

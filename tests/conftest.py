@@ -37,8 +37,11 @@ except AttributeError:  # pragma: no cover - jax without the option: the XLA fla
 # One cache for the whole test run: a pytest-xdist worker shares its controller's (its parent
 # process's), so a program one worker compiled is a hit on the other. Entries are written
 # whole or read as a miss (JAX warns and compiles), so the workers need no lock.
+# A caller that runs the suite many times over (benchmarks/mutation/run.py, a pytest process
+# per mutant) names a cache of its own to share between the runs, and removes it itself.
 _XDIST_WORKER = "PYTEST_XDIST_WORKER" in os.environ
-_COMPILATION_CACHE = os.path.join(
+_SHARED_CACHE = os.environ.get("ATTENTION_JAX_TEST_CACHE")
+_COMPILATION_CACHE = _SHARED_CACHE or os.path.join(
     tempfile.gettempdir(), f"jax_cache_{os.getppid() if _XDIST_WORKER else os.getpid()}"
 )
 os.makedirs(_COMPILATION_CACHE, exist_ok=True)
@@ -221,5 +224,5 @@ def lm_straight(tmp_path_factory, data_dir):
 def pytest_unconfigure(config):
     """The test run's cache goes when it ends: removed by the controller (the process that
     started any workers), after every worker has stopped."""
-    if not _XDIST_WORKER:
+    if not _XDIST_WORKER and not _SHARED_CACHE:
         shutil.rmtree(_COMPILATION_CACHE, ignore_errors=True)

@@ -95,3 +95,27 @@ def test_recheck_judges_each_survivor_again_with_today_s_tests(tmp_path):
     assert [(s["operator"], s["now"]) for s in rechecked] == [("Add_Mul", "survived")]
     # Each mutant is taken back: the module is as committed.
     assert "return a + b" in (tree / "mod.py").read_text()
+
+
+def test_every_mutant_s_tests_share_one_compilation_cache_removed_with_the_run(monkeypatch):
+    """run.py names one cache for the pytest processes it starts; conftest.py compiles into
+    it and leaves it for the next mutant; it goes with the run's temporary folder."""
+    import os
+    import subprocess
+
+    run = _run_module()
+    monkeypatch.delenv(run.CACHE_VARIABLE, raising=False)
+    with run._worktree() as (tree, work):
+        cache = Path(os.environ[run.CACHE_VARIABLE])
+        assert cache.parent == work
+        for _ in range(2):  # the second pytest finds the first one's programs and keeps them
+            done = subprocess.run(
+                [*run._test_command(["tests/test_accelerator_paths.py"]), "-k", "extreme_rows"],
+                cwd=run.REPO,  # this checkout's conftest.py; the worktree holds HEAD's
+                capture_output=True,
+                text=True,
+            )
+            assert done.returncode == 0, done.stdout[-2000:]
+            assert any(cache.iterdir()), "nothing was compiled into the shared cache"
+    assert run.CACHE_VARIABLE not in os.environ
+    assert not cache.exists() and not tree.exists()

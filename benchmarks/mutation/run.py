@@ -41,6 +41,7 @@ import tempfile
 from pathlib import Path
 
 REPO = Path(__file__).resolve().parents[2]
+CACHE_VARIABLE = "ATTENTION_JAX_TEST_CACHE"  # tests/conftest.py: a compilation cache to share
 
 # Each module with the tests that claim its behaviour (pytest arguments).
 MODULES: dict[str, list[str]] = {
@@ -380,9 +381,18 @@ def _worktree():
             check=True,
             capture_output=True,
         )
+        # One persistent compilation cache for every mutant's pytest (tests/conftest.py reads
+        # it): a program the mutant does not touch compiles once for the whole run, and one it
+        # does is another program, hence another key.
+        before = os.environ.get(CACHE_VARIABLE)
+        os.environ[CACHE_VARIABLE] = str(Path(tmp) / "jax_cache")
         try:
             yield tree, Path(tmp)
         finally:
+            if before is None:
+                os.environ.pop(CACHE_VARIABLE, None)
+            else:
+                os.environ[CACHE_VARIABLE] = before
             subprocess.run(
                 ["git", "worktree", "remove", "--force", str(tree)], cwd=REPO, check=False
             )

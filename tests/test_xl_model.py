@@ -102,6 +102,30 @@ def test_update_memory_slides_and_counts():
         np.testing.assert_array_equal(mem.hidden[0][0, 3 - n :, 0], seen[-n:])
 
 
+def test_update_memory_takes_one_position_at_a_time_and_an_empty_segment():
+    """Generation adds one position a step (T = 1 < M); an empty segment (T = 0) keeps the
+    memory as it is. Both keep M slots."""
+    cfg = TransformerXLConfig.tiny(n_layers=2, d_model=2, mem_len=3)
+    mem = init_memory(cfg, 1)
+    for step in range(5):
+        h = jnp.full((1, 1, 2), step, jnp.float32)
+        mem = update_memory(mem, [h, h + 10])
+        n = min(step + 1, 3)
+        np.testing.assert_array_equal(mem.valid, [n])
+        np.testing.assert_array_equal(mem.hidden[0][0, 3 - n :, 0], np.arange(step + 1)[-n:])
+        np.testing.assert_array_equal(mem.hidden[1][0, 3 - n :, 0], np.arange(step + 1)[-n:] + 10)
+    empty = jnp.zeros((1, 0, 2), jnp.float32)
+    same = update_memory(mem, [empty, empty])
+    chex.assert_trees_all_equal(same, mem)
+
+
+def test_a_negative_memory_length_is_an_error_that_says_so():
+    cfg = TransformerXLConfig.tiny()
+    with pytest.raises(ValueError, match="mem_len must be >= 0, got -1"):
+        init_memory(cfg, 2, mem_len=-1)
+    assert init_memory(cfg, 2, mem_len=0).length == 0
+
+
 @pytest.mark.slow
 def test_no_gradient_through_memory_into_previous_segment():
     cfg = TransformerXLConfig.tiny()

@@ -119,3 +119,43 @@ def test_every_mutant_s_tests_share_one_compilation_cache_removed_with_the_run(m
             assert any(cache.iterdir()), "nothing was compiled into the shared cache"
     assert run.CACHE_VARIABLE not in os.environ
     assert not cache.exists() and not tree.exists()
+
+
+def test_a_stopped_run_goes_on_from_the_mutants_it_had_not_judged(tmp_path):
+    """run_module keeps Cosmic Ray's session in the run's folder: started again, it judges
+    only what the first start left pending, and records each start's commit."""
+    import sqlite3
+    import subprocess
+
+    run = _run_module()
+    tree, sessions = tmp_path / "tree", tmp_path / "sessions"
+    tree.mkdir()
+    sessions.mkdir()
+    (tree / "mod.py").write_text("def f(a):\n    return -a\n")
+    # Kills all four unary mutants (+a, ~a, not a, a).
+    (tree / "test_mod.py").write_text("from mod import f\n\ndef test_f():\n    assert f(2) == -2\n")
+    for command in (["init", "-q"], ["add", "."], ["commit", "-qm", "x"]):
+        subprocess.run(
+            ["git", "-c", "user.name=t", "-c", "user.email=t@t", *command], cwd=tree, check=True
+        )
+    first = run.run_module("mod.py", ["test_mod.py"], tree, sessions, timeout=120)
+    assert (first["killed"], first["survived"]) == (4, 0)
+    # A weaker test that +a and the deleted minus pass: a second start judges nothing again.
+    (tree / "test_mod.py").write_text("from mod import f\n\ndef test_f():\n    assert f(0) == 0\n")
+    again = run.run_module("mod.py", ["test_mod.py"], tree, sessions, timeout=120)
+    assert (again["killed"], again["survived"]) == (4, 0)
+    # As if stopped before two of them: only those two are judged, by today's test.
+    with sqlite3.connect(sessions / "mod.py.sqlite") as db:
+        pending = [
+            job
+            for (job,) in db.execute(
+                "select job_id from mutation_specs where operator_name like '%UAdd' "
+                "or operator_name like '%Invert'"
+            )
+        ]
+        assert len(pending) == 2
+        db.executemany("delete from work_results where job_id = ?", [(j,) for j in pending])
+    resumed = run.run_module("mod.py", ["test_mod.py"], tree, sessions, timeout=120)
+    assert (resumed["killed"], resumed["survived"]) == (3, 1)  # +a survives, ~a does not
+    assert [s["operator"].rsplit("_", 1)[-1] for s in resumed["survivors"]] == ["UAdd"]
+    assert resumed["commits"] == [run._head(tree)]

@@ -20,6 +20,10 @@ survive, which no longer apply. Killed mutants stay killed when tests are only a
 answers for the whole module in minutes. It writes recheck.json and recheck.md beside
 scores.json.
 
+Cosmic Ray's sessions stay in OUT/sessions/ (git ignores them): a run that was stopped goes
+on from the mutants it had not judged when started again with the same --out, at today's HEAD
+(scores.md names each start's commit; `--recheck` then judges every survivor at one commit).
+
 Writes OUT/scores.json (per module: killed, survived, timed out, incompetent, the score) and
 OUT/scores.md with each surviving mutant's diff, to be killed by a test or listed as
 equivalent with its reason (benchmarks/mutation/README.md, by hand).
@@ -196,21 +200,40 @@ def _summarize(dump: str) -> tuple[dict[str, int], list[dict]]:
     return counts, survivors
 
 
-def run_module(module: str, tests: list[str], tree: Path, work: Path, timeout: float) -> dict:
+def run_module(module: str, tests: list[str], tree: Path, sessions: Path, timeout: float) -> dict:
+    """Cosmic Ray over `module` in `tree`, its session kept in `sessions`: a run stopped part
+    way (a killed process, a machine that went away) goes on from the mutants it had not
+    judged when started again with the same folder, at whatever commit HEAD is then."""
     name = module.replace("/", "_")
-    config = work / f"{name}.toml"
-    session = work / f"{name}.sqlite"
+    config = sessions / f"{name}.toml"
+    session = sessions / f"{name}.sqlite"
     config.write_text(_config(module, tests, timeout))
-    for args in (("init", str(config), str(session)), ("exec", str(config), str(session))):
-        if args[0] == "exec":
-            _skip_annotations(session, (tree / module).read_text())
-        done = _cosmic_ray(*args, cwd=tree)
+    if not session.exists():
+        # Made aside and renamed when whole: a stopped init leaves no session to resume.
+        fresh = sessions / f"{name}.init.sqlite"
+        fresh.unlink(missing_ok=True)
+        done = _cosmic_ray("init", str(config), str(fresh), cwd=tree)
         if done.returncode != 0:
-            raise RuntimeError(f"cosmic-ray {args[0]} for {module}: {done.stderr[-2000:]}")
+            raise RuntimeError(f"cosmic-ray init for {module}: {done.stderr[-2000:]}")
+        _skip_annotations(fresh, (tree / module).read_text())
+        fresh.rename(session)
+    commits = sessions / f"{name}.commits"
+    with commits.open("a") as log:
+        log.write(_head(tree) + "\n")
+    done = _cosmic_ray("exec", str(config), str(session), cwd=tree)
+    if done.returncode != 0:
+        raise RuntimeError(f"cosmic-ray exec for {module}: {done.stderr[-2000:]}")
     counts, survivors = _summarize(_cosmic_ray("dump", str(session), cwd=tree).stdout)
     judged = counts["killed"] + counts["survived"] + counts["timeout"]
     score = (counts["killed"] + counts["timeout"]) / judged if judged else None
-    return {"module": module, "tests": tests, **counts, "score": score, "survivors": survivors}
+    return {
+        "module": module,
+        "tests": tests,
+        **counts,
+        "score": score,
+        "survivors": survivors,
+        "commits": list(dict.fromkeys(commits.read_text().split())),
+    }
 
 
 def _test_command(tests: list[str]) -> list[str]:
@@ -306,6 +329,13 @@ def _report(results: list[dict], meta: dict) -> str:
             f"| `{r['module']}` | {r['killed']} | {r['survived']} | {r['timeout']} | "
             f"{r['incompetent']} | {r['annotation']} | {score} |"
         )
+    resumed = [r for r in results if len(r.get("commits", [])) > 1]
+    if resumed:
+        lines.append("")
+    for r in resumed:
+        lines.append(
+            f"`{r['module']}` was judged over resumed runs at commits {', '.join(r['commits'])}."
+        )
     for r in results:
         if r["survivors"]:
             lines += ["", f"## Survivors in `{r['module']}`", ""]
@@ -348,10 +378,12 @@ def main(argv: list[str] | None = None) -> int:
     out = args.out or REPO / "benchmarks" / "mutation" / datetime.date.today().isoformat()
     out.mkdir(parents=True, exist_ok=True)
     results = []
-    with _worktree() as (tree, work):
+    sessions = out / "sessions"  # Cosmic Ray's sessions, to resume a stopped run (not committed)
+    sessions.mkdir(exist_ok=True)
+    with _worktree() as (tree, _):
         for module in modules:
             print(f"[mutation] {module} ...", flush=True)
-            result = run_module(module, MODULES[module], tree, work, args.timeout)
+            result = run_module(module, MODULES[module], tree, sessions, args.timeout)
             print(f"[mutation] {module}: {json.dumps({k: result[k] for k in OUTCOMES})}")
             results.append(result)
     meta = {**_meta(argv), "commit": commit, "cosmic_ray": _version("cosmic-ray")}
@@ -361,9 +393,9 @@ def main(argv: list[str] | None = None) -> int:
     return 0
 
 
-def _head() -> str:
+def _head(tree: Path = REPO) -> str:
     return subprocess.run(
-        ["git", "rev-parse", "--short", "HEAD"], cwd=REPO, capture_output=True, text=True
+        ["git", "rev-parse", "--short", "HEAD"], cwd=tree, capture_output=True, text=True
     ).stdout.strip()
 
 

@@ -121,14 +121,15 @@ def test_every_mutant_s_tests_share_one_compilation_cache_removed_with_the_run(m
     assert not cache.exists() and not tree.exists()
 
 
-def test_a_stopped_run_goes_on_from_the_mutants_it_had_not_judged(tmp_path):
+def test_a_stopped_run_goes_on_from_the_mutants_it_had_not_judged(tmp_path, monkeypatch):
     """run_module keeps Cosmic Ray's session in the run's folder: started again, it judges
     only what the first start left pending, and records each start's commit."""
     import sqlite3
     import subprocess
 
     run = _run_module()
-    tree, sessions = tmp_path / "tree", tmp_path / "sessions"
+    monkeypatch.chdir(tmp_path)  # the folder named as --out is, relative to where run.py started
+    tree, sessions = tmp_path / "tree", Path("sessions")
     tree.mkdir()
     sessions.mkdir()
     (tree / "mod.py").write_text("def f(a):\n    return -a\n")
@@ -145,7 +146,7 @@ def test_a_stopped_run_goes_on_from_the_mutants_it_had_not_judged(tmp_path):
     again = run.run_module("mod.py", ["test_mod.py"], tree, sessions, timeout=120)
     assert (again["killed"], again["survived"]) == (4, 0)
     # As if stopped before two of them: only those two are judged, by today's test.
-    with sqlite3.connect(sessions / "mod.py.sqlite") as db:
+    with sqlite3.connect(tmp_path / "sessions" / "mod.py.sqlite") as db:
         pending = [
             job
             for (job,) in db.execute(

@@ -205,6 +205,7 @@ def run_module(module: str, tests: list[str], tree: Path, sessions: Path, timeou
     way (a killed process, a machine that went away) goes on from the mutants it had not
     judged when started again with the same folder, at whatever commit HEAD is then."""
     name = module.replace("/", "_")
+    sessions = sessions.resolve()  # Cosmic Ray runs in the tree, not where we were started
     config = sessions / f"{name}.toml"
     session = sessions / f"{name}.sqlite"
     config.write_text(_config(module, tests, timeout))

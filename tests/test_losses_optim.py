@@ -129,6 +129,49 @@ def test_bad_smoothing_raises():
         )
 
 
+def test_a_vocabulary_under_three_ids_is_refused_and_three_is_enough():
+    # Smoothing spreads over V - 2 ids (not the target, not pad): at least one is needed.
+    targets = jnp.ones((1, 1), jnp.int32)
+    with pytest.raises(ValueError, match="vocabulary of at least 3, got 2"):
+        label_smoothed_cross_entropy(jnp.zeros((1, 1, 2)), targets, smoothing=0.1, pad_id=0)
+    loss, n = label_smoothed_cross_entropy(jnp.zeros((1, 1, 3)), targets, smoothing=0.1, pad_id=0)
+    np.testing.assert_allclose(loss, np.log(3.0), rtol=1e-6)  # uniform p: -sum q log(1/3)
+    assert int(n) == 1
+
+
+def test_a_pad_id_inside_the_vocabulary_takes_no_smoothing_mass_and_counts_nothing():
+    """pad need not be id 0 (fairseq's is 1, Marian's the last id): ids below and above it
+    are ordinary targets."""
+    v, pad = 7, 3
+    rng = np.random.default_rng(4)
+    logits = rng.normal(size=(2, 4, v)).astype(np.float32)
+    targets = np.array([[0, 1, 2, 3], [4, 6, 3, 5]], np.int32)
+    q = np.asarray(smoothed_target_distribution(targets, v, smoothing=0.2, pad_id=pad))
+    for b in range(2):
+        for t in range(4):
+            want = np.zeros(v)
+            if targets[b, t] != pad:
+                want[:] = 0.2 / (v - 2)
+                want[pad] = 0.0
+                want[targets[b, t]] = 0.8
+            np.testing.assert_allclose(q[b, t], want, rtol=1e-6, err_msg=f"row {b, t}")
+    loss, n = label_smoothed_cross_entropy(logits, targets, smoothing=0.2, pad_id=pad)
+    want_loss, want_n = _explicit_smoothed_ce(logits, targets, 0.2, pad)
+    np.testing.assert_allclose(loss, want_loss, rtol=1e-5)
+    assert int(n) == want_n == 6
+
+
+@pytest.mark.parametrize("decay", [-0.5, 1.0])
+def test_the_reinforce_baseline_s_decay_must_be_in_0_1(decay):
+    from transformer_jax.losses import hard_attention_surrogate, init_reinforce_baseline
+
+    aux = {"log_prob": jnp.zeros((1, 2)), "entropy": jnp.zeros((1, 2))}
+    args = (jnp.zeros((1, 2, 4)), jnp.ones((1, 2), jnp.int32), aux, init_reinforce_baseline())
+    with pytest.raises(ValueError, match=f"decay must be in \\[0, 1\\), got {decay}"):
+        hard_attention_surrogate(*args, pad_id=0, decay=decay)
+    hard_attention_surrogate(*args, pad_id=0, decay=0.0)
+
+
 @pytest.mark.parametrize("d_model,warmup,factor", [(512, 4000, 1.0), (64, 10, 2.0)])
 def test_noam_equals_formula_at_step_one_warmup_and_ten_warmups(d_model, warmup, factor):
     sched = noam_schedule(d_model, warmup, factor)

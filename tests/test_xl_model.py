@@ -119,6 +119,25 @@ def test_update_memory_takes_one_position_at_a_time_and_an_empty_segment():
     chex.assert_trees_all_equal(same, mem)
 
 
+def test_update_memory_takes_exactly_one_segment_per_layer():
+    cfg = TransformerXLConfig.tiny(n_layers=2, d_model=2, mem_len=3)
+    h = jnp.ones((1, 2, 2), jnp.float32)
+    with pytest.raises(ValueError, match="zip"):
+        update_memory(init_memory(cfg, 1), [h])
+    with pytest.raises(ValueError, match="zip"):
+        update_memory(init_memory(cfg, 1), [h, h, h])
+
+
+def test_the_mask_s_lengths_are_keyword_only():
+    """q_len and mem_len are both ints; taken by position, a swap would go unnoticed."""
+    from xl_jax.memory import attention_mask
+
+    valid = jnp.array([2])
+    with pytest.raises(TypeError):
+        attention_mask(valid, 3, 2, False)
+    assert attention_mask(valid, q_len=3, mem_len=2, same_length=False).shape == (1, 1, 3, 5)
+
+
 def test_a_negative_memory_length_is_an_error_that_says_so():
     cfg = TransformerXLConfig.tiny()
     with pytest.raises(ValueError, match="mem_len must be >= 0, got -1"):

@@ -10,6 +10,7 @@ compiled GPU programs take them.
 from __future__ import annotations
 
 import functools
+import re
 
 import chex
 import jax
@@ -46,7 +47,15 @@ def test_one_pass_loss_equals_the_two_pass_loss_and_gradient(monkeypatch, smooth
     )
     value = lambda x: loss(x)[0]  # noqa: E731
     cpu = jax.jit(jax.value_and_grad(value))(logits)
+
+    # The CPU keeps the two-pass form (and its numbers); only an accelerator's program takes
+    # the one-pass reduction, a `reduce` of four operands with its own combiner.
+    def reductions():  # the reduction primitives of the gradient's trace, traced afresh
+        return re.findall(r"\b(reduce\w*)\[", str(jax.make_jaxpr(jax.grad(value))(logits)))
+
+    assert "reduce" not in reductions() and "reduce_max" in reductions()
     monkeypatch.setattr(losses, "compile_platform", lambda *a: "gpu")
+    assert "reduce" in reductions() and "reduce_max" not in reductions()
     gpu = jax.jit(jax.value_and_grad(value))(logits)
     np.testing.assert_allclose(gpu[0], cpu[0], rtol=1e-6)
     np.testing.assert_allclose(gpu[1], cpu[1], atol=1e-7)

@@ -172,6 +172,20 @@ def test_the_reinforce_baseline_s_decay_must_be_in_0_1(decay):
     hard_attention_surrogate(*args, pad_id=0, decay=0.0)
 
 
+def test_the_baseline_averages_over_real_tokens_even_one_or_none():
+    from transformer_jax.losses import hard_attention_surrogate, init_reinforce_baseline
+
+    logits = jnp.asarray(np.random.default_rng(2).normal(size=(1, 3, 5)), jnp.float32)
+    aux = {"log_prob": jnp.zeros((1, 3)), "entropy": jnp.zeros((1, 3))}
+    log_p = np.asarray(jax.nn.log_softmax(logits))
+    for targets, mean in (([[4, 0, 0]], 0.5 * log_p[0, 0, 4]), ([[0, 0, 0]], 0.0)):
+        _, state = hard_attention_surrogate(
+            logits, jnp.array(targets), aux, init_reinforce_baseline(), pad_id=0, decay=0.5
+        )
+        np.testing.assert_allclose(state["mean"], mean, rtol=1e-6, err_msg=str(targets))
+        np.testing.assert_allclose(state["weight"], 0.5)
+
+
 @pytest.mark.parametrize("d_model,warmup,factor", [(512, 4000, 1.0), (64, 10, 2.0)])
 def test_noam_equals_formula_at_step_one_warmup_and_ten_warmups(d_model, warmup, factor):
     sched = noam_schedule(d_model, warmup, factor)

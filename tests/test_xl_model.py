@@ -138,6 +138,38 @@ def test_the_mask_s_lengths_are_keyword_only():
     assert attention_mask(valid, q_len=3, mem_len=2, same_length=False).shape == (1, 1, 3, 5)
 
 
+def test_reset_rows_empties_the_rows_asked_and_keeps_the_others():
+    from xl_jax.memory import reset_rows
+
+    cfg = TransformerXLConfig.tiny(n_layers=2, d_model=2, mem_len=3)
+    mem = init_memory(cfg, 2)
+    mem = update_memory(mem, [jnp.ones((2, 3, 2)), 2 * jnp.ones((2, 3, 2))])
+    out = reset_rows(mem, jnp.array([True, False]))
+    np.testing.assert_array_equal(out.valid, [0, 3])
+    for before, after in zip(mem.hidden, out.hidden, strict=True):
+        np.testing.assert_array_equal(after[0], np.zeros((3, 2)))
+        np.testing.assert_array_equal(after[1], before[1])
+    chex.assert_trees_all_equal(reset_rows(mem, jnp.array([True, True])), init_memory(cfg, 2))
+
+
+@pytest.mark.parametrize("same_length", [False, True])
+def test_the_attention_mask_follows_its_three_rules(same_length):
+    """Key j is visible to query i when d = M + i - j >= 0, the slot is filled
+    (j >= M - valid), and with same_length d < M; a bool mask [B, 1, T, S]."""
+    from xl_jax.memory import attention_mask
+
+    m, t, valid = 3, 4, [3, 1]
+    mask = attention_mask(jnp.array(valid), q_len=t, mem_len=m, same_length=same_length)
+    assert mask.dtype == jnp.bool_ and mask.shape == (2, 1, t, m + t)
+    want = np.zeros((2, 1, t, m + t), bool)
+    for b in range(2):
+        for i in range(t):
+            for j in range(m + t):
+                d = m + i - j
+                want[b, 0, i, j] = d >= 0 and j >= m - valid[b] and (d < m or not same_length)
+    np.testing.assert_array_equal(mask, want)
+
+
 def test_a_negative_memory_length_is_an_error_that_says_so():
     cfg = TransformerXLConfig.tiny()
     with pytest.raises(ValueError, match="mem_len must be >= 0, got -1"):

@@ -142,10 +142,10 @@ def test_a_vocabulary_under_three_ids_is_refused_and_three_is_enough():
 def test_a_pad_id_inside_the_vocabulary_takes_no_smoothing_mass_and_counts_nothing():
     """pad need not be id 0 (fairseq's is 1, Marian's the last id): ids below and above it
     are ordinary targets."""
-    v, pad = 7, 3
+    v, pad = 9, 3  # 9 - 2 != 9 ^ 2 (with 7, as elsewhere in this file, they are equal)
     rng = np.random.default_rng(4)
     logits = rng.normal(size=(2, 4, v)).astype(np.float32)
-    targets = np.array([[0, 1, 2, 3], [4, 6, 3, 5]], np.int32)
+    targets = np.array([[0, 1, 2, 3], [4, 8, 3, 5]], np.int32)
     q = np.asarray(smoothed_target_distribution(targets, v, smoothing=0.2, pad_id=pad))
     for b in range(2):
         for t in range(4):
@@ -170,6 +170,20 @@ def test_the_reinforce_baseline_s_decay_must_be_in_0_1(decay):
     with pytest.raises(ValueError, match=f"decay must be in \\[0, 1\\), got {decay}"):
         hard_attention_surrogate(*args, pad_id=0, decay=decay)
     hard_attention_surrogate(*args, pad_id=0, decay=0.0)
+
+
+def test_the_losses_take_their_scalars_by_keyword_only():
+    """smoothing and pad_id (and the surrogate's pad_id, entropy_weight and decay) are all
+    numbers: taken by position, two swapped would go unnoticed."""
+    from transformer_jax.losses import hard_attention_surrogate, init_reinforce_baseline
+
+    logits, targets = jnp.zeros((1, 2, 4)), jnp.ones((1, 2), jnp.int32)
+    with pytest.raises(TypeError):
+        label_smoothed_cross_entropy(logits, targets, 0.1, 0)
+    aux = {"log_prob": jnp.zeros((1, 2)), "entropy": jnp.zeros((1, 2))}
+    with pytest.raises(TypeError):
+        hard_attention_surrogate(logits, targets, aux, init_reinforce_baseline(), 0)
+    hard_attention_surrogate(logits, targets, aux, init_reinforce_baseline(), pad_id=0)
 
 
 def test_the_baseline_averages_over_real_tokens_even_one_or_none():

@@ -122,11 +122,39 @@ def test_label_smoothing_differs_from_kl_by_the_entropy_of_q():
     np.testing.assert_allclose(float(loss_sum) - int(n) * q_entropy, kl, rtol=1e-5)
 
 
-def test_bad_smoothing_raises():
-    with pytest.raises(ValueError, match="smoothing"):
+@pytest.mark.parametrize("smoothing", [-0.1, 1.0, 1.5])
+def test_bad_smoothing_raises(smoothing):
+    with pytest.raises(ValueError, match=f"smoothing must be in \\[0, 1\\), got {smoothing}"):
         label_smoothed_cross_entropy(
-            jnp.zeros((1, 1, 5)), jnp.ones((1, 1), jnp.int32), smoothing=1.0, pad_id=0
+            jnp.zeros((1, 1, 5)), jnp.ones((1, 1), jnp.int32), smoothing=smoothing, pad_id=0
         )
+
+
+@pytest.mark.parametrize("platform", ["cpu", "gpu"])
+@pytest.mark.parametrize("excluded", [None, 2])
+@pytest.mark.parametrize("smoothing", [0.0, 0.3])
+def test_token_cross_entropy_spreads_smoothing_over_every_id_but_the_target_and_excluded(
+    monkeypatch, platform, excluded, smoothing
+):
+    """With nothing excluded (the XL's adaptive softmax) the mass goes to V - 1 ids; with an
+    id excluded, to V - 2. The value and the closed-form gradient, on both paths."""
+    from transformer_jax import losses
+
+    monkeypatch.setattr(losses, "compile_platform", lambda *a: platform)
+    v = 6
+    logits = jnp.asarray(np.random.default_rng(3).normal(size=(2, 3, v)), jnp.float32)
+    targets = jnp.array([[0, 1, 3], [5, 4, 1]])
+    q = np.full((2, 3, v), smoothing / (v - 1 - (excluded is not None)))
+    if excluded is not None:
+        q[..., excluded] = 0.0
+    np.put_along_axis(q, np.asarray(targets)[..., None], 1.0 - smoothing, axis=-1)
+    x = np.asarray(logits, np.float64)
+    log_p = x - np.log(np.exp(x).sum(-1, keepdims=True))
+    value, grad = jax.value_and_grad(
+        lambda x: jnp.sum(token_cross_entropy(x, targets, smoothing, excluded))
+    )(logits)
+    np.testing.assert_allclose(value, -np.sum(q * log_p), rtol=1e-5)
+    np.testing.assert_allclose(grad, np.exp(log_p) - q, atol=1e-6)
 
 
 def test_a_vocabulary_under_three_ids_is_refused_and_three_is_enough():

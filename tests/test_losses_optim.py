@@ -214,6 +214,26 @@ def test_the_losses_take_their_scalars_by_keyword_only():
     hard_attention_surrogate(logits, targets, aux, init_reinforce_baseline(), pad_id=0)
 
 
+def test_the_surrogate_s_defaults_are_an_entropy_weight_of_0_01_and_xu_s_decay_of_0_9():
+    from transformer_jax.losses import hard_attention_surrogate
+
+    rng = np.random.default_rng(5)
+    logits = jnp.asarray(rng.normal(size=(1, 3, 5)), jnp.float32)
+    targets = jnp.array([[1, 2, 0]])
+    aux = {
+        "log_prob": jnp.asarray(rng.normal(size=(1, 3)), jnp.float32),
+        "entropy": jnp.ones((1, 3)),
+    }
+    state = {"mean": jnp.float32(-1.0), "weight": jnp.float32(0.5)}
+    default = hard_attention_surrogate(logits, targets, aux, state, pad_id=0)
+    explicit = hard_attention_surrogate(
+        logits, targets, aux, state, pad_id=0, entropy_weight=0.01, decay=0.9
+    )
+    chex.assert_trees_all_equal(default, explicit)
+    other = hard_attention_surrogate(logits, targets, aux, state, pad_id=0, entropy_weight=0.02)
+    assert float(other[0]) != float(default[0])  # the entropy term counts
+
+
 def test_the_baseline_averages_over_real_tokens_even_one_or_none():
     from transformer_jax.losses import hard_attention_surrogate, init_reinforce_baseline
 

@@ -255,6 +255,25 @@ def _test_command(tests: list[str]) -> list[str]:
     ]
 
 
+def _apply(diff: str, tree: Path) -> subprocess.CompletedProcess:
+    """`git apply` of a Cosmic Ray diff in `tree`. Near a module's end its hunk carries one
+    context line past the file's last (an empty line, from splitting the source on newlines),
+    so git refuses it as it stands: then it is tried again without that line, the hunk's
+    counts recomputed."""
+    applied = subprocess.run(
+        ["git", "apply", "-"], input=diff + "\n", cwd=tree, capture_output=True, text=True
+    )
+    if applied.returncode != 0 and diff.endswith("\n "):
+        applied = subprocess.run(
+            ["git", "apply", "--recount", "-"],
+            input=diff.removesuffix(" ").rstrip("\n") + "\n",
+            cwd=tree,
+            capture_output=True,
+            text=True,
+        )
+    return applied
+
+
 def recheck_module(result: dict, tree: Path, timeout: float) -> list[dict]:
     """Each survivor of `result` (a module's entry of scores.json) applied to `tree` and judged
     by the module's tests: -> the survivors with their `now` ('killed', 'survived', 'timeout'
@@ -263,9 +282,7 @@ def recheck_module(result: dict, tree: Path, timeout: float) -> list[dict]:
     for survivor in result["survivors"]:
         # Cosmic Ray's diff opens with a title line of its own before the unified diff.
         diff = survivor["diff"].removeprefix("--- mutation diff ---\n")
-        applied = subprocess.run(
-            ["git", "apply", "-"], input=diff + "\n", cwd=tree, capture_output=True, text=True
-        )
+        applied = _apply(diff, tree)
         if applied.returncode != 0:
             rechecked.append({**survivor, "now": "does not apply"})
             continue

@@ -62,7 +62,11 @@ MODULES: dict[str, list[str]] = {
         "tests/test_hard_attention.py::test_reinforce_gradient_is_unbiased_exactly_and_by_sampling",
         "tests/test_hard_attention.py::test_surrogate_matches_a_hand_computation",
     ],
-    "transformer_jax/optim.py": ["tests/test_losses_optim.py", "tests/test_schedule_fit.py"],
+    "transformer_jax/optim.py": [
+        "tests/test_optim.py",
+        "tests/test_losses_optim.py",
+        "tests/test_schedule_fit.py",
+    ],
     "transformer_jax/attention.py": ["tests/test_attention.py"],
     "transformer_jax/decoding/search.py": [
         "tests/test_decode.py",

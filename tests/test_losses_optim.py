@@ -208,6 +208,8 @@ def test_the_losses_take_their_scalars_by_keyword_only():
     logits, targets = jnp.zeros((1, 2, 4)), jnp.ones((1, 2), jnp.int32)
     with pytest.raises(TypeError):
         label_smoothed_cross_entropy(logits, targets, 0.1, 0)
+    with pytest.raises(TypeError):
+        smoothed_target_distribution(targets, 4, 0.1, 0)
     aux = {"log_prob": jnp.zeros((1, 2)), "entropy": jnp.zeros((1, 2))}
     with pytest.raises(TypeError):
         hard_attention_surrogate(logits, targets, aux, init_reinforce_baseline(), 0)
@@ -232,6 +234,23 @@ def test_the_surrogate_s_defaults_are_an_entropy_weight_of_0_01_and_xu_s_decay_o
     chex.assert_trees_all_equal(default, explicit)
     other = hard_attention_surrogate(logits, targets, aux, state, pad_id=0, entropy_weight=0.02)
     assert float(other[0]) != float(default[0])  # the entropy term counts
+
+
+def test_the_first_step_s_empty_baseline_computes_no_nan_even_where_unused():
+    """Under jax_debug_nans a NaN anywhere stops the step, the branch a `where` drops
+    included: the empty baseline's division is guarded, not only masked."""
+    from transformer_jax.losses import hard_attention_surrogate, init_reinforce_baseline
+
+    aux = {"log_prob": jnp.zeros((1, 2)), "entropy": jnp.zeros((1, 2))}
+    with jax.debug_nans(True):
+        surrogate, _ = hard_attention_surrogate(
+            jnp.zeros((1, 2, 4)),
+            jnp.ones((1, 2), jnp.int32),
+            aux,
+            init_reinforce_baseline(),
+            pad_id=0,
+        )
+    assert np.isfinite(float(surrogate))
 
 
 def test_the_baseline_averages_over_real_tokens_even_one_or_none():

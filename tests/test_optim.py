@@ -91,7 +91,7 @@ def test_the_defaults_are_adam_at_a_constant_1e_3_unclipped_unaveraged():
 
 
 def test_noam_refuses_a_width_or_warm_up_that_is_not_positive():
-    for d_model, warmup in ((0, 4), (8, 0), (-8, 4)):
+    for d_model, warmup in ((0, 4), (8, 0), (-8, 4), (8, -4)):
         with pytest.raises(ValueError, match=f"got {d_model}, {warmup}"):
             noam_schedule(d_model, warmup)
     assert float(noam_schedule(1, 1)(0)) == pytest.approx(1.0)

@@ -164,7 +164,16 @@ def test_a_stopped_run_goes_on_from_the_mutants_it_had_not_judged(tmp_path, monk
         ]
         assert len(pending) == 2
         db.executemany("delete from work_results where job_id = ?", [(j,) for j in pending])
+    # --report: the counts as they stand, judging nothing.
+    stopped = run.run_module("mod.py", ["test_mod.py"], tree, sessions, 120, judge=False)
+    assert (stopped["killed"], stopped["survived"], stopped["pending"]) == (2, 0, 2)
+    assert "2 mutants not judged yet" in run._report([stopped], _meta())
     resumed = run.run_module("mod.py", ["test_mod.py"], tree, sessions, timeout=120)
     assert (resumed["killed"], resumed["survived"]) == (3, 1)  # +a survives, ~a does not
+    assert resumed["pending"] == 0
     assert [s["operator"].rsplit("_", 1)[-1] for s in resumed["survivors"]] == ["UAdd"]
     assert resumed["commits"] == [run._head(tree)]
+
+
+def _meta():
+    return {"command": "run.py", "machine": "m", "date": "d", "cosmic_ray": "v", "commit": "c"}

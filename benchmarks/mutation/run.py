@@ -23,6 +23,8 @@ scores.json.
 Cosmic Ray's sessions stay in OUT/sessions/ (git ignores them): a run that was stopped goes
 on from the mutants it had not judged when started again with the same --out, at today's HEAD
 (scores.md names each start's commit; `--recheck` then judges every survivor at one commit).
+`--report` with that --out writes the scores as they stand, the mutants not judged yet counted
+as pending, and runs nothing.
 
 Writes OUT/scores.json (per module: killed, survived, timed out, incompetent, the score) and
 OUT/scores.md with each surviving mutant's diff, to be killed by a test or listed as
@@ -174,13 +176,14 @@ def _cosmic_ray(*args: str, cwd: Path) -> subprocess.CompletedProcess:
 
 def _summarize(dump: str) -> tuple[dict[str, int], list[dict]]:
     """`cosmic-ray dump` lines -> (counts by outcome, the survivors with their diffs)."""
-    counts = dict.fromkeys(OUTCOMES, 0)
+    counts = dict.fromkeys((*OUTCOMES, "pending"), 0)
     survivors = []
     for line in dump.splitlines():
         if not line.strip():
             continue
         item, result = json.loads(line)
-        if result is None:
+        if result is None:  # not judged yet: a run stopped part way
+            counts["pending"] += 1
             continue
         if result.get("worker_outcome") == "timeout":
             outcome = "timeout"
@@ -204,14 +207,22 @@ def _summarize(dump: str) -> tuple[dict[str, int], list[dict]]:
     return counts, survivors
 
 
-def run_module(module: str, tests: list[str], tree: Path, sessions: Path, timeout: float) -> dict:
+def run_module(
+    module: str, tests: list[str], tree: Path, sessions: Path, timeout: float, judge: bool = True
+) -> dict:
     """Cosmic Ray over `module` in `tree`, its session kept in `sessions`: a run stopped part
     way (a killed process, a machine that went away) goes on from the mutants it had not
-    judged when started again with the same folder, at whatever commit HEAD is then."""
+    judged when started again with the same folder, at whatever commit HEAD is then. With
+    `judge` False, only the session's counts as they stand (those not judged: 'pending')."""
     name = module.replace("/", "_")
     sessions = sessions.resolve()  # Cosmic Ray runs in the tree, not where we were started
     config = sessions / f"{name}.toml"
     session = sessions / f"{name}.sqlite"
+    commits = sessions / f"{name}.commits"
+    if not judge:
+        if not session.exists():
+            raise FileNotFoundError(f"no session of {module} in {sessions} to report")
+        return _result(module, tests, tree, session, commits)
     config.write_text(_config(module, tests, timeout))
     if not session.exists():
         # Made aside and renamed when whole: a stopped init leaves no session to resume.
@@ -222,12 +233,15 @@ def run_module(module: str, tests: list[str], tree: Path, sessions: Path, timeou
             raise RuntimeError(f"cosmic-ray init for {module}: {done.stderr[-2000:]}")
         _skip_annotations(fresh, (tree / module).read_text())
         fresh.rename(session)
-    commits = sessions / f"{name}.commits"
     with commits.open("a") as log:
         log.write(_head(tree) + "\n")
     done = _cosmic_ray("exec", str(config), str(session), cwd=tree)
     if done.returncode != 0:
         raise RuntimeError(f"cosmic-ray exec for {module}: {done.stderr[-2000:]}")
+    return _result(module, tests, tree, session, commits)
+
+
+def _result(module: str, tests: list[str], tree: Path, session: Path, commits: Path) -> dict:
     counts, survivors = _summarize(_cosmic_ray("dump", str(session), cwd=tree).stdout)
     judged = counts["killed"] + counts["survived"] + counts["timeout"]
     score = (counts["killed"] + counts["timeout"]) / judged if judged else None
@@ -237,7 +251,7 @@ def run_module(module: str, tests: list[str], tree: Path, sessions: Path, timeou
         **counts,
         "score": score,
         "survivors": survivors,
-        "commits": list(dict.fromkeys(commits.read_text().split())),
+        "commits": list(dict.fromkeys(commits.read_text().split() if commits.exists() else [])),
     }
 
 
@@ -351,6 +365,14 @@ def _report(results: list[dict], meta: dict) -> str:
             f"| `{r['module']}` | {r['killed']} | {r['survived']} | {r['timeout']} | "
             f"{r['incompetent']} | {r['annotation']} | {score} |"
         )
+    pending = [r for r in results if r.get("pending")]
+    if pending:
+        lines.append("")
+    for r in pending:
+        lines.append(
+            f"`{r['module']}`: {r['pending']} mutants not judged yet (a run stopped part way; "
+            "the same command with the same --out goes on)."
+        )
     resumed = [r for r in results if len(r.get("commits", [])) > 1]
     if resumed:
         lines.append("")
@@ -374,6 +396,11 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--timeout", type=float, default=300.0, help="seconds a mutant's tests")
     parser.add_argument("--list", action="store_true", help="print the modules and their tests")
     parser.add_argument(
+        "--report",
+        action="store_true",
+        help="write the scores of the sessions in --out as they stand, running nothing",
+    )
+    parser.add_argument(
         "--recheck",
         type=Path,
         default=None,
@@ -388,6 +415,16 @@ def main(argv: list[str] | None = None) -> int:
         if args.modules:
             parser.error("--recheck takes the modules of its scores.json, not a list")
         return _recheck(args.recheck, args.out or args.recheck.parent, args.timeout, argv)
+    if args.report and args.out is None:
+        parser.error("--report reads the sessions of a run: give its --out")
+    if args.report:
+        missing = [
+            m
+            for m in args.modules or list(MODULES)
+            if not (args.out / "sessions" / f"{m.replace('/', '_')}.sqlite").exists()
+        ]
+        if missing:
+            parser.error(f"--report: no session in {args.out / 'sessions'} of {', '.join(missing)}")
     modules = args.modules or list(MODULES)
     unknown = [m for m in modules if m not in MODULES]
     if unknown:
@@ -405,8 +442,11 @@ def main(argv: list[str] | None = None) -> int:
     with _worktree() as (tree, _):
         for module in modules:
             print(f"[mutation] {module} ...", flush=True)
-            result = run_module(module, MODULES[module], tree, sessions, args.timeout)
-            print(f"[mutation] {module}: {json.dumps({k: result[k] for k in OUTCOMES})}")
+            result = run_module(
+                module, MODULES[module], tree, sessions, args.timeout, judge=not args.report
+            )
+            counts = {k: result[k] for k in (*OUTCOMES, "pending")}
+            print(f"[mutation] {module}: {json.dumps(counts)}")
             results.append(result)
     meta = {**_meta(argv), "commit": commit, "cosmic_ray": _version("cosmic-ray")}
     (out / "scores.json").write_text(json.dumps({"meta": meta, "modules": results}, indent=1))

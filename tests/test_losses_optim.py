@@ -253,6 +253,25 @@ def test_the_first_step_s_empty_baseline_computes_no_nan_even_where_unused():
     assert np.isfinite(float(surrogate))
 
 
+def test_the_surrogate_does_not_depend_on_which_id_is_pad():
+    """Swapping ids 0 and 3 (targets and logit columns) and calling 3 the pad gives the same
+    surrogate and baseline: ids below the pad are real tokens too."""
+    from transformer_jax.losses import hard_attention_surrogate
+
+    rng = np.random.default_rng(6)
+    logits = jnp.asarray(rng.normal(size=(2, 4, 6)), jnp.float32)
+    targets = jnp.array([[1, 2, 5, 0], [4, 3, 0, 0]])
+    aux = {
+        "log_prob": jnp.asarray(rng.normal(size=(2, 4)), jnp.float32),
+        "entropy": jnp.ones((2, 4)),
+    }
+    state = {"mean": jnp.float32(-1.0), "weight": jnp.float32(0.5)}
+    swap = jnp.array([3, 1, 2, 0, 4, 5])
+    a = hard_attention_surrogate(logits, targets, aux, state, pad_id=0)
+    b = hard_attention_surrogate(logits[..., swap], swap[targets], aux, state, pad_id=3)
+    chex.assert_trees_all_close(a, b, rtol=1e-6)
+
+
 def test_the_baseline_averages_over_real_tokens_even_one_or_none():
     from transformer_jax.losses import hard_attention_surrogate, init_reinforce_baseline
 

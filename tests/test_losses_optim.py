@@ -272,6 +272,20 @@ def test_the_surrogate_does_not_depend_on_which_id_is_pad():
     chex.assert_trees_all_close(a, b, rtol=1e-6)
 
 
+def test_the_first_step_has_no_baseline_yet():
+    """Before any update the baseline is 0: the advantage is the log-likelihood to come."""
+    from transformer_jax.losses import hard_attention_surrogate, init_reinforce_baseline
+
+    logits = jnp.asarray(np.random.default_rng(7).normal(size=(1, 3, 5)), jnp.float32)
+    targets = jnp.array([[2, 4, 0]])
+    aux = {"log_prob": jnp.array([[0.5, -1.5, 2.0]]), "entropy": jnp.zeros((1, 3))}
+    got, _ = hard_attention_surrogate(logits, targets, aux, init_reinforce_baseline(), pad_id=0)
+    log_p = np.asarray(jax.nn.log_softmax(logits))
+    tok = [log_p[0, 0, 2], log_p[0, 1, 4]]
+    want = -(tok[0] + tok[1]) * 0.5 - tok[1] * -1.5
+    np.testing.assert_allclose(float(got), want, rtol=1e-5)
+
+
 def test_the_baseline_averages_over_real_tokens_even_one_or_none():
     from transformer_jax.losses import hard_attention_surrogate, init_reinforce_baseline
 

@@ -6,6 +6,8 @@ from __future__ import annotations
 import importlib.util
 from pathlib import Path
 
+import pytest
+
 RUN = Path(__file__).resolve().parents[1] / "benchmarks" / "mutation" / "run.py"
 
 
@@ -135,6 +137,7 @@ def test_a_stopped_run_goes_on_from_the_mutants_it_had_not_judged(tmp_path, monk
     import sqlite3
     import subprocess
 
+    pytest.importorskip("cosmic_ray")  # the `mutation` extra, not in CI's install
     run = _run_module()
     monkeypatch.chdir(tmp_path)  # the folder named as --out is, relative to where run.py started
     tree, sessions = tmp_path / "tree", Path("sessions")

@@ -217,7 +217,7 @@ def run_module(
     name = module.replace("/", "_")
     sessions = sessions.resolve()  # Cosmic Ray runs in the tree, not where we were started
     config = sessions / f"{name}.toml"
-    session = sessions / f"{name}.sqlite"
+    session = _session(sessions, module)
     commits = sessions / f"{name}.commits"
     if not judge:
         if not session.exists():
@@ -239,6 +239,11 @@ def run_module(
     if done.returncode != 0:
         raise RuntimeError(f"cosmic-ray exec for {module}: {done.stderr[-2000:]}")
     return _result(module, tests, tree, session, commits)
+
+
+def _session(sessions: Path, module: str) -> Path:
+    """Where a run keeps `module`'s Cosmic Ray session."""
+    return sessions / f"{module.replace('/', '_')}.sqlite"
 
 
 def _result(module: str, tests: list[str], tree: Path, session: Path, commits: Path) -> dict:
@@ -417,18 +422,14 @@ def main(argv: list[str] | None = None) -> int:
         return _recheck(args.recheck, args.out or args.recheck.parent, args.timeout, argv)
     if args.report and args.out is None:
         parser.error("--report reads the sessions of a run: give its --out")
-    if args.report:
-        missing = [
-            m
-            for m in args.modules or list(MODULES)
-            if not (args.out / "sessions" / f"{m.replace('/', '_')}.sqlite").exists()
-        ]
-        if missing:
-            parser.error(f"--report: no session in {args.out / 'sessions'} of {', '.join(missing)}")
     modules = args.modules or list(MODULES)
     unknown = [m for m in modules if m not in MODULES]
     if unknown:
         parser.error(f"not in the list (--list): {', '.join(unknown)}")
+    if args.report:
+        missing = [m for m in modules if not _session(args.out / "sessions", m).exists()]
+        if missing:
+            parser.error(f"--report: no session in {args.out / 'sessions'} of {', '.join(missing)}")
     try:
         import cosmic_ray  # noqa: F401
     except ImportError:

@@ -107,6 +107,28 @@ def test_recheck_judges_each_survivor_again_with_today_s_tests(tmp_path):
     assert "return a + b" in (tree / "mod.py").read_text()
 
 
+def test_a_mutant_s_tests_run_in_the_order_the_module_lists_them():
+    """One pytest process keeps the command line's order (conftest.py reorders modules only in
+    pytest-xdist's workers): with -x, the quick tests a module lists first stop most mutants
+    before its slow ones start."""
+    import subprocess
+
+    run = _run_module()
+    for files in (
+        ["tests/test_optim.py", "tests/test_schedule_fit.py"],
+        ["tests/test_token_cache_units.py", "tests/test_token_cache.py"],
+    ):
+        done = subprocess.run(
+            [*run._test_command(files), "--collect-only", "-v"],
+            cwd=run.REPO,
+            capture_output=True,
+            text=True,
+        )
+        assert done.returncode == 0, done.stdout[-2000:]
+        modules = [line.split("::")[0] for line in done.stdout.splitlines() if "::" in line]
+        assert list(dict.fromkeys(modules)) == files
+
+
 def test_every_mutant_s_tests_share_one_compilation_cache_removed_with_the_run(monkeypatch):
     """run.py names one cache for the pytest processes it starts; conftest.py compiles into
     it and leaves it for the next mutant; it goes with the run's temporary folder."""

@@ -83,7 +83,10 @@ MODULES: dict[str, list[str]] = {
     "train/core/loop.py": ["tests/test_train_loop.py"],
     "train/core/workdir_checks.py": ["tests/test_workdir_errors.py"],
     "train/data/batching.py": ["tests/test_data_batching.py"],
-    "train/data/token_cache.py": ["tests/test_token_cache.py"],
+    "train/data/token_cache.py": [
+        "tests/test_token_cache_units.py",
+        "tests/test_token_cache.py",
+    ],
 }
 
 OUTCOMES = ("killed", "survived", "timeout", "incompetent", "annotation")

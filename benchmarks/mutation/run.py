@@ -79,7 +79,11 @@ MODULES: dict[str, list[str]] = {
     "xl_jax/memory.py": ["tests/test_xl_model.py", "tests/test_xl_attention.py"],
     "xl_jax/adaptive.py": ["tests/test_xl_adaptive.py"],
     "xl_jax/fused_attention.py": ["tests/test_xl_fused_attention.py"],
-    "train/core/checkpoint.py": ["tests/test_train_loop.py", "tests/test_faults.py"],
+    "train/core/checkpoint.py": [
+        "tests/test_checkpoint.py",
+        "tests/test_train_loop.py",
+        "tests/test_faults.py",
+    ],
     "train/core/loop.py": ["tests/test_train_loop.py"],
     "train/core/workdir_checks.py": ["tests/test_workdir_errors.py"],
     "train/data/batching.py": ["tests/test_data_batching.py"],

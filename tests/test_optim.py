@@ -16,6 +16,7 @@ import optax
 import pytest
 
 from transformer_jax.optim import (
+    SCHEDULES,
     OptimizerConfig,
     ParamsEmaState,
     ScheduleState,
@@ -53,6 +54,7 @@ from transformer_jax.optim import (
         (dict(clip_norm=float("nan")), "got nan"),
         (dict(ema_decay=1.0), "ema_decay: must be in [0, 1) (0 = off), got 1.0"),
         (dict(ema_decay=-0.1), "got -0.1"),
+        (dict(ema_decay=1.5), "got 1.5"),
     ],
 )
 def test_a_bad_config_names_its_field_and_value(fields, message):
@@ -134,6 +136,40 @@ def test_the_cosine_horizon_in_the_state_stands_for_decay_steps_and_0_is_endless
     # Not chosen yet: the warm-up, then the cosine's start (lr) at every step.
     unchosen = [float(chosen(count, jnp.int32(0))) for count in range(6)]
     assert unchosen == pytest.approx([lr / 2, lr, lr, lr, lr, lr], rel=1e-6)
+
+
+def test_a_cosine_horizon_of_one_step_in_the_state_is_at_its_floor_from_the_first_step():
+    chosen = warmup_cosine_schedule(1.0, warmup_steps=0, decay_steps=0, min_learning_rate=0.25)
+    assert [float(chosen(c, jnp.int32(1))) for c in range(3)] == pytest.approx([0.25] * 3)
+
+
+def test_the_schedules_take_their_lengths_by_keyword():
+    with pytest.raises(TypeError):
+        warmup_cosine_schedule(1.0, 2, 10)
+    with pytest.raises(TypeError):
+        warmup_constant_schedule(1.0, 2)
+
+
+def test_a_constant_schedule_warmed_up_over_one_step_is_at_its_rate_at_once():
+    schedule = warmup_constant_schedule(0.5, warmup_steps=1)
+    assert [float(schedule(c)) for c in range(3)] == [0.5, 0.5, 0.5]
+
+
+def test_a_schedule_named_by_a_string_built_at_run_time_is_that_schedule():
+    """Config values come from JSON and the command line: equal strings, not the same object
+    as the literals in optim.py."""
+    noam = OptimizerConfig(schedule="".join(["no", "am"]), d_model=16, warmup_steps=2)
+    assert noam.schedule == "noam" and noam.schedule is not SCHEDULES[0]  # SCHEDULES[0]: "noam"
+    assert float(make_schedule(noam)(0)) == pytest.approx(float(noam_schedule(16, 2)(0)))
+    tx, _ = make_optimizer(noam)
+    grads = [jnp.array([1.0, -0.5]), jnp.array([1e-4, 2.0])]
+    got, _ = _adam_update(tx, grads)
+    want, _ = _adam_update(optax.adam(noam_schedule(16, 2), b1=0.9, b2=0.98, eps=1e-9), grads)
+    chex.assert_trees_all_close(got, want, rtol=1e-6)
+    cosine = OptimizerConfig(
+        schedule="".join(["cos", "ine"]), learning_rate=1.0, decay_steps=4, min_learning_rate=0.5
+    )
+    assert float(make_schedule(cosine)(1)) == pytest.approx(0.75)
 
 
 def test_the_constant_schedule_warms_up_linearly_to_its_rate():

@@ -161,3 +161,72 @@ def test_mask_matches_reference_for_every_fill_level(same_length, qlen, mem_len)
         # Our keys: M - mlen unfilled slots, then the reference's keys.
         np.testing.assert_array_equal(got[:, : mem_len - mlen], False)
         np.testing.assert_array_equal(got[:, mem_len - mlen :], ~ref_masked)
+
+
+@pytest.mark.parametrize(
+    "clamp_len, want",
+    [
+        (-1, [5, 4, 3, 2, 1, 0]),
+        (0, [5, 4, 3, 2, 1, 0]),
+        (3, [3, 3, 3, 2, 1, 0]),
+        (5, [5, 4, 3, 2, 1, 0]),
+    ],
+)
+def test_relative_positions_run_from_s_minus_1_to_0_clamped_only_when_positive(clamp_len, want):
+    from xl_jax.attention import relative_positions
+
+    cfg = TransformerXLConfig.tiny(clamp_len=clamp_len)
+    assert relative_positions(cfg, q_len=2, mem_len=4).tolist() == want
+    assert relative_positions(cfg, q_len=1, mem_len=0).tolist() == [0]
+
+
+def _sublayer_inputs(cfg, *, t=3, m=4, seed=2):
+    from xl_jax.attention import relative_positions
+
+    rng = np.random.default_rng(seed)
+    h = jnp.asarray(rng.normal(size=(2, t, cfg.d_model)), jnp.float32)
+    mem = jnp.asarray(rng.normal(size=(2, m, cfg.d_model)), jnp.float32)
+    u = jnp.asarray(rng.normal(size=(cfg.n_heads, cfg.d_head)), jnp.float32)
+    v = jnp.asarray(rng.normal(size=(cfg.n_heads, cfg.d_head)), jnp.float32)
+    pos = sinusoid_embedding(relative_positions(cfg, q_len=t, mem_len=m), cfg.d_model)
+    mask = attention_mask(jnp.array([m, 1]), q_len=t, mem_len=m, same_length=False)
+    return h, mem, pos, mask, u, v
+
+
+def test_dropatt_draws_the_dropout_rng_only_when_training_with_a_rate():
+    cfg = TransformerXLConfig.tiny(d_model=16, n_heads=2, d_head=4, dropatt=0.5, dropout=0.0)
+    args = _sublayer_inputs(cfg)
+    module = RelativeMultiHeadAttention(cfg)
+    params = module.init(jax.random.key(0), *args)
+    quiet = module.apply(params, *args)  # deterministic: no rng asked
+    with pytest.raises(Exception, match="dropout"):
+        module.apply(params, *args, deterministic=False)
+    drop = lambda key: module.apply(  # noqa: E731
+        params, *args, deterministic=False, rngs={"dropout": jax.random.key(key)}
+    )
+    assert not np.allclose(drop(1), quiet, atol=1e-3)
+    np.testing.assert_array_equal(drop(1), drop(1))
+    assert not np.allclose(drop(1), drop(2), atol=1e-3)
+    # No rate: training asks for no rng and changes nothing.
+    still = TransformerXLConfig.tiny(d_model=16, n_heads=2, d_head=4, dropatt=0.0, dropout=0.0)
+    module = RelativeMultiHeadAttention(still)
+    params = module.init(jax.random.key(0), *args)
+    chex.assert_trees_all_close(
+        module.apply(params, *args, deterministic=False), module.apply(params, *args)
+    )
+
+
+def test_untied_biases_are_parameters_of_the_layer_and_the_given_ones_are_unused():
+    tied = TransformerXLConfig.tiny(d_model=16, n_heads=2, d_head=4, untie_r=False)
+    untied = TransformerXLConfig.tiny(d_model=16, n_heads=2, d_head=4, untie_r=True)
+    h, mem, pos, mask, u, v = _sublayer_inputs(tied)
+    params = RelativeMultiHeadAttention(tied).init(jax.random.key(0), h, mem, pos, mask, u, v)
+    want = RelativeMultiHeadAttention(tied).apply(params, h, mem, pos, mask, u, v)
+    module = RelativeMultiHeadAttention(untied)
+    own = module.init(jax.random.key(0), h, mem, pos, mask)["params"]
+    assert own["r_w_bias"].shape == own["r_r_bias"].shape == (2, 4)
+    own = {**params["params"], "r_w_bias": u, "r_r_bias": v}
+    got = module.apply({"params": own}, h, mem, pos, mask, v, u)  # swapped: unused
+    chex.assert_trees_all_close(got, want, rtol=1e-6)
+    swapped = {**own, "r_w_bias": v, "r_r_bias": u}
+    assert not np.allclose(module.apply({"params": swapped}, h, mem, pos, mask), want, atol=1e-4)

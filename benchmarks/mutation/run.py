@@ -75,7 +75,13 @@ MODULES: dict[str, list[str]] = {
         "tests/test_transformer_decode.py",
         "tests/test_properties.py",
     ],
-    "xl_jax/attention.py": ["tests/test_xl_attention.py"],
+    "xl_jax/attention.py": [
+        "tests/test_xl_attention.py",
+        # The forms of a program compiled for a GPU, and which calls take the Pallas kernels.
+        "tests/test_accelerator_paths.py::test_position_bias_for_the_fused_kernel_equals_the_float32_one",
+        "tests/test_accelerator_paths.py::test_xl_attention_gpu_forms_equal_the_cpu_form",
+        "tests/test_xl_fused_attention.py::test_only_pallas_takes_the_kernels_and_only_where_shapes_allow",
+    ],
     "xl_jax/memory.py": ["tests/test_xl_model.py", "tests/test_xl_attention.py"],
     "xl_jax/adaptive.py": ["tests/test_xl_adaptive.py"],
     "xl_jax/fused_attention.py": ["tests/test_xl_fused_attention.py"],

@@ -62,7 +62,9 @@ def test_cached_builds_once_into_kind_and_key_then_reads_the_meta(tmp_path):
     assert meta["built"] is True and meta["value"] == "x"
     assert meta["format"] == token_cache.FORMAT and meta["kind"] == "lm" and meta["key"] == key
     assert meta["process_index"] == 0 and 0 <= meta["seconds"] < 60
-    on_disk = json.load(open(os.path.join(directory, "meta.json")))
+    text = open(os.path.join(directory, "meta.json")).read()
+    on_disk = json.loads(text)
+    assert text == json.dumps(on_disk, indent=2)  # for people too
     assert on_disk == {k: v for k, v in meta.items() if k != "built"}
     again, meta2 = token_cache.cached(str(tmp_path), "lm", key, build_writing("y", calls))
     assert again == directory and len(calls) == 1  # not built again
@@ -317,10 +319,9 @@ class Letters:
 
 
 def source_of(items, skipped_count=0, fingerprint=None):
-    def read(skipped):
-        skipped[0] = 0
+    def read(skipped):  # counts into `skipped` (from the 0 the cache gives it)
         yield from items
-        skipped[0] = skipped_count
+        skipped[0] += skipped_count
 
     return token_cache.PairSource(
         read=read, fingerprint=fingerprint or {"name": "made-up"}, origin={"files": ["a", "b"]}
@@ -364,6 +365,7 @@ def test_pairs_cache_of_a_large_vocabulary_keeps_int32_ids(tmp_path):
         source_of([("a", "a")]), Letters(vocab_size=70_000), str(tmp_path)
     )
     assert meta["dtype"] == "int32" and arrays.src.dtype == np.int32
+    assert meta["skipped"] == 0  # a source that skipped nothing
 
 
 def test_stream_cache_writes_the_chunks_once(tmp_path):
@@ -387,6 +389,8 @@ def test_stream_cache_writes_the_chunks_once(tmp_path):
         str(tmp_path), chunks, dtype=np.int32, log=logged.append, level="word"
     )
     assert len(calls) == 1 and len(logged) == 1 and again.tolist() == tokens.tolist()
+    with pytest.raises(TypeError):  # the dtype and the key's parts by keyword
+        token_cache.stream_cache(str(tmp_path), chunks, np.int32)
     with pytest.raises(ValueError, match="ids outside uint16"):
         token_cache.stream_cache(str(tmp_path), chunks, dtype=np.uint16, level="char")
     assert len(os.listdir(tmp_path)) == 1  # the refused build left nothing

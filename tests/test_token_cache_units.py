@@ -218,6 +218,8 @@ def test_flatten_concatenates_and_ends_each_with_eos():
     assert flat.tolist() == [4, 5, 2, 2, 6, 2] and n.tolist() == [3, 1, 2]
     flat, n = token_cache._flatten([], eos_id=2)
     assert flat.tolist() == [] and n.tolist() == []
+    with pytest.raises(TypeError):
+        token_cache._flatten([[4]], 2)
 
 
 def test_chunks_split_a_stream_in_order():
@@ -255,8 +257,10 @@ def test_the_sample_is_every_sentence_when_the_pairs_have_no_more():
         assert sentences == [side for i in range(n) for side in (f"s{i}", f"t{i}")]
 
 
-@pytest.mark.parametrize("chunk", [1, 4, 7, 50_000])
-@pytest.mark.parametrize("n, sample, seed", [(20, 8, 0), (20, 9, 3), (30, 2, 1), (9, 16, 5)])
+@pytest.mark.parametrize("chunk", [1, 3, 4, 7, 50_000])
+@pytest.mark.parametrize(
+    "n, sample, seed", [(20, 8, 0), (20, 9, 3), (30, 2, 1), (9, 16, 5), (20, 20, 2), (9, 100, 0)]
+)
 def test_the_sample_is_algorithm_r_whatever_the_chunk(monkeypatch, chunk, n, sample, seed):
     monkeypatch.setattr(token_cache, "CHUNK_PAIRS", chunk)
     sentences, count = token_cache.sample_pairs(iter(pairs(n)), sample=sample, seed=seed)
@@ -355,6 +359,8 @@ def test_pairs_cache_writes_sources_with_eos_and_targets_without(tmp_path, monke
     again, meta2 = token_cache.pairs_cache(source, tokenizer, str(tmp_path), log=logged.append)
     assert tokenizer.encoded == 0 and len(logged) == 1 and meta2["built"] is False
     assert again.src.tolist() == arrays.src.tolist()
+    with pytest.raises(TypeError):  # the log by keyword
+        token_cache.pairs_cache(source, tokenizer, str(tmp_path), logged.append)
     # Another tokenizer: another cache.
     _, meta3 = token_cache.pairs_cache(source, Letters(sha="other"), str(tmp_path))
     assert meta3["built"] is True and len(os.listdir(tmp_path)) == 2

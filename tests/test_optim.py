@@ -333,6 +333,6 @@ def test_the_average_starts_at_the_first_update_s_params_and_needs_them():
     assert int(state.count) == 2
     with pytest.raises(ValueError, match="params_ema needs the params"):
         tx.update(updates, state)
-    for bad in (0.0, 1.0):
+    for bad in (0.0, 1.0, 1.5, -0.5):
         with pytest.raises(ValueError, match=f"decay: must be in \\(0, 1\\), got {bad}"):
             params_ema(bad)

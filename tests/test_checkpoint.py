@@ -103,6 +103,14 @@ def test_the_last_keep_and_the_best_by_val_loss_are_kept(ckpts, tmp_path):
     assert ckpts.best_step() == 7 and ckpts.all_steps() == [6, 7]
 
 
+def test_the_last_three_are_kept_by_default(tmp_path):
+    manager = Checkpoints(str(tmp_path / "w"))
+    for step in (1, 2, 3, 4, 5):
+        manager.save(state_at(step), meta={})
+    assert manager.all_steps() == [3, 4, 5]
+    manager.close()
+
+
 def test_keep_one_keeps_the_latest_only_without_metrics(tmp_path):
     manager = Checkpoints(str(tmp_path / "w"), keep=1)
     for step in (1, 2, 3):
@@ -323,6 +331,8 @@ def test_mismatches_are_dotted_fields_with_both_values_in_order():
     ]
     assert config_mismatches({"m": {"a": 1}}, {"m": 5}) == ["m: saved {'a': 1}, given 5"]
     assert config_mismatches(saved, saved) == []
+    with pytest.raises(TypeError):  # the options by keyword
+        config_mismatches(saved, given, ("steps",))
 
 
 def test_check_run_config_refuses_a_different_run_and_reports_what_may_change(tmp_path):
@@ -348,3 +358,5 @@ def test_check_run_config_refuses_a_different_run_and_reports_what_may_change(tm
     with pytest.raises(ValueError, match="added: saved '<absent>', given 0"):
         checkpoint.check_run_config(w, {**given, "added": 0}, may_change=("steps", "minutes"))
     assert json.load(open(os.path.join(w, "config.json")))["steps"] == 10  # nothing written
+    with pytest.raises(TypeError):  # the options by keyword
+        checkpoint.check_run_config(w, given, ("steps", "minutes"))

@@ -5,10 +5,12 @@ tokenizer. tests/test_token_cache.py checks the same module end to end with Sent
 
 from __future__ import annotations
 
+import dataclasses
 import hashlib
 import json
 import os
 import re
+import shutil
 import socket
 import subprocess
 import sys
@@ -62,6 +64,7 @@ def test_cached_builds_once_into_kind_and_key_then_reads_the_meta(tmp_path):
     assert meta["built"] is True and meta["value"] == "x"
     assert meta["format"] == token_cache.FORMAT and meta["kind"] == "lm" and meta["key"] == key
     assert meta["process_index"] == 0 and 0 <= meta["seconds"] < 60
+    assert meta["seconds"] == round(meta["seconds"], 3)  # milliseconds
     text = open(os.path.join(directory, "meta.json")).read()
     on_disk = json.loads(text)
     assert text == json.dumps(on_disk, indent=2)  # for people too
@@ -124,17 +127,37 @@ def test_stale_builds_of_dead_processes_on_this_host_are_removed_and_no_other(tm
     key = "f0" * 32
     name = "lm-" + key[:24]
     host = socket.gethostname()
-    keep = [
-        f"{name}.tmp-{host}-{os.getpid()}x",  # not a pid
-        f"{name}.tmp-{host}-{os.getppid()}",  # alive
-        f"{name}.tmp-otherhost-{dead_pid()}",  # another machine's: its process is not ours
-        f"lm-{'0' * 24}.tmp-{host}-{dead_pid()}",  # another cache's
-    ]
-    stale = f"{name}.tmp-{host}-{dead_pid()}"
-    for entry in [*keep, stale]:
-        os.makedirs(tmp_path / entry)
-    token_cache.cached(str(tmp_path), "lm", key, build_writing("x", []))
-    assert sorted(os.listdir(tmp_path)) == sorted([*keep, name])
+    alive = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(60)"])
+    try:
+        keep = [
+            f"{name}.tmp-{host}-{os.getpid()}x",  # not a pid
+            f"{name}.tmp-{host}-{alive.pid}",  # alive
+            f"{name}.tmp-otherhost-{dead_pid()}",  # another machine's: its process is not ours
+            f"lm-{'0' * 24}.tmp-{host}-{dead_pid()}",  # another cache's
+        ]
+        stale = f"{name}.tmp-{host}-{dead_pid()}"
+        for entry in [*keep, stale]:
+            os.makedirs(tmp_path / entry)
+        token_cache.cached(str(tmp_path), "lm", key, build_writing("x", []))
+        assert sorted(os.listdir(tmp_path)) == sorted([*keep, name])
+        with pytest.raises(subprocess.TimeoutExpired):  # asked if it lives (signal 0), no more
+            alive.wait(timeout=0.5)
+    finally:
+        alive.kill()
+        alive.wait()
+
+
+def test_a_stale_build_removed_meanwhile_by_another_process_is_no_error(tmp_path, monkeypatch):
+    entry = tmp_path / f"lm-{'4' * 24}.tmp-{socket.gethostname()}-{dead_pid()}"
+    os.makedirs(entry / "part")
+
+    def kill(pid, signal):  # the process is gone, and another builder clears its directory
+        shutil.rmtree(entry)
+        raise ProcessLookupError
+
+    monkeypatch.setattr(token_cache.os, "kill", kill)
+    directory, _ = token_cache.cached(str(tmp_path), "lm", "4" * 64, build_writing("x", []))
+    assert os.listdir(tmp_path) == [os.path.basename(directory)]
 
 
 def test_a_build_of_another_user_alive_is_kept(tmp_path, monkeypatch):
@@ -400,3 +423,24 @@ def test_stream_cache_writes_the_chunks_once(tmp_path):
     with pytest.raises(ValueError, match="ids outside uint16"):
         token_cache.stream_cache(str(tmp_path), chunks, dtype=np.uint16, level="char")
     assert len(os.listdir(tmp_path)) == 1  # the refused build left nothing
+
+
+def test_file_pairs_read_two_files_as_a_frozen_source(tmp_path):
+    from train.data.text_files import DataError
+
+    (tmp_path / "a.src").write_text("x y\n\nz\n")
+    (tmp_path / "a.tgt").write_text("1\n2\n3\n")
+    paths = str(tmp_path / "a.src"), str(tmp_path / "a.tgt")
+    source = token_cache.file_pairs(*paths, train_sha256="abc")
+    assert source.fingerprint == {"train_sha256": "abc", "skip_empty": False}
+    assert source.origin == {"files": list(paths)}
+    with pytest.raises(DataError):  # an empty line is an error unless skipped
+        list(source.read([0]))
+    skipping = token_cache.file_pairs(*paths, train_sha256="abc", skip_empty=True)
+    skipped = [0]
+    assert list(skipping.read(skipped)) == [("x y", "1"), ("z", "3")] and skipped == [1]
+    assert skipping.fingerprint["skip_empty"] is True
+    with pytest.raises(dataclasses.FrozenInstanceError):
+        source.origin = {}
+    with pytest.raises(TypeError):
+        token_cache.file_pairs(*paths, "abc")

@@ -189,7 +189,7 @@ def test_a_pad_id_inside_the_vocabulary_takes_no_smoothing_mass_and_counts_nothi
     assert int(n) == want_n == 6
 
 
-@pytest.mark.parametrize("decay", [-0.5, 1.0])
+@pytest.mark.parametrize("decay", [-0.5, 1.0, 1.5])
 def test_the_reinforce_baseline_s_decay_must_be_in_0_1(decay):
     from transformer_jax.losses import hard_attention_surrogate, init_reinforce_baseline
 

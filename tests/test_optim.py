@@ -41,6 +41,7 @@ from transformer_jax.optim import (
         (dict(schedule="noam", warmup_steps=4), "noam: d_model and warmup_steps must be positive"),
         (dict(schedule="noam", d_model=-8, warmup_steps=4), "got -8, 4"),
         (dict(schedule="noam", d_model=8, warmup_steps=0), "got 8, 0"),
+        (dict(schedule="noam", d_model=8, warmup_steps=-1), "noam: d_model and warmup_steps must"),
         (dict(learning_rate=0.0), "learning_rate: must be a finite number > 0, got 0.0"),
         (dict(learning_rate=-1e-3), "got -0.001"),
         (dict(learning_rate=float("nan")), "got nan"),
@@ -90,6 +91,9 @@ def test_the_defaults_are_adam_at_a_constant_1e_3_unclipped_unaveraged():
     chex.assert_trees_all_close(got, want, rtol=1e-6)
     assert jax.tree.structure(state) == jax.tree.structure(want_state)  # one transformation
     assert find_params_ema(state) is None and find_schedule_horizon(state) is None
+    assert config.warmup_steps == 0 and config.clip_norm is None and config.ema_decay == 0.0
+    with pytest.raises(dataclasses.FrozenInstanceError):
+        config.learning_rate = 1.0
 
 
 def test_noam_refuses_a_width_or_warm_up_that_is_not_positive():
@@ -170,6 +174,11 @@ def test_a_schedule_named_by_a_string_built_at_run_time_is_that_schedule():
         schedule="".join(["cos", "ine"]), learning_rate=1.0, decay_steps=4, min_learning_rate=0.5
     )
     assert float(make_schedule(cosine)(1)) == pytest.approx(0.75)
+    # And the config's own checks read them so.
+    with pytest.raises(ValueError, match="noam: d_model and warmup_steps must be positive"):
+        OptimizerConfig(schedule="".join(["no", "am"]), warmup_steps=4)
+    with pytest.raises(ValueError, match="decay_steps: the cosine horizon must be > 0"):
+        OptimizerConfig(schedule="".join(["cos", "ine"]))
 
 
 def test_the_constant_schedule_warms_up_linearly_to_its_rate():
@@ -301,6 +310,12 @@ def test_set_schedule_horizon_finds_the_state_in_any_chain_and_refuses_none():
         set_schedule_horizon((optax.EmptyState(),), 42)
     ema = ParamsEmaState(count=jnp.int32(0), ema={"w": jnp.ones(1)})
     assert find_params_ema([optax.EmptyState(), (ema,)]) is ema.ema
+
+
+def test_the_clip_takes_the_norm_by_keyword():
+    clip = clip_by_global_norm(1.0)
+    with pytest.raises(TypeError):
+        clip.update(jnp.ones(2), clip.init(jnp.zeros(2)), None, jnp.float32(2.0))
 
 
 def test_the_clip_at_its_norm_exactly_changes_nothing_and_above_it_scales_to_it():

@@ -75,6 +75,13 @@ def test_cached_builds_once_into_kind_and_key_then_reads_the_meta(tmp_path):
     assert open(os.path.join(directory, "data.txt")).read() == "x"
 
 
+def test_the_build_s_seconds_are_its_clock_s_difference_in_milliseconds(tmp_path, monkeypatch):
+    clock = iter([1000.0, 1001.23456])
+    monkeypatch.setattr(token_cache.time, "monotonic", lambda: next(clock))
+    _, meta = token_cache.cached(str(tmp_path), "lm", "5" * 64, build_writing("x", []))
+    assert meta["seconds"] == 1.235
+
+
 def test_cached_makes_its_root(tmp_path):
     root = tmp_path / "a" / "b"
     directory, _ = token_cache.cached(str(root), "lm", "k" * 30, build_writing("x", []))
@@ -290,6 +297,15 @@ def test_the_sample_is_algorithm_r_whatever_the_chunk(monkeypatch, chunk, n, sam
     kept = reservoir(n, sample // 2, seed, chunk)
     assert count == n and len(sentences) == 2 * len(kept) == 2 * min(n, sample // 2)
     assert sentences == [side for i in kept for side in (f"s{i}", f"t{i}")]
+
+
+def test_the_sample_s_seed_is_0_by_default():
+    assert token_cache.sample_pairs(pairs(30), sample=8) == token_cache.sample_pairs(
+        pairs(30), sample=8, seed=0
+    )
+    assert token_cache.sample_pairs(pairs(30), sample=8) != token_cache.sample_pairs(
+        pairs(30), sample=8, seed=1
+    )
 
 
 def test_the_sample_draws_every_pair_alike_and_depends_on_the_seed(monkeypatch):

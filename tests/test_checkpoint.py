@@ -230,6 +230,35 @@ def test_a_checkpoint_orbax_cannot_read_is_refused_naming_the_others(tmp_path):
     alone.close()
 
 
+def test_the_others_named_are_every_step_but_the_one_refused(tmp_path):
+    manager = Checkpoints(str(tmp_path / "w"), keep=5)
+    for step in (300, 1000):  # past the small ints Python keeps one object of
+        manager.save(state_at(step), meta={})
+    os.remove(manager.checksum_path(1000))
+    os.remove(data_file(manager, 1000)[1])
+    with pytest.raises(CheckpointError, match=r"resume from an earlier one \(\[300\]\)"):
+        manager.restore(state_at(0), step=int("1000"))
+    manager.close()
+
+
+def test_the_cause_is_the_first_line_of_orbax_s_error(ckpts, monkeypatch):
+    ckpts.save(state_at(1), meta={})
+
+    def restore(*args, **kwargs):
+        raise ValueError("  the first line\nthe second line  ")
+
+    monkeypatch.setattr(ckpts.manager, "restore", restore)
+    cause = r"could not be restored \(ValueError: the first line\)"
+    with pytest.raises(CheckpointError, match=cause):
+        ckpts.restore(state_at(0))
+
+
+def test_save_takes_its_meta_and_metrics_by_keyword(ckpts):
+    with pytest.raises(TypeError):
+        ckpts.save(state_at(1), {})
+    assert ckpts.all_steps() == []
+
+
 def test_a_template_of_another_shape_is_refused(ckpts):
     ckpts.save(state_at(1), meta={})
     wrong = state_at(0).replace(params={"b": jnp.zeros(5), "w": jnp.ones((2, 3))})

@@ -141,15 +141,15 @@ LONGEST_FIRST = (
 
 
 @pytest.hookimpl(trylast=True)
-def pytest_collection_modifyitems(items):
+def pytest_collection_modifyitems(config, items):
     """Modules in LONGEST_FIRST's order, then the others by number of tests, most first (as
     pytest-xdist orders them); each module's tests keep their order (the sort is stable).
 
     Only in pytest-xdist's workers, where the order balances the two workers' loads. One
     process keeps the command line's order: a mutation run (benchmarks/mutation/run.py) names
     a module's quickest, sharpest tests first, so that with -x most mutants stop there."""
-    if not os.environ.get("PYTEST_XDIST_WORKER"):
-        return
+    if not hasattr(config, "workerinput"):  # set in pytest-xdist's workers alone (not in an
+        return  # environment variable, which a pytest started by a test would inherit)
     module = {item: item.nodeid.split("::")[0] for item in items}
     tests = collections.Counter(module.values())
     longest = {name: i for i, name in enumerate(LONGEST_FIRST)}

@@ -6,7 +6,6 @@ test_train_loop.py and test_faults.py check the same module through whole runs."
 
 from __future__ import annotations
 
-import hashlib
 import json
 import logging
 import os
@@ -18,6 +17,7 @@ import numpy as np
 import optax
 import orbax.checkpoint as ocp
 import pytest
+from helpers import file_hashes
 
 from train.core import checkpoint
 from train.core.checkpoint import Checkpoints, config_mismatches
@@ -125,22 +125,13 @@ def test_the_checksums_are_the_sha256_of_every_file_of_the_step(ckpts, tmp_path)
     assert path == os.path.join(str(tmp_path / "w"), "checksums", "4.json")
     assert os.listdir(os.path.dirname(path)) == ["4.json"]  # no .tmp left
     saved = json.load(open(path))
-    root = ckpts.path(4)
-    files = {
-        os.path.relpath(os.path.join(d, f), root): os.path.join(d, f)
-        for d, _, names in os.walk(root)
-        for f in names
-    }
-    assert saved.keys() == files.keys() and len(files) > 2
-    for name, file in files.items():
-        assert saved[name] == hashlib.sha256(open(file, "rb").read()).hexdigest()
+    assert saved == file_hashes(ckpts.path(4)) and len(saved) > 2
     assert ckpts.verify(4) is None
 
 
 def data_file(ckpts, step):
     """The largest file of a saved step: array bytes."""
-    files = [(n, p) for n, p in checkpoint.files_below(ckpts.path(step))]
-    return max(files, key=lambda item: os.path.getsize(item[1]))
+    return max(checkpoint.files_below(ckpts.path(step)), key=lambda item: os.path.getsize(item[1]))
 
 
 def test_verify_names_what_differs(ckpts):
@@ -165,13 +156,12 @@ def test_verify_reports_the_first_file_by_name(ckpts):
     names = sorted(saved)
     for name in names[1:]:
         saved[name] = "0" * 64
-    saved[names[0]] = saved[names[0]]
     json.dump(saved, open(ckpts.checksum_path(3), "w"))
     assert ckpts.verify(3) == f"{names[1]} does not match the sha256 saved with it"
 
 
 def damage(ckpts, step):
-    name, path = data_file(ckpts, step)
+    _, path = data_file(ckpts, step)
     open(path, "ab").write(b"x")
 
 
@@ -211,8 +201,7 @@ def test_a_checkpoint_orbax_cannot_read_is_refused_naming_the_others(tmp_path):
     for step in (1, 2, 3):
         manager.save(state_at(step), meta={})
     os.remove(manager.checksum_path(2))  # no checksums: orbax itself finds the damage
-    name, path = data_file(manager, 2)
-    os.remove(path)
+    os.remove(data_file(manager, 2)[1])
     with pytest.raises(CheckpointError) as error:
         manager.restore(state_at(0), step=2)
     message = str(error.value)

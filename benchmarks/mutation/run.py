@@ -90,7 +90,7 @@ MODULES: dict[str, list[str]] = {
         "tests/test_train_loop.py",
         "tests/test_faults.py",
     ],
-    "train/core/loop.py": ["tests/test_train_loop.py"],
+    "train/core/loop.py": ["tests/test_loop_units.py", "tests/test_train_loop.py"],
     "train/core/workdir_checks.py": ["tests/test_workdir_errors.py"],
     "train/data/batching.py": ["tests/test_data_batching.py"],
     "train/data/token_cache.py": [

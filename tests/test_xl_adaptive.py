@@ -94,6 +94,37 @@ def _slow_log_probs(crit, emb, cfg, h):
     return out
 
 
+def test_parameters_start_as_the_reference_s():
+    """Tables and cluster logits N(0, 0.02), projections N(0, 0.01), biases zero (the
+    reference's init_std and proj_init_std), at each cluster's width."""
+    cfg = TransformerXLConfig.tiny(
+        vocab_size=2000,
+        d_model=64,
+        cutoffs=(500, 1000),
+        div_val=2,
+        d_embed=128,
+        tie_weights=False,
+    )
+    tokens = jnp.zeros((1, 3), jnp.int32)
+    emb = AdaptiveEmbedding(cfg).init(jax.random.key(0), tokens)["params"]
+    crit = ProjectedAdaptiveLogSoftmax(cfg).init(jax.random.key(1), jnp.zeros((1, 3, cfg.d_model)))[
+        "params"
+    ]
+    widths = (128, 64, 32)
+    for c, (rows, width) in enumerate(zip((500, 500, 1000), widths)):
+        for params, table in ((emb, f"emb_{c}"), (crit, f"out_{c}")):
+            chex.assert_shape(params[table], (rows, width))
+            assert np.std(np.asarray(params[table], np.float32)) == pytest.approx(0.02, rel=0.1)
+        for params in (emb, crit):
+            chex.assert_shape(params[f"proj_{c}"], (width, cfg.d_model))
+            std = np.std(np.asarray(params[f"proj_{c}"], np.float32))
+            assert std == pytest.approx(0.01, rel=0.1)
+        assert not np.asarray(crit[f"bias_{c}"], np.float32).any()
+        chex.assert_shape(crit[f"bias_{c}"], (rows,))
+    assert np.std(np.asarray(crit["cluster_weight"], np.float32)) == pytest.approx(0.02, rel=0.2)
+    assert not np.asarray(crit["cluster_bias"], np.float32).any()
+
+
 @pytest.mark.parametrize("overrides", CASES)
 def test_adaptive_embedding_and_softmax_match_numpy(overrides):
     cfg = TransformerXLConfig.tiny(**overrides)

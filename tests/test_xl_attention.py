@@ -178,6 +178,9 @@ def test_relative_positions_run_from_s_minus_1_to_0_clamped_only_when_positive(c
     cfg = TransformerXLConfig.tiny(clamp_len=clamp_len)
     assert relative_positions(cfg, q_len=2, mem_len=4).tolist() == want
     assert relative_positions(cfg, q_len=1, mem_len=0).tolist() == [0]
+    # Lengths that share bits (3 + 3 is not 3 ^ 3) and a memory as long as the segment.
+    assert relative_positions(cfg, q_len=4, mem_len=3).tolist()[-4:] == [3, 2, 1, 0]
+    assert len(relative_positions(cfg, q_len=4, mem_len=3)) == 7
 
 
 def _sublayer_inputs(cfg, *, t=3, m=4, seed=2):
@@ -214,6 +217,55 @@ def test_dropatt_draws_the_dropout_rng_only_when_training_with_a_rate():
     chex.assert_trees_all_close(
         module.apply(params, *args, deterministic=False), module.apply(params, *args)
     )
+
+
+def test_the_kernel_s_shape_rules_follow_the_platform_it_is_compiled_for():
+    """Which calls take the fused kernels, from the platform's name (made at run time, as a
+    device's is) and the shapes: a head width of 8 on a CPU, 16 on a GPU, 64 and blocks of
+    128 on a TPU; never without the memory's valid count."""
+    from xl_jax.attention import _takes_fused_kernel
+
+    pallas = TransformerXLConfig.tiny(attention_impl="pallas")
+    valid = jnp.zeros((2,), jnp.int32)
+
+    def take(platform, k, t, m, valid=valid):
+        return _takes_fused_kernel(
+            pallas, "".join(list(platform)), head_width=k, q_len=t, mem_len=m, valid=valid
+        )
+
+    assert take("cpu", 8, 16, 16) and not take("cpu", 8, 16, 16, valid=None)
+    assert not take("gpu", 8, 16, 16) and take("gpu", 16, 16, 16)
+    assert not take("tpu", 32, 128, 128) and take("tpu", 64, 128, 128)
+    assert not take("tpu", 64, 64, 64)  # 128 does not divide T and M
+    assert take("gpu", 64, 64, 64) and take("cpu", 64, 64, 64)
+    assert not _takes_fused_kernel(
+        TransformerXLConfig.tiny(), "cpu", head_width=8, q_len=16, mem_len=16, valid=valid
+    )
+
+
+def test_each_implementation_without_the_kernel_runs_the_shared_attention_core():
+    """'pallas' where its kernel cannot run (no memory count given, only the mask) falls back
+    to the shared core's own choice, as 'auto' does; 'xla' is handed to the core as it is."""
+    from xl_jax import attention as xl_attention
+
+    cfg = TransformerXLConfig.tiny(d_model=16, n_heads=2, d_head=4)
+    args = _sublayer_inputs(cfg)
+    params = RelativeMultiHeadAttention(cfg).init(jax.random.key(0), *args)
+    want = RelativeMultiHeadAttention(cfg).apply(params, *args)
+    core = xl_attention.dot_product_attention
+    for impl, handed in (("auto", "auto"), ("xla", "xla"), ("pallas", "auto")):
+        seen = []
+
+        def spy(*a, implementation, seen=seen, **k):
+            seen.append(implementation)
+            return core(*a, implementation=implementation, **k)
+
+        module = RelativeMultiHeadAttention(cfg.replace(attention_impl=impl))
+        with pytest.MonkeyPatch.context() as patch:
+            patch.setattr(xl_attention, "dot_product_attention", spy)
+            got = module.apply(params, *args)
+        assert seen == [handed], impl
+        chex.assert_trees_all_close(got, want, rtol=1e-6)
 
 
 def test_untied_biases_are_parameters_of_the_layer_and_the_given_ones_are_unused():

@@ -168,6 +168,7 @@ def test_mask_matches_reference_for_every_fill_level(same_length, qlen, mem_len)
     [
         (-1, [5, 4, 3, 2, 1, 0]),
         (0, [5, 4, 3, 2, 1, 0]),
+        (1, [1, 1, 1, 1, 1, 0]),
         (3, [3, 3, 3, 2, 1, 0]),
         (5, [5, 4, 3, 2, 1, 0]),
     ],
@@ -179,8 +180,8 @@ def test_relative_positions_run_from_s_minus_1_to_0_clamped_only_when_positive(c
     assert relative_positions(cfg, q_len=2, mem_len=4).tolist() == want
     assert relative_positions(cfg, q_len=1, mem_len=0).tolist() == [0]
     # Lengths that share bits (3 + 3 is not 3 ^ 3) and a memory as long as the segment.
-    assert relative_positions(cfg, q_len=4, mem_len=3).tolist()[-4:] == [3, 2, 1, 0]
-    assert len(relative_positions(cfg, q_len=4, mem_len=3)) == 7
+    seven = relative_positions(cfg, q_len=4, mem_len=3).tolist()
+    assert seven == [min(d, clamp_len) if clamp_len > 0 else d for d in range(6, -1, -1)]
 
 
 def _sublayer_inputs(cfg, *, t=3, m=4, seed=2):

@@ -220,6 +220,26 @@ def test_dropatt_draws_the_dropout_rng_only_when_training_with_a_rate():
     )
 
 
+def test_the_sublayer_s_parameters_are_the_reference_s_without_biases():
+    """`qkv` [D, 3, H, K], `r_net` [D, H, K], `o_net` [H, K, D], no biases (the reference's
+    qkv_net, r_net and o_net have none), and the LayerNorm; with untie_r, u and v [H, K]."""
+    for untie_r in (False, True):
+        cfg = TransformerXLConfig.tiny(d_model=16, n_heads=2, d_head=4, untie_r=untie_r)
+        h, mem, pos, mask, u, v = _sublayer_inputs(cfg)
+        given = () if untie_r else (u, v)
+        params = RelativeMultiHeadAttention(cfg).init(jax.random.key(0), h, mem, pos, mask, *given)
+        shapes = jax.tree.map(lambda x: x.shape, params["params"])
+        want = {
+            "qkv": {"kernel": (16, 3, 2, 4)},
+            "r_net": {"kernel": (16, 2, 4)},
+            "o_net": {"kernel": (2, 4, 16)},
+            "layer_norm": {"scale": (16,), "bias": (16,)},
+        }
+        if untie_r:
+            want |= {"r_w_bias": (2, 4), "r_r_bias": (2, 4)}
+        assert shapes == want
+
+
 def test_the_kernel_s_shape_rules_follow_the_platform_it_is_compiled_for():
     """Which calls take the fused kernels, from the platform's name (made at run time, as a
     device's is) and the shapes: a head width of 8 on a CPU, 16 on a GPU, 64 and blocks of

@@ -238,6 +238,16 @@ def test_the_sublayer_s_parameters_are_the_reference_s_without_biases():
         if untie_r:
             want |= {"r_w_bias": (2, 4), "r_r_bias": (2, 4)}
         assert shapes == want
+    # Every weight starts as N(0, 0.02) (the reference's init_std), the LayerNorm at (1, 0).
+    cfg = TransformerXLConfig.tiny(d_model=64, n_heads=4, d_head=16, untie_r=True)
+    h, mem, pos, mask, _, _ = _sublayer_inputs(cfg)
+    params = RelativeMultiHeadAttention(cfg).init(jax.random.key(0), h, mem, pos, mask)["params"]
+    for name in ("qkv", "r_net", "o_net"):
+        assert np.std(params[name]["kernel"]) == pytest.approx(0.02, rel=0.1), name
+    both = np.concatenate([params["r_w_bias"], params["r_r_bias"]])
+    assert np.std(both) == pytest.approx(0.02, rel=0.25)
+    np.testing.assert_array_equal(params["layer_norm"]["scale"], 1.0)
+    np.testing.assert_array_equal(params["layer_norm"]["bias"], 0.0)
 
 
 def test_the_kernel_s_shape_rules_follow_the_platform_it_is_compiled_for():

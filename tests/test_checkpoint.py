@@ -241,11 +241,26 @@ def test_the_cause_is_the_first_line_of_orbax_s_error(ckpts, monkeypatch):
     with pytest.raises(CheckpointError, match=cause):
         ckpts.restore(state_at(0))
 
+    # A first line of any length is cut at 300 characters.
+    def long_restore(*args, **kwargs):
+        raise ValueError("a" * 299 + "bc" + "d" * 100 + "\nsecond")
+
+    monkeypatch.setattr(ckpts.manager, "restore", long_restore)
+    with pytest.raises(CheckpointError) as error:
+        ckpts.restore(state_at(0))
+    assert f"(ValueError: {'a' * 299}b). Nothing" in str(error.value)
+
 
 def test_save_takes_its_meta_and_metrics_by_keyword(ckpts):
     with pytest.raises(TypeError):
         ckpts.save(state_at(1), {})
     assert ckpts.all_steps() == []
+
+
+def test_the_number_kept_is_given_by_keyword(tmp_path):
+    with pytest.raises(TypeError):
+        Checkpoints(str(tmp_path / "w"), 5)
+    assert not os.path.exists(tmp_path / "w")
 
 
 def test_a_template_of_another_shape_is_refused(ckpts):

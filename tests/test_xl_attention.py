@@ -254,7 +254,7 @@ def test_the_kernel_s_shape_rules_follow_the_platform_it_is_compiled_for():
     """Which calls take the fused kernels, from the platform's name (made at run time, as a
     device's is) and the shapes: a head width of 8 on a CPU, 16 on a GPU, 64 and blocks of
     128 on a TPU; never without the memory's valid count."""
-    from xl_jax.attention import _takes_fused_kernel
+    from xl_jax.attention import _takes_fused_kernel, use_fused_kernel
 
     pallas = TransformerXLConfig.tiny(attention_impl="pallas")
     valid = jnp.zeros((2,), jnp.int32)
@@ -272,6 +272,9 @@ def test_the_kernel_s_shape_rules_follow_the_platform_it_is_compiled_for():
     assert not _takes_fused_kernel(
         TransformerXLConfig.tiny(), "cpu", head_width=8, q_len=16, mem_len=16, valid=valid
     )
+    with pytest.raises(TypeError):  # the lengths and the count by keyword
+        use_fused_kernel(pallas, jnp.zeros((2, 16, 2, 8)), 16, valid)
+    assert use_fused_kernel(pallas, jnp.zeros((2, 16, 2, 8)), mem_len=16, valid=valid)
 
 
 def test_each_implementation_without_the_kernel_runs_the_shared_attention_core():

@@ -11,6 +11,7 @@ from __future__ import annotations
 import dataclasses
 import signal
 import threading
+import types
 
 import numpy as np
 import pytest
@@ -276,19 +277,21 @@ def test_the_stop_flag_names_its_signal():
 
 def test_signals_set_the_flag_a_second_ctrl_c_raises_and_the_handlers_come_back():
     before = signal.getsignal(signal.SIGINT), signal.getsignal(signal.SIGTERM)
+    # Real signals, raised in this process: the handler is given the signal's number as an
+    # int, not the enum member.
     with stop_on_signals() as flag:
         handler = signal.getsignal(signal.SIGINT)
         assert handler is signal.getsignal(signal.SIGTERM)
         assert handler not in before
-        handler(signal.SIGTERM, None)
+        signal.raise_signal(signal.SIGTERM)
         assert flag.requested and flag.reason == "sigterm"
         # A SIGTERM after a SIGTERM is only a flag again; a SIGINT after one raises.
-        handler(signal.SIGTERM, None)
+        signal.raise_signal(signal.SIGTERM)
         with pytest.raises(KeyboardInterrupt):
-            handler(signal.SIGINT, None)
+            signal.raise_signal(signal.SIGINT)
     assert (signal.getsignal(signal.SIGINT), signal.getsignal(signal.SIGTERM)) == before
     with stop_on_signals((signal.SIGINT,)) as flag:
-        signal.getsignal(signal.SIGINT)(signal.SIGINT, None)  # the first Ctrl-C: a flag
+        signal.raise_signal(signal.SIGINT)  # the first Ctrl-C: a flag
         assert flag.requested and flag.reason == "sigint"
         assert signal.getsignal(signal.SIGTERM) == before[1]  # not asked for: untouched
     assert signal.getsignal(signal.SIGINT) == before[0]
@@ -429,6 +432,17 @@ def test_a_diverged_step_right_after_a_checkpoint_points_before_it():
     assert "to resume from step 0 with" in divergence_message(5, metrics, Saves([4]))
 
 
+def test_a_diverged_step_past_small_ints_and_at_an_even_step_is_named_right():
+    """Steps past the ints Python keeps one object of (a step number is computed, never the
+    checkpoint list's own object), and an even step (step ^ 1 is step - 1 at odd ones)."""
+    metrics = {"loss_sum": 1.0, "n_tokens": 1.0, "grad_norm": float("nan")}
+    message = divergence_message(1000, metrics, Saves([996, 998, int("999")]))
+    assert "nothing after step 999 was saved" in message
+    assert "checkpoints/999, is the state step 1000 started from" in message
+    assert "to resume from step 998 with" in message
+    assert "nothing after step 7 was saved" in divergence_message(8, metrics, None)
+
+
 def test_a_diverged_step_later_than_the_last_checkpoint_names_it():
     metrics = {"loss_sum": 1.0, "n_tokens": 1.0, "grad_norm": float("nan")}
     message = divergence_message(9, metrics, Saves([2, 4]))
@@ -545,6 +559,21 @@ def test_the_reporter_says_nothing_for_an_interval_all_skipped_nor_without_progr
     report, writer, lines = reporter(clock, steps=None)
     report.train(3, [{"loss_sum": 3.0, "n_tokens": 1.0}], skipped=0)
     assert lines[-1].startswith("step 3/?: ")
+
+
+def test_the_bar_shows_on_a_terminal_on_process_0_only(monkeypatch):
+    terminal = types.SimpleNamespace(stderr=types.SimpleNamespace(isatty=lambda: True))
+    monkeypatch.setattr(loop_module, "sys", terminal)
+    report, _, _ = reporter(Clock())
+    assert report.interactive and not report.lines and not report.bar.disable
+    report.close()
+    report, _, _ = reporter(Clock(), progress=False)
+    assert not report.interactive and report.bar.disable
+    monkeypatch.setattr(loop_module.jax, "process_index", lambda: 1)
+    report, _, _ = reporter(Clock())
+    assert report.interactive and report.bar.disable
+    with pytest.raises(TypeError):  # all but the config and the writer by keyword
+        Reporter(LoopConfig(steps=1), Records(), 0, 1, 0.0, print)
 
 
 def test_a_zero_second_interval_has_a_finite_rate():

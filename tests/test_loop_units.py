@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import dataclasses
 import signal
+import sys
 import threading
 import types
 
@@ -252,6 +253,8 @@ def test_loop_config_from_a_run_config_carries_every_setting():
     config = LoopConfig.from_run(plain, start=100.0, steps_given=True)
     assert config.deadline is None and not config.steps_given
     assert not LoopConfig.from_run(run_config, start=0.0).steps_given
+    with pytest.raises(TypeError):  # the start and steps_given by keyword
+        LoopConfig.from_run(run_config, 0.0)
 
 
 @pytest.mark.parametrize(
@@ -324,6 +327,8 @@ def test_one_process_stops_on_its_flag_then_on_its_deadline():
     flag(signal.SIGINT, None)
     assert ask(3, flag=flag, deadline=5.0, now=5.0) == "sigint"  # the flag first
     assert one.same_everywhere(7) == 7
+    with pytest.raises(TypeError):  # all but the step by keyword
+        ask(3, flag, None, 0.0)
 
 
 class Peers:
@@ -496,6 +501,12 @@ def test_an_interval_names_its_first_nonfinite_step_or_leaves_such_steps_out():
     interval.add(metrics_of(6, nonfinite=True))
     assert interval.take(6, nonfinite="skip", checkpoints=None) == []
     assert interval.skipped == 3  # counted over the run
+    # An interval that starts at an even step: steps 2 (carried) to 6, step 4 not finite.
+    interval = Interval(HostDP(), carried=[dict(metrics_of(2), nonfinite=0.0)])
+    for step in (3, 4, 5, 6):
+        interval.add(metrics_of(step, nonfinite=step == 4))
+    with pytest.raises(TrainingDiverged, match=r"^step 4: the loss \(4 a token\)"):
+        interval.take(6, nonfinite="stop", checkpoints=None)
 
 
 # ----------------------------------------------------------------------------- reporter
@@ -762,6 +773,14 @@ def test_nonfinite_steps_stop_the_loop_or_are_counted_and_skipped():
 def test_the_printer_speaks_on_process_0_only(monkeypatch, capsys):
     printer()("hello")
     assert capsys.readouterr().out == "hello\n"
+    # Each line flushed at once: logs interleave with the progress bar's stderr.
+    out = types.SimpleNamespace(text=[], flushes=0)
+    out.write = out.text.append
+    out.flush = lambda: setattr(out, "flushes", out.flushes + 1)
+    monkeypatch.setattr(sys, "stdout", out)
+    printer()("again")
+    assert "".join(out.text) == "again\n" and out.flushes == 1
+    monkeypatch.undo()
     monkeypatch.setattr(loop_module.jax, "process_index", lambda: 1)
     printer()("hello")
     assert capsys.readouterr().out == ""

@@ -274,6 +274,8 @@ def test_the_kernel_s_shape_rules_follow_the_platform_it_is_compiled_for():
     )
     with pytest.raises(TypeError):  # the lengths and the count by keyword
         use_fused_kernel(pallas, jnp.zeros((2, 16, 2, 8)), 16, valid)
+    with pytest.raises(TypeError):
+        _takes_fused_kernel(pallas, "cpu", 8, 16, 16, valid)
     assert use_fused_kernel(pallas, jnp.zeros((2, 16, 2, 8)), mem_len=16, valid=valid)
 
 

@@ -396,6 +396,17 @@ def test_a_preemption_notice_stops_every_process_and_its_absence_is_no_stop(monk
     assert len(peers.gathered) == 1
 
 
+def test_several_processes_agree_before_the_first_step_whatever_the_step(monkeypatch):
+    """The budget may be spent on another process before this one's first step: all meet
+    once before it, at a step that is no meeting step, and run none."""
+    peers = Peers(others=[[0, 1]])
+    monkeypatch.setattr(loop_module.jax, "process_count", lambda: 2)
+    monkeypatch.setattr(loop_module, "multihost_utils", peers)
+    result, step, _, saves, _ = run(steps=10, start=3, checkpoints=Saves([3]), deadline=1e9)
+    assert result.reason == "time" and step.calls == [] and saves.saved == []
+    assert [g.tolist() for g in peers.gathered] == [[0, 0]]
+
+
 def test_several_processes_take_process_0_s_value(monkeypatch):
     agreement = several(monkeypatch, Peers(broadcast=41))
     value = agreement.same_everywhere(7)
@@ -577,6 +588,8 @@ def test_the_bar_shows_on_a_terminal_on_process_0_only(monkeypatch):
     monkeypatch.setattr(loop_module, "sys", terminal)
     report, _, _ = reporter(Clock())
     assert report.interactive and not report.lines and not report.bar.disable
+    report.train(1, [{"loss_sum": 3.0, "n_tokens": 2.0}], skipped=0)
+    assert report.bar.postfix.startswith("loss=1.500, lr=0.00e+00, tok_s=")  # no lr given
     report.close()
     report, _, _ = reporter(Clock(), progress=False)
     assert not report.interactive and report.bar.disable

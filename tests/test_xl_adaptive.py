@@ -224,6 +224,8 @@ def test_grouped_tails_equal_the_dense_path_nll_and_gradients(overrides, targets
         lambda x: jnp.asarray(rng.normal(size=x.shape) * 0.5, jnp.float32), params
     )
 
+    # The tails' mode spelled at run time, as a flag's value is.
+    cfg = cfg.replace(softmax_tails="".join(["grou", "ped"]))
     (_, grouped), grouped_grads = _crit_nll_and_grads(cfg, hidden, targets, params, tied)
     dense_cfg = cfg.replace(softmax_tails="dense")
     assert cfg.softmax_tails == "grouped"

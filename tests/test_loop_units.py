@@ -136,8 +136,10 @@ def host_step(clock=None, per_step=0.0, nonfinite_at=(), tokens=10.0):
     return step
 
 
-def numbered_batches(start=0):
-    while True:
+def numbered_batches(start, stop):
+    """The batches of steps start ... stop - 1, then none: a loop that draws past its last
+    step fails at once rather than running on."""
+    while start < stop:
         yield {"batch": start}
         start += 1
 
@@ -170,7 +172,7 @@ def run(
         State(np.int32(start)),
         dp=HostDP(),
         train_step=step,
-        batches=numbered_batches(start),
+        batches=numbered_batches(start, steps),
         config=LoopConfig(steps=steps, **config),
         writer=writer,
         checkpoints=checkpoints,
@@ -517,7 +519,7 @@ def test_an_interval_names_its_first_nonfinite_step_or_leaves_such_steps_out():
     for step in (3, 4, 5, 6):
         interval.add(metrics_of(step, nonfinite=step == 4))
     with pytest.raises(TrainingDiverged, match=r"^step 4: the loss \(4 a token\)"):
-        interval.take(6, nonfinite="stop", checkpoints=None)
+        interval.take(6, nonfinite="".join(["st", "op"]), checkpoints=None)  # a flag's value
 
 
 # ----------------------------------------------------------------------------- reporter
@@ -591,6 +593,14 @@ def test_the_bar_shows_on_a_terminal_on_process_0_only(monkeypatch):
     report.train(1, [{"loss_sum": 3.0, "n_tokens": 2.0}], skipped=0)
     assert report.bar.postfix.startswith("loss=1.500, lr=0.00e+00, tok_s=")  # no lr given
     report.close()
+    counted = []
+
+    class Count(hooks_module.Hook):
+        def end(self, loop):
+            counted.append(loop.report.bar.n)
+
+    run(steps=3, progress=True, hooks=[Count()])
+    assert counted == [3]  # one tick a step
     report, _, _ = reporter(Clock(), progress=False)
     assert not report.interactive and report.bar.disable
     monkeypatch.setattr(loop_module.jax, "process_index", lambda: 1)
@@ -701,6 +711,11 @@ def test_the_loop_counts_the_seconds_its_saves_and_validations_take():
     )
     # Step 2: a validation (3 s) and its save (2 s); step 3: a save; step 4: both again.
     assert seen == [(1, 0.0, None), (2, 5.0, 3.0), (3, 7.0, 3.0), (4, 12.0, 3.0)]
+
+
+def test_a_run_already_past_its_steps_runs_none():
+    result, step, _, saves, _ = run(steps=3, start=5, checkpoints=Saves([5]))
+    assert result.reason == "steps" and step.calls == [] and saves.saved == []
 
 
 def test_a_budget_spent_before_the_first_step_runs_none():

@@ -239,5 +239,7 @@ def test_capacity_ladder_always_holds_every_token():
 
     assert capacity_ladder(300) == (0, 2, 3, 5, 10, 19, 38, 75, 150, 300)
     assert capacity_ladder(1) == (0, 1)
+    with pytest.raises(TypeError):  # the rungs by keyword
+        capacity_ladder(300, 2)
     with pytest.raises(ValueError, match="softmax_tails"):
         TransformerXLConfig.tiny(softmax_tails="sparse")

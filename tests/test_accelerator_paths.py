@@ -244,10 +244,19 @@ def test_xl_attention_gpu_forms_equal_the_cpu_form(monkeypatch, untie_r):
 
         return jax.value_and_grad(loss, argnums=(0, 1, 2))(params, u, v)
 
+    def stacks():  # u and v stacked into one [2, H, K] (the GPU's form)
+        apply = lambda u, v: module.apply({"params": params}, h, mem, pos, mask, u, v)  # noqa: E731
+        return len(re.findall(r"\bstack\[", str(jax.make_jaxpr(apply)(u, v))))
+
     cpu = value_and_grads()
+    assert stacks() == 0
     assert products == []  # the CPU's program keeps DenseGeneral's own products
+    # A TPU's program keeps them too.
+    monkeypatch.setattr(xl_attention, "compile_platform", lambda *a: "tpu")
+    assert stacks() == 0 and products == []
     # The name made at run time, as a device's is: `is` against the literal would miss it.
     monkeypatch.setattr(xl_attention, "compile_platform", lambda *a: "".join(["g", "pu"]))
     gpu = value_and_grads()
     assert len(products) == 3  # qkv, r_net and o_net
+    assert stacks() == 1
     chex.assert_trees_all_close(gpu, cpu, rtol=1e-5, atol=1e-6)

@@ -267,8 +267,11 @@ def test_transformer_fused_path_drops_with_dropout(monkeypatch):
     )
 
 
-def test_xl_fused_path_equals_its_xla_path(monkeypatch):
-    cfg = TransformerXLConfig.tiny()
+@pytest.mark.parametrize("norm_first", [False, True])
+def test_xl_fused_path_equals_its_xla_path(monkeypatch, norm_first):
+    """Post-LN's attention sublayer goes through the kernel; pre-LN's (its residual after the
+    norm) never does; both give the XLA path's losses and gradients."""
+    cfg = TransformerXLConfig.tiny(norm_first=norm_first)
     tokens = jax.random.randint(jax.random.PRNGKey(0), (2, cfg.tgt_len), 0, cfg.vocab_size)
     model = TransformerXL(cfg)
     variables = model.init(jax.random.PRNGKey(1), tokens, targets=tokens)
@@ -279,7 +282,13 @@ def test_xl_fused_path_equals_its_xla_path(monkeypatch):
 
     (want, want_memory), want_grads = jax.value_and_grad(loss, has_aux=True)(variables)
     _force_fused(monkeypatch)
+    calls = []
+    kernel = fused_norm.add_dropout_normalize
+    monkeypatch.setattr(
+        fused_norm, "add_dropout_normalize", lambda *a, **k: calls.append(1) or kernel(*a, **k)
+    )
     (got, got_memory), got_grads = jax.value_and_grad(loss, has_aux=True)(variables)
+    assert len(calls) == (0 if norm_first else 2 * cfg.n_layers)  # attention and feed-forward
     np.testing.assert_allclose(got, want, rtol=1e-5)
     for g, w in zip(jax.tree.leaves(got_memory), jax.tree.leaves(want_memory)):
         np.testing.assert_allclose(g, w, rtol=1e-4, atol=1e-5)

@@ -282,7 +282,8 @@ def test_the_kernel_s_shape_rules_follow_the_platform_it_is_compiled_for():
 
 def test_each_implementation_without_the_kernel_runs_the_shared_attention_core():
     """'pallas' where its kernel cannot run (no memory count given, only the mask) falls back
-    to the shared core's own choice, as 'auto' does; 'xla' is handed to the core as it is."""
+    to the shared core's own choice, as 'auto' does; 'xla' and 'cudnn' are handed to the core
+    as they are. (The core computes with XLA's here: cuDNN's needs a GPU.)"""
     from xl_jax import attention as xl_attention
 
     cfg = TransformerXLConfig.tiny(d_model=16, n_heads=2, d_head=4)
@@ -290,19 +291,38 @@ def test_each_implementation_without_the_kernel_runs_the_shared_attention_core()
     params = RelativeMultiHeadAttention(cfg).init(jax.random.key(0), *args)
     want = RelativeMultiHeadAttention(cfg).apply(params, *args)
     core = xl_attention.dot_product_attention
-    for impl, handed in (("auto", "auto"), ("xla", "xla"), ("pallas", "auto")):
+    # Spelled at run time, as a flag's value is: `is` against a literal would miss them.
+    cases = [("auto", "auto"), ("xla", "xla"), ("cudnn", "cudnn"), ("pallas", "auto")]
+    for impl, handed in cases:
         seen = []
 
         def spy(*a, implementation, seen=seen, **k):
             seen.append(implementation)
-            return core(*a, implementation=implementation, **k)
+            return core(*a, implementation="xla", **k)
 
-        module = RelativeMultiHeadAttention(cfg.replace(attention_impl=impl))
+        module = RelativeMultiHeadAttention(cfg.replace(attention_impl="".join(list(impl))))
         with pytest.MonkeyPatch.context() as patch:
             patch.setattr(xl_attention, "dot_product_attention", spy)
             got = module.apply(params, *args)
         assert seen == [handed], impl
         chex.assert_trees_all_close(got, want, rtol=1e-6)
+
+
+def test_the_sublayer_s_options_are_keyword_only():
+    from xl_jax.attention import position_bias, relative_positions
+
+    cfg = TransformerXLConfig.tiny(d_model=16, n_heads=2, d_head=4)
+    h, mem, pos, mask, u, v = _sublayer_inputs(cfg)
+    module = RelativeMultiHeadAttention(cfg)
+    params = module.init(jax.random.key(0), h, mem, pos, mask, u, v)
+    with pytest.raises(TypeError):  # valid, then deterministic, by keyword
+        module.apply(params, h, mem, pos, mask, u, v, jnp.array([4, 1]))
+    with pytest.raises(TypeError):
+        relative_positions(cfg, 2, 4)
+    qv, r = jnp.zeros((2, 3, 2, 4)), jnp.zeros((7, 2, 4))
+    with pytest.raises(TypeError):
+        position_bias(qv, r, 0.5, False)
+    assert position_bias(qv, r, scale=0.5, for_fused_kernel=False).shape == (2, 2, 3, 7)
 
 
 def test_untied_biases_are_parameters_of_the_layer_and_the_given_ones_are_unused():

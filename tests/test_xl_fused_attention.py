@@ -123,9 +123,10 @@ def _lm_config(**overrides):
     )
 
 
-def test_a_model_over_segments_gives_the_same_losses_and_gradients():
+def test_a_model_over_segments_gives_the_same_losses_and_gradients(monkeypatch):
     """Three segments carrying the memory (empty, partly filled, full), clamp_len on: the
-    'pallas' model's per-token losses and parameter gradients equal the 'xla' model's."""
+    'pallas' model's per-token losses and parameter gradients equal the 'xla' model's, and
+    each of its layers went through the kernels."""
     xla_cfg = _lm_config(attention_impl="xla")
     fused_cfg = _lm_config(attention_impl="pallas")
     tokens = jax.random.randint(jax.random.PRNGKey(0), (B, 3, 8), 0, xla_cfg.vocab_size)
@@ -140,7 +141,12 @@ def test_a_model_over_segments_gives_the_same_losses_and_gradients():
             losses.append(nll)
         return jnp.stack(losses)
 
+    calls = []
+    kernel = fa.relative_attention
+    counted = lambda *a, **k: calls.append(1) or kernel(*a, **k)  # noqa: E731
+    monkeypatch.setattr(fa, "relative_attention", counted)
     chex.assert_trees_all_close(run(fused_cfg, params), run(xla_cfg, params), atol=1e-5)
+    assert len(calls) == 3 * fused_cfg.n_layers  # the xla model's none
     grad = lambda cfg: jax.grad(lambda p: jnp.mean(run(cfg, p)))(params)  # noqa: E731
     chex.assert_trees_all_close(grad(fused_cfg), grad(xla_cfg), atol=1e-6, rtol=1e-5)
 

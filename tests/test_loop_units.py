@@ -69,7 +69,9 @@ class Saves:
         self.saved = []
 
     def latest_step(self):
-        return self.steps[-1] if self.steps else None
+        # A fresh int, as orbax's listing of the directory gives: never the object
+        # all_steps() holds.
+        return int(str(self.steps[-1])) if self.steps else None
 
     def all_steps(self):
         return list(self.steps)
@@ -205,6 +207,12 @@ def run(
 def test_loop_config_refuses_each_bad_setting_by_name(field, value, named):
     with pytest.raises(ValueError, match=named):
         LoopConfig(**{"steps": 5, field: value})
+
+
+def test_loop_config_is_frozen():
+    config = LoopConfig(steps=3)
+    with pytest.raises(dataclasses.FrozenInstanceError):
+        config.steps = 4
 
 
 def test_loop_config_takes_each_setting_at_its_bound():
@@ -711,6 +719,23 @@ def test_the_loop_counts_the_seconds_its_saves_and_validations_take():
     )
     # Step 2: a validation (3 s) and its save (2 s); step 3: a save; step 4: both again.
     assert seen == [(1, 0.0, None), (2, 5.0, 3.0), (3, 7.0, 3.0), (4, 12.0, 3.0)]
+
+
+def test_the_loop_logs_its_lines_through_the_given_log_else_prints_them(capsys):
+    _, _, _, _, lines = run(steps=4, log_every=2, progress=True)
+    assert [line.split(":")[0] for line in lines] == ["step 2/4", "step 4/4"]
+    assert capsys.readouterr().out == ""
+    clock = Clock()
+    train_loop(
+        State(np.int32(0)),
+        dp=HostDP(),
+        train_step=host_step(clock),
+        batches=numbered_batches(0, 2),
+        config=LoopConfig(steps=2, log_every=2),
+        writer=Records(),
+        clock=clock,
+    )
+    assert capsys.readouterr().out.startswith("step 2/2: loss 1.5000")
 
 
 def test_a_run_already_past_its_steps_runs_none():

@@ -18,6 +18,7 @@ CASES = [
     dict(cutoffs=(10, 30), div_val=2, d_embed=32),
     dict(cutoffs=(10, 30), div_val=2, d_embed=32, tie_projs=(True, False, True)),
     dict(cutoffs=(10, 30), div_val=2, d_embed=32, tie_weights=False),
+    dict(cutoffs=(10, 20, 40), div_val=2, d_embed=32),  # three tails
 ]
 
 
@@ -123,6 +124,14 @@ def test_parameters_start_as_the_reference_s():
         chex.assert_shape(crit[f"bias_{c}"], (rows,))
     assert np.std(np.asarray(crit["cluster_weight"], np.float32)) == pytest.approx(0.02, rel=0.2)
     assert not np.asarray(crit["cluster_bias"], np.float32).any()
+    # One table at the model's width: no projection at all, on either side.
+    cfg = TransformerXLConfig.tiny(cutoffs=(10, 30), div_val=1, tie_weights=False)
+    emb = AdaptiveEmbedding(cfg).init(jax.random.key(0), tokens)["params"]
+    crit = ProjectedAdaptiveLogSoftmax(cfg).init(jax.random.key(1), jnp.zeros((1, 3, cfg.d_model)))[
+        "params"
+    ]
+    assert sorted(emb) == ["emb_0"]
+    assert sorted(crit) == ["bias_0", "cluster_bias", "cluster_weight", "out_0"]
 
 
 @pytest.mark.parametrize("overrides", CASES)
@@ -200,7 +209,9 @@ def _crit_nll_and_grads(cfg, hidden, targets, params, tied):
 
 
 @pytest.mark.parametrize("overrides", [c for c in CASES if c.get("cutoffs")])
-@pytest.mark.parametrize("targets_in", ["spread", "head_only", "one_tail", "last_tail"])
+@pytest.mark.parametrize(
+    "targets_in", ["spread", "head_only", "one_tail", "last_tail", "one_token_in_a_tail"]
+)
 def test_grouped_tails_equal_the_dense_path_nll_and_gradients(overrides, targets_in):
     cfg = TransformerXLConfig.tiny(**overrides)
     rng = np.random.default_rng(3)
@@ -209,10 +220,13 @@ def test_grouped_tails_equal_the_dense_path_nll_and_gradients(overrides, targets
         "head_only": (0, 10),
         "one_tail": (10, 30),
         "last_tail": (30, 64),
+        "one_token_in_a_tail": (0, 10),
     }[targets_in]
     targets = jnp.asarray(rng.integers(low, high, (3, 11)))
     if targets_in == "spread":  # most tokens in the head, as with a Zipfian vocabulary
         targets = jnp.where(jnp.asarray(rng.random((3, 11)) < 0.6), targets % 10, targets)
+    if targets_in == "one_token_in_a_tail":  # the ladder's smallest capacity above 0
+        targets = (targets % 10).at[1, 4].set(cfg.cutoffs[-1] + 3)
     hidden = jnp.asarray(rng.normal(size=(3, 11, cfg.d_model)), jnp.float32)
     emb_mod = AdaptiveEmbedding(cfg)
     emb_params = emb_mod.init(jax.random.key(0), targets)["params"]

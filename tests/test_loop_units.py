@@ -504,6 +504,8 @@ def test_an_interval_hands_over_its_steps_once_after_the_carried_ones():
     assert [m["loss_sum"] for m in host] == [99.0, 20.0, 30.0]
     assert dp.fetched == [2] and not interval
     assert interval.take(3, nonfinite="stop", checkpoints=None) == []
+    with pytest.raises(TypeError):  # the policy and the checkpoints by keyword
+        interval.take(3, "stop", None)
 
 
 def test_an_interval_names_its_first_nonfinite_step_or_leaves_such_steps_out():

@@ -825,6 +825,23 @@ def test_nonfinite_steps_stop_the_loop_or_are_counted_and_skipped():
     assert lines[1]["skipped_steps"] == 2 and "skipped_steps" not in lines[0]
 
 
+def test_a_loop_is_made_from_its_parts_by_keyword():
+    parts = dict(
+        dp=HostDP(),
+        config=LoopConfig(steps=2),
+        train_step=host_step(),
+        checkpoints=None,
+        evaluate=None,
+        clock=Clock(),
+        log=print,
+    )
+    loop = loop_module.Loop(State(np.int32(5)), **parts)
+    assert (loop.step, loop.start_step, loop.steps, loop.reason) == (5, 5, 2, None)
+    assert (loop.outside_s, loop.validation_s, loop.evaluated_at) == (0.0, None, None)
+    with pytest.raises(TypeError):
+        loop_module.Loop(State(np.int32(5)), *parts.values())
+
+
 def test_the_printer_speaks_on_process_0_only(monkeypatch, capsys):
     printer()("hello")
     assert capsys.readouterr().out == "hello\n"

@@ -600,6 +600,7 @@ def test_the_bar_shows_on_a_terminal_on_process_0_only(monkeypatch):
     monkeypatch.setattr(loop_module, "sys", terminal)
     report, _, _ = reporter(Clock())
     assert report.interactive and not report.lines and not report.bar.disable
+    assert report.bar.dynamic_ncols  # follows the terminal's width
     report.train(1, [{"loss_sum": 3.0, "n_tokens": 2.0}], skipped=0)
     assert report.bar.postfix.startswith("loss=1.500, lr=0.00e+00, tok_s=")  # no lr given
     report.close()
@@ -838,8 +839,10 @@ def test_a_loop_is_made_from_its_parts_by_keyword():
     loop = loop_module.Loop(State(np.int32(5)), **parts)
     assert (loop.step, loop.start_step, loop.steps, loop.reason) == (5, 5, 2, None)
     assert (loop.outside_s, loop.validation_s, loop.evaluated_at) == (0.0, None, None)
-    with pytest.raises(TypeError):
+    with pytest.raises(TypeError, match="positional argument"):
         loop_module.Loop(State(np.int32(5)), *parts.values())
+    with pytest.raises(TypeError, match="positional argument"):  # train_loop's too
+        train_loop(State(np.int32(5)), *parts.values())
 
 
 def test_the_printer_speaks_on_process_0_only(monkeypatch, capsys):

@@ -308,6 +308,12 @@ def test_signals_set_the_flag_a_second_ctrl_c_raises_and_the_handlers_come_back(
         assert flag.requested and flag.reason == "sigint"
         assert signal.getsignal(signal.SIGTERM) == before[1]  # not asked for: untouched
     assert signal.getsignal(signal.SIGINT) == before[0]
+    # Only a second Ctrl-C raises, not a second of another signal asked for (SIGHUP's number
+    # is below SIGINT's).
+    with stop_on_signals((signal.SIGHUP,)) as flag:
+        signal.raise_signal(signal.SIGHUP)
+        signal.raise_signal(signal.SIGHUP)
+        assert flag.requested and flag.signum == signal.SIGHUP
 
 
 def test_outside_the_main_thread_no_handler_is_installed():
@@ -741,6 +747,13 @@ def test_the_loop_logs_its_lines_through_the_given_log_else_prints_them(capsys):
     assert capsys.readouterr().out.startswith("step 2/2: loss 1.5000")
 
 
+def test_a_run_past_python_s_small_ints_stops_at_its_steps():
+    """The step counted by the loop is never the config's own int object."""
+    result, step, _, saves, _ = run(steps=300, start=297, checkpoints=Saves([297]))
+    assert [c for c, _ in step.calls] == [297, 298, 299] and result.reason == "steps"
+    assert [s for s, _, _ in saves.saved] == [300]
+
+
 def test_a_run_already_past_its_steps_runs_none():
     result, step, _, saves, _ = run(steps=3, start=5, checkpoints=Saves([5]))
     assert result.reason == "steps" and step.calls == [] and saves.saved == []
@@ -838,6 +851,8 @@ def test_a_loop_is_made_from_its_parts_by_keyword():
     )
     loop = loop_module.Loop(State(np.int32(5)), **parts)
     assert (loop.step, loop.start_step, loop.steps, loop.reason) == (5, 5, 2, None)
+    pmap = loop_module.Loop(State(np.full((8,), 5, np.int32)), **parts)  # one per device
+    assert (pmap.step, pmap.start_step) == (5, 5)
     assert (loop.outside_s, loop.validation_s, loop.evaluated_at) == (0.0, None, None)
     with pytest.raises(TypeError, match="positional argument"):
         loop_module.Loop(State(np.int32(5)), *parts.values())

@@ -137,12 +137,14 @@ def test_parameters_start_as_the_reference_s():
 @pytest.mark.parametrize("overrides", CASES)
 def test_adaptive_embedding_and_softmax_match_numpy(overrides):
     cfg = TransformerXLConfig.tiny(**overrides)
-    tokens = jnp.asarray(np.random.default_rng(0).integers(0, cfg.vocab_size, (2, 20)))
+    # Every id once, in a random order: each cluster's first and last ids included.
+    tokens = jnp.asarray(np.random.default_rng(0).permutation(cfg.vocab_size).reshape(2, -1))
+    t = tokens.shape[1]
     emb_mod = AdaptiveEmbedding(cfg)
     emb_params = emb_mod.init(jax.random.key(0), tokens)["params"]
     # Random biases and cluster logits so the test sees them.
     rng = np.random.default_rng(1)
-    h = jnp.asarray(rng.normal(size=(2, 20, cfg.d_model)), jnp.float32)
+    h = jnp.asarray(rng.normal(size=(2, t, cfg.d_model)), jnp.float32)
     crit = ProjectedAdaptiveLogSoftmax(cfg)
     tied = emb_mod.apply({"params": emb_params}, method=AdaptiveEmbedding.tied_parameters)
     kw = dict(tied_tables=tied[0], tied_projs=tied[1])
@@ -158,10 +160,13 @@ def test_adaptive_embedding_and_softmax_match_numpy(overrides):
         rtol=1e-5,
         atol=1e-6,
     )
+    # Each table is read only at its own ids: no row past its end enters the gradients.
+    grads = jax.grad(lambda p: jnp.sum(emb_mod.apply({"params": p}, tokens) ** 2))(emb_params)
+    chex.assert_tree_all_finite(grads)
 
     logp = crit.apply({"params": crit_params}, h, **kw)
     want = _slow_log_probs(_np(crit_params), _np(emb_params), cfg, np.asarray(h, np.float64))
-    chex.assert_shape(logp, (2, 20, cfg.vocab_size))
+    chex.assert_shape(logp, (2, t, cfg.vocab_size))
     chex.assert_trees_all_close(np.asarray(logp, np.float64), want, rtol=1e-4, atol=1e-5)
     np.testing.assert_allclose(np.exp(np.asarray(logp, np.float64)).sum(-1), 1.0, atol=1e-5)
 

@@ -132,6 +132,11 @@ def test_parameters_start_as_the_reference_s():
     ]
     assert sorted(emb) == ["emb_0"]
     assert sorted(crit) == ["bias_0", "cluster_bias", "cluster_weight", "out_0"]
+    # A table wider than the model is projected down, as a narrower one is projected up.
+    for d_embed in (cfg.d_model // 2, cfg.d_model * 2):
+        wide = cfg.replace(d_embed=d_embed)
+        emb = AdaptiveEmbedding(wide).init(jax.random.key(0), tokens)["params"]
+        chex.assert_shape(emb["proj_0"], (d_embed, wide.d_model))
 
 
 @pytest.mark.parametrize("overrides", CASES)

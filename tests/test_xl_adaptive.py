@@ -265,5 +265,6 @@ def test_capacity_ladder_always_holds_every_token():
     assert capacity_ladder(1) == (0, 1)
     with pytest.raises(TypeError):  # the rungs by keyword
         capacity_ladder(300, 2)
+    assert capacity_ladder(300, rungs=3) == (0, 38, 75, 150, 300)  # 0, then N / 2^3 to N
     with pytest.raises(ValueError, match="softmax_tails"):
         TransformerXLConfig.tiny(softmax_tails="sparse")

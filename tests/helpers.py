@@ -495,6 +495,22 @@ def save_tokenizer(folder, *, separate=False):
     return hf
 
 
+# ---------------------------------------------------------------------------- calls
+def calls_to(monkeypatch, owner, name: str) -> list[tuple[tuple, dict]]:
+    """Wraps `owner.name` (a module's function, a method) so that each call is noted and passed
+    on unchanged -> the list of calls, each (positional arguments, keyword arguments). Which
+    path a program took: a kernel's or a product's calls counted while it is traced."""
+    calls: list[tuple[tuple, dict]] = []
+    original = getattr(owner, name)
+
+    def noted(*args, **kwargs):
+        calls.append((args, kwargs))
+        return original(*args, **kwargs)
+
+    monkeypatch.setattr(owner, name, noted)
+    return calls
+
+
 # ---------------------------------------------------------------------------- decoding
 def record_searches(monkeypatch) -> list[dict]:
     """Puts stand-ins for transformer_jax.decoding.decode's beam_search and greedy_decode,

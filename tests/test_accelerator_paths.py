@@ -17,6 +17,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
+from helpers import calls_to
 
 from train.core import step as step_module
 from transformer_jax import attention as attention_module
@@ -232,11 +233,7 @@ def test_xl_attention_gpu_forms_equal_the_cpu_form(monkeypatch, untie_r):
     mask = attention_mask(jnp.array([4, 2]), q_len=t, mem_len=m, same_length=False)
     module = xl_attention.RelativeMultiHeadAttention(cfg)
     params = module.init(jax.random.key(0), h, mem, pos, mask, u, v)["params"]
-    products = []
-    original = layers.flat_dot_general
-    monkeypatch.setattr(
-        xl_attention, "flat_dot_general", lambda *a, **k: products.append(1) or original(*a, **k)
-    )
+    products = calls_to(monkeypatch, xl_attention, "flat_dot_general")
 
     def value_and_grads():
         def loss(p, u, v):

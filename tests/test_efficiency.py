@@ -24,6 +24,7 @@ import jax.numpy as jnp
 import numpy as np
 import optax
 import pytest
+from helpers import calls_to
 
 from train.core.loop import LoopConfig, train_loop
 from train.core.metrics import MetricsWriter
@@ -162,9 +163,7 @@ def test_loop_reads_metrics_only_through_one_fetch_per_logging_interval(tmp_path
         return fetch([{k: v.value for k, v in m.items()} for m in pending])
 
     monkeypatch.setattr(dp, "fetch", counting_fetch)
-    gets = []
-    device_get = jax.device_get
-    monkeypatch.setattr(jax, "device_get", lambda x: gets.append(1) or device_get(x))
+    gets = calls_to(monkeypatch, jax, "device_get")
     result = train_loop(
         state,
         dp=dp,

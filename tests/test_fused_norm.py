@@ -15,6 +15,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
+from helpers import calls_to
 
 from transformer_jax import Transformer, TransformerConfig, fused_norm
 from transformer_jax.hashed_dropout import dropout_keep, dropout_seed
@@ -282,11 +283,7 @@ def test_xl_fused_path_equals_its_xla_path(monkeypatch, norm_first):
 
     (want, want_memory), want_grads = jax.value_and_grad(loss, has_aux=True)(variables)
     _force_fused(monkeypatch)
-    calls = []
-    kernel = fused_norm.add_dropout_normalize
-    monkeypatch.setattr(
-        fused_norm, "add_dropout_normalize", lambda *a, **k: calls.append(1) or kernel(*a, **k)
-    )
+    calls = calls_to(monkeypatch, fused_norm, "add_dropout_normalize")
     (got, got_memory), got_grads = jax.value_and_grad(loss, has_aux=True)(variables)
     assert len(calls) == (0 if norm_first else 2 * cfg.n_layers)  # attention and feed-forward
     np.testing.assert_allclose(got, want, rtol=1e-5)

@@ -9,6 +9,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
+from helpers import calls_to
 
 from xl_jax import TransformerXL, TransformerXLConfig, attention_mask, init_memory, rel_shift
 from xl_jax import fused_attention as fa
@@ -141,10 +142,7 @@ def test_a_model_over_segments_gives_the_same_losses_and_gradients(monkeypatch):
             losses.append(nll)
         return jnp.stack(losses)
 
-    calls = []
-    kernel = fa.relative_attention
-    counted = lambda *a, **k: calls.append(1) or kernel(*a, **k)  # noqa: E731
-    monkeypatch.setattr(fa, "relative_attention", counted)
+    calls = calls_to(monkeypatch, fa, "relative_attention")
     chex.assert_trees_all_close(run(fused_cfg, params), run(xla_cfg, params), atol=1e-5)
     assert len(calls) == 3 * fused_cfg.n_layers  # the xla model's none
     grad = lambda cfg: jax.grad(lambda p: jnp.mean(run(cfg, p)))(params)  # noqa: E731

@@ -101,7 +101,7 @@ class Records:
 
 
 class Clock:
-    """Seconds that move only when told (each step moves it by `per_step`)."""
+    """Seconds that move only when told (`host_step` moves them by `per_step` a step)."""
 
     def __init__(self, now=0.0):
         self.now = now
@@ -146,6 +146,9 @@ def numbered_batches(start, stop):
         start += 1
 
 
+FRESH = object()  # run()'s checkpoints when none are given: a Saves of no step yet
+
+
 def run(
     *,
     steps=6,
@@ -154,21 +157,21 @@ def run(
     per_step=0.0,
     nonfinite_at=(),
     evaluate=None,
-    checkpoints=None,
+    checkpoints=FRESH,
     stop=None,
     on_log=None,
     carried=None,
     elapsed=None,
-    log=None,
     hooks=(),
     **config,
 ):
-    """The loop over the stand-ins -> (LoopResult, step fn, writer, checkpoints, log lines)."""
+    """The loop over the stand-ins -> (LoopResult, step fn, writer, checkpoints, log lines).
+    checkpoints: a Saves, or None for a loop that saves nothing."""
     clock = clock or Clock()
     lines = []
     step = host_step(clock, per_step, nonfinite_at)
     writer = Records()
-    checkpoints = Saves() if checkpoints is None else checkpoints
+    checkpoints = Saves() if checkpoints is FRESH else checkpoints
     config = {"log_every": 1, "progress": False, **config}
     result = train_loop(
         State(np.int32(start)),
@@ -182,7 +185,7 @@ def run(
         **({} if elapsed is None else {"elapsed": elapsed}),
         stop=stop,
         on_log=on_log,
-        log=log or lines.append,
+        log=lines.append,
         carried=carried,
         clock=clock,
         hooks=hooks,
@@ -696,7 +699,9 @@ def test_a_loop_with_nothing_to_do_saves_nothing_unless_nothing_was_saved():
     # A new run of zero steps leaves its step-0 checkpoint to resume from.
     result, _, _, saves, _ = run(steps=0, evaluate=lambda state: {"loss": 1.0})
     assert saves.saved == [(0, {"elapsed": 0.0}, None)] and result.last_eval is None
-    result, _, _, _, _ = run(steps=0, checkpoints=None)  # no checkpoints: nothing to save
+    # No checkpoints at all: nothing to save, and nothing asks for one.
+    result, step, _, checkpoints, _ = run(steps=0, checkpoints=None)
+    assert checkpoints is None and result.reason == "steps" and step.calls == []
 
 
 def test_the_loop_counts_the_seconds_its_saves_and_validations_take():

@@ -95,6 +95,14 @@ def _slow_log_probs(crit, emb, cfg, h):
     return out
 
 
+def _initial_parameters(cfg):
+    """(embedding, softmax) parameters as initialized, the softmax with its own tables."""
+    tokens = jnp.zeros((1, 3), jnp.int32)
+    emb = AdaptiveEmbedding(cfg).init(jax.random.key(0), tokens)["params"]
+    hidden = jnp.zeros((1, 3, cfg.d_model))
+    return emb, ProjectedAdaptiveLogSoftmax(cfg).init(jax.random.key(1), hidden)["params"]
+
+
 def test_parameters_start_as_the_reference_s():
     """Tables and cluster logits N(0, 0.02), projections N(0, 0.01), biases zero (the
     reference's init_std and proj_init_std), at each cluster's width."""
@@ -106,11 +114,7 @@ def test_parameters_start_as_the_reference_s():
         d_embed=128,
         tie_weights=False,
     )
-    tokens = jnp.zeros((1, 3), jnp.int32)
-    emb = AdaptiveEmbedding(cfg).init(jax.random.key(0), tokens)["params"]
-    crit = ProjectedAdaptiveLogSoftmax(cfg).init(jax.random.key(1), jnp.zeros((1, 3, cfg.d_model)))[
-        "params"
-    ]
+    emb, crit = _initial_parameters(cfg)
     widths = (128, 64, 32)
     for c, (rows, width) in enumerate(zip((500, 500, 1000), widths)):
         for params, table in ((emb, f"emb_{c}"), (crit, f"out_{c}")):
@@ -126,17 +130,13 @@ def test_parameters_start_as_the_reference_s():
     assert not np.asarray(crit["cluster_bias"], np.float32).any()
     # One table at the model's width: no projection at all, on either side.
     cfg = TransformerXLConfig.tiny(cutoffs=(10, 30), div_val=1, tie_weights=False)
-    emb = AdaptiveEmbedding(cfg).init(jax.random.key(0), tokens)["params"]
-    crit = ProjectedAdaptiveLogSoftmax(cfg).init(jax.random.key(1), jnp.zeros((1, 3, cfg.d_model)))[
-        "params"
-    ]
+    emb, crit = _initial_parameters(cfg)
     assert sorted(emb) == ["emb_0"]
     assert sorted(crit) == ["bias_0", "cluster_bias", "cluster_weight", "out_0"]
     # A table wider than the model is projected down, as a narrower one is projected up.
     for d_embed in (cfg.d_model // 2, cfg.d_model * 2):
-        wide = cfg.replace(d_embed=d_embed)
-        emb = AdaptiveEmbedding(wide).init(jax.random.key(0), tokens)["params"]
-        chex.assert_shape(emb["proj_0"], (d_embed, wide.d_model))
+        emb, _ = _initial_parameters(cfg.replace(d_embed=d_embed))
+        chex.assert_shape(emb["proj_0"], (d_embed, cfg.d_model))
 
 
 @pytest.mark.parametrize("overrides", CASES)
